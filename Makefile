@@ -1,0 +1,36 @@
+# A thin helper over the `ep-harness` command; CI calls these targets and nothing else.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUITE ?= smoke
+GPUS ?=
+PYTEST_WORKERS ?= 2
+# Reuse the system torch where one is installed (the GPU images); elsewhere install the CPU
+# build, which `pip install torch==2.13.0` takes from this machine's disk.
+SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
+GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),)
+
+.PHONY: install verify test bench report clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages,) $(VENV)
+	$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $@
+
+verify: install
+	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG)
+
+test: install
+	$(PY) -m pytest -n $(PYTEST_WORKERS) tests
+
+bench: install
+	$(PY) -m harness.bench
+
+report: install
+	$(VENV)/bin/ep-harness report reports/out/latest
+
+clean:
+	rm -rf reports/out

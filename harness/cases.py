@@ -1,0 +1,159 @@
+"""Case files (TOML): what to check, on which grid, with which expectation.
+
+    [suite]
+    name = "smoke"
+    plugins = []                      # optional: modules that register extra subjects
+
+    [[case]]
+    name = "rs-native"                # unique within the suite
+    subject = "reduce_scatter_native"
+    properties = ["rank-invariance", "batch-invariance"]
+    expect = "violated"               # or { gloo = "violated", nccl = "holds" }
+    timeout_s = 60                    # optional, per check
+    env = { NCCL_ALGO = "..." }       # optional launch environment overrides
+    [case.grid]                       # lists; every combination is one check
+    dtype = ["bfloat16", "float32"]
+    world_size = [3, 4]
+    [case.params]                     # fixed parameters passed to every check
+    hidden = 2048
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+EXPECTATIONS = ("holds", "violated")
+BACKENDS = ("gloo", "nccl")
+CASE_KEYS = {"name", "subject", "properties", "expect", "timeout_s", "env", "grid", "params", "description"}
+SUITE_KEYS = {"name", "description", "plugins"}
+# The harness never turns these on: NVLink SHARP reductions are not deterministic between
+# calls, and on shared hosts multicast can take the GPUs out of service.
+FORCED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass
+class Case:
+    name: str
+    subject: str
+    properties: list[str]
+    expect: dict[str, str]  # backend -> expectation
+    grid: dict[str, list]
+    params: dict
+    env: dict[str, str]
+    timeout_s: float
+    description: str = ""
+
+
+@dataclass
+class Suite:
+    path: Path
+    name: str
+    description: str
+    plugins: list[str] = field(default_factory=list)
+    cases: list[Case] = field(default_factory=list)
+
+
+def _fail(path: Path, where: str, problem: str, fix: str):
+    raise HarnessError(f"{path}: {where}: {problem}; {fix}")
+
+
+def _expectation(path, where, value) -> dict[str, str]:
+    if isinstance(value, str):
+        value = {b: value for b in BACKENDS}
+    if not isinstance(value, dict) or not value:
+        _fail(path, where, f"expect = {value!r} is not a string or a table",
+              'write expect = "holds" or expect = { gloo = "violated", nccl = "holds" }')
+    for backend, exp in value.items():
+        if backend not in BACKENDS:
+            _fail(path, where, f"expect has unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+        if exp not in EXPECTATIONS:
+            _fail(path, where, f"expect {backend} = {exp!r}", f"use one of {', '.join(EXPECTATIONS)}")
+    return dict(value)
+
+
+def _case(path: Path, index: int, raw) -> Case:
+    where = f"case #{index + 1}"
+    if not isinstance(raw, dict):
+        _fail(path, where, "is not a table", "write each case as a [[case]] table")
+    name = raw.get("name")
+    if isinstance(name, str) and name:
+        where = f"case {name!r}"
+    else:
+        _fail(path, where, "has no name", 'add name = "..."')
+    unknown = sorted(set(raw) - CASE_KEYS)
+    if unknown:
+        _fail(path, where, f"unknown key(s) {', '.join(unknown)}", f"allowed keys: {', '.join(sorted(CASE_KEYS))}")
+    for key in ("subject", "properties", "expect"):
+        if key not in raw:
+            _fail(path, where, f"missing {key!r}", f"add {key} = ...")
+    if not isinstance(raw["subject"], str):
+        _fail(path, where, "subject is not a string", 'write subject = "name"')
+    props = raw["properties"]
+    if isinstance(props, str):
+        props = [props]
+    if not isinstance(props, list) or not props or not all(isinstance(p, str) for p in props):
+        _fail(path, where, "properties must be a non-empty list of names", 'write properties = ["rank-invariance"]')
+    grid = raw.get("grid", {})
+    if not isinstance(grid, dict):
+        _fail(path, where, "grid is not a table", "write [case.grid] with list values")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            _fail(path, where, f"grid.{key} = {values!r} is not a non-empty list", f"write {key} = [{values!r}]")
+    params = raw.get("params", {})
+    if not isinstance(params, dict):
+        _fail(path, where, "params is not a table", "write [case.params]")
+    overlap = sorted(set(params) & set(grid))
+    if overlap:
+        _fail(path, where, f"{', '.join(overlap)} is both in grid and params", "keep it in one of them")
+    env = {str(k): str(v) for k, v in raw.get("env", {}).items()}
+    for key, forced in FORCED_ENV.items():
+        if key in env and env[key] != forced:
+            _fail(path, where, f"env {key}={env[key]} is refused", f"the harness keeps {key}={forced}")
+    timeout = raw.get("timeout_s", 120)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        _fail(path, where, f"timeout_s = {timeout!r}", "use a positive number of seconds")
+    return Case(
+        name=name, subject=raw["subject"], properties=props,
+        expect=_expectation(path, where, raw["expect"]), grid=grid, params=params, env=env,
+        timeout_s=float(timeout), description=str(raw.get("description", "")),
+    )
+
+
+def load_suite(path: str | Path) -> Suite:
+    path = Path(path)
+    if not path.exists():
+        known = sorted(p.stem for p in Path("cases").glob("*.toml")) if Path("cases").is_dir() else []
+        raise HarnessError(f"case file {path} not found; known suites: {', '.join(known) or 'none'}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise HarnessError(f"{path}: malformed TOML ({exc}); fix the syntax at that line") from None
+    unknown = sorted(set(raw) - {"suite", "case"})
+    if unknown:
+        _fail(path, "top level", f"unknown key(s) {', '.join(unknown)}", "only [suite] and [[case]] are allowed")
+    meta = raw.get("suite", {})
+    bad = sorted(set(meta) - SUITE_KEYS)
+    if bad:
+        _fail(path, "[suite]", f"unknown key(s) {', '.join(bad)}", f"allowed: {', '.join(sorted(SUITE_KEYS))}")
+    cases_raw = raw.get("case", [])
+    if not isinstance(cases_raw, list) or not cases_raw:
+        _fail(path, "top level", "no [[case]] tables", "add at least one [[case]]")
+    cases = [_case(path, i, c) for i, c in enumerate(cases_raw)]
+    seen = set()
+    for c in cases:
+        if c.name in seen:
+            _fail(path, f"case {c.name!r}", "the name is used twice", "give every case its own name")
+        seen.add(c.name)
+    return Suite(path=path, name=str(meta.get("name", path.stem)), description=str(meta.get("description", "")),
+                 plugins=list(meta.get("plugins", [])), cases=cases)
+
+
+def resolve_suite_path(name: str) -> Path:
+    """`smoke` -> cases/smoke.toml; a path is used as given."""
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        return p
+    return Path("cases") / f"{name}.toml"

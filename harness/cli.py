@@ -1,0 +1,82 @@
+"""`ep-harness`: verify, report, list."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+
+def _gpus(value: str) -> int | None:
+    if value in ("", "auto"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"GPUS={value!r} is not a number; use GPUS=0 for the CPU or a GPU count")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ep-harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="run a suite of checks and write a run directory")
+    v.add_argument("--suite", default="smoke", help="suite name under cases/ or a path to a TOML file")
+    v.add_argument("--gpus", type=_gpus, default=None,
+                   help="GPUs to use (default: every visible GPU; 0 or none visible: CPU with gloo)")
+    v.add_argument("--cpu-ranks", type=int, default=4, help="largest gloo world size on the CPU (default 4)")
+    v.add_argument("--check", action="append", default=[], metavar="ID",
+                   help="run only checks whose id matches (glob; repeatable)")
+    v.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE to register extra subjects (repeatable)")
+    v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
+    v.add_argument("--no-report", action="store_true", help="write records only")
+
+    r = sub.add_parser("report", help="render a run directory (terminal table + report.html)")
+    r.add_argument("run_dir", type=Path)
+    r.add_argument("--against", type=Path, help="an earlier run to compare with")
+    r.add_argument("--out", type=Path, help="where to write the HTML (default RUN_DIR/report.html)")
+
+    ls = sub.add_parser("list", help="list a suite's checks and what this machine would skip")
+    ls.add_argument("--suite", default="smoke")
+    ls.add_argument("--gpus", type=_gpus, default=None)
+    ls.add_argument("--cpu-ranks", type=int, default=4)
+    ls.add_argument("--plugin", action="append", default=[])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "verify":
+            from harness.verify import verify
+
+            code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
+                             plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
+                             render=not args.no_report)
+            return code
+        if args.command == "report":
+            from reports.render import render_run
+
+            return render_run(args.run_dir, against=args.against, out=args.out)
+        if args.command == "list":
+            return _list(args)
+    except HarnessError as exc:
+        print(f"ep-harness: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+def _list(args) -> int:
+    from harness import subject as registry
+    from harness.cases import load_suite, resolve_suite_path
+    from harness.environment import detect
+    from harness.plan import expand
+
+    suite = load_suite(resolve_suite_path(args.suite))
+    registry.load_all([*suite.plugins, *args.plugin])
+    for c in expand(suite, detect(args.gpus, args.cpu_ranks)):
+        print(c["id"] + (f"  [skip: {c['skip_reason']}]" if c["skip_reason"] else ""))
+    return 0

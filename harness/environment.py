@@ -1,0 +1,160 @@
+"""The machine: what it can run, the environment every launch is pinned to, and the
+fingerprint that each run records."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform as pyplatform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.cases import FORCED_ENV
+from harness.errors import HarnessError
+from harness.subject import Platform
+
+CPU_DEFAULT_RANKS = 4
+DETERMINISTIC_CHANNELS = 8
+RECORDED_PREFIXES = ("NCCL_", "TORCH_", "CUBLAS", "CUDA_", "DG_", "DJ_", "EP_", "NVSHMEM_", "OMP_NUM_THREADS")
+LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
+             "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
+
+
+def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS) -> Platform:
+    """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus is None:
+        gpus = visible
+    if gpus < 0:
+        raise HarnessError(f"GPUS={gpus} is negative; use GPUS=0 for the CPU or a GPU count")
+    if gpus > visible:
+        found = f"{visible} visible GPU{'s' if visible != 1 else ''}"
+        raise HarnessError(
+            f"GPUS={gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use GPUS={visible} or a machine with {gpus} GPUs"
+        )
+    if gpus == 0:
+        return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
+    props = torch.cuda.get_device_properties(0)
+    return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
+                    capability=(props.major, props.minor))
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    import torch
+
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return tuple(v) if isinstance(v, tuple) else (v // 10000, (v // 100) % 100, v % 100)
+
+
+def nccl_algo_for_tree(version: tuple[int, int, int] | None) -> str:
+    """Tree for all-reduce only. NCCL >= 2.24 reads per-collective lists; older NCCL ignores
+    the `allreduce:` token and silently runs Ring, so it gets plain `Tree` instead (its other
+    collectives fall back to ring). Plain `Tree` on >= 2.24 makes reduce-scatter fail."""
+    if version is not None and version >= (2, 24, 0):
+        return "allreduce:tree"
+    return "Tree"
+
+
+def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
+    """The environment every launch runs under (case overrides applied, safety keys forced)."""
+    env = {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONHASHSEED": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+    if platform.backend == "nccl":
+        channels = str(DETERMINISTIC_CHANNELS)
+        env.update({
+            "NCCL_ALGO": nccl_algo_for_tree(nccl_version()),
+            "NCCL_PROTO": "Simple",
+            "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels,
+            "NCCL_MIN_CTAS": channels, "NCCL_MAX_CTAS": channels,
+            "NCCL_COLLNET_ENABLE": "0",
+        })
+    env.update(overrides)
+    env.update(FORCED_ENV)
+    return env
+
+
+def recorded_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("+dirty" if dirty else "")) if sha else None
+
+
+def gpu_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def rank_fingerprint() -> dict:
+    """What one rank sees: host, device, versions, and every pinned variable."""
+    import torch
+
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "env": recorded_env(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+    if torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        info["device"] = torch.cuda.get_device_name(idx)
+        info["nccl"] = ".".join(map(str, nccl_version() or ()))
+    else:
+        info["device"] = "cpu"
+    return info
+
+
+def run_fingerprint(platform: Platform, command: list[str]) -> dict:
+    """The launcher's part of the fingerprint; ranks add theirs under `ranks`."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(command),
+        "harness_commit": git_commit(),
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "os": pyplatform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, nccl_version() or ())) or None,
+        "driver": gpu_driver() if platform.device == "cuda" else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(platform.ranks)] if platform.device == "cuda" else [],
+        "backend": platform.backend,
+        "max_ranks": platform.ranks,
+        "libraries": library_versions(),
+    }

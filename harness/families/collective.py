@@ -1,0 +1,255 @@
+"""Collective checks: a probe token's reduce-scatter output under changing placements.
+
+Every rank contributes a partial sum for every token (its TP shard's product); the probe
+token's contribution from rank r is fixed by (seed, r), filler tokens change with the
+layout. A *layout* says how many rows each destination owns and which global rows hold
+the probe. The compared copies of the probe are gathered from the ranks that own them:
+
+* rank-invariance: the probe in every non-empty shard of one call; copy d vs copy 0.
+* batch-invariance: the last token of the smallest batch, at every batch size (it moves
+  to another destination and row as the batch grows), vs its first result.
+* position-invariance: the probe first, in the middle and last in one batch size.
+* run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy.
+* graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
+* reference: every output element against the float64 sum, within the summation bound.
+
+As in SGLang's test, the first copy is counted in `total` (it always matches itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness import inputs as gen
+from harness.bits import unit_roundoff
+from harness.compare import compare_bitwise, json_float
+from harness.context import RankContext
+from harness.graphs import replay_in_graph
+from reference import orders
+from reference.collectives import reduce_scatter as reference_reduce_scatter
+from reference.collectives import shard_offsets
+
+PROPERTIES = (
+    "reference", "run-to-run", "batch-invariance", "position-invariance",
+    "rank-invariance", "graph-invariance",
+)
+
+DEFAULTS = {
+    "hidden": 2048,
+    "rows_per_rank": 2,
+    "batch_sizes": [1, 2, 3, 8, 32, 128],
+    "position_rows": 8,
+    "repeats": 3,
+    "shards": "even",
+    "data": "spread",
+    "seed": 0,
+    "mode": "eager",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    sizes: tuple[int, ...]  # rows per destination rank
+    probes: tuple[int, ...]  # global rows that hold the probe token
+    label: str
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes)
+
+    def owner(self, row: int) -> tuple[int, int]:
+        """(destination rank, local row) of a global row."""
+        for dest, (start, size) in enumerate(zip(shard_offsets(list(self.sizes)), self.sizes)):
+            if start <= row < start + size:
+                return dest, row - start
+        raise IndexError(row)
+
+
+def shard_pattern(shards: str, world_size: int, scale: int) -> tuple[int, ...]:
+    if shards == "even":
+        return (scale,) * world_size
+    if shards == "uneven":  # uneven, with one empty shard: W=4 -> 1,4,2,0; W=3 -> 1,0,3
+        return tuple(((3 * d + 1) % (world_size + 1)) * scale for d in range(world_size))
+    raise ValueError(f"unknown shards {shards!r}; known: even, uneven")
+
+
+def first_rows(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(o for o, s in zip(shard_offsets(list(sizes)), sizes) if s)
+
+
+def layouts(prop: str, p: dict, world_size: int) -> list[Layout]:
+    if prop in ("rank-invariance", "reference", "graph-invariance"):
+        sizes = shard_pattern(p["shards"], world_size, p["rows_per_rank"])
+        return [Layout(sizes, first_rows(sizes), f"rows {list(sizes)}")]
+    if prop == "run-to-run":
+        sizes = shard_pattern(p["shards"], world_size, p["rows_per_rank"])
+        return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p["repeats"])]
+    if prop == "batch-invariance":
+        batches = p["batch_sizes"]
+        probe = sum(shard_pattern(p["shards"], world_size, batches[0])) - 1
+        return [Layout(shard_pattern(p["shards"], world_size, b), (probe,), f"batch {b}") for b in batches]
+    if prop == "position-invariance":
+        sizes = shard_pattern(p["shards"], world_size, p["position_rows"])
+        total = sum(sizes)
+        return [Layout(sizes, (row,), name) for row, name in
+                ((0, "first"), (total // 2, "middle"), (total - 1, "last"))]
+    raise ValueError(f"collective checks have no property {prop!r}")
+
+
+def rank_input(p: dict, dtype, rank: int, layout: Layout) -> torch.Tensor:
+    """Rank `rank`'s [rows, hidden] input: seeded fillers with the probe's rows overwritten."""
+    seed, hidden = p["seed"], p["hidden"]
+    x = gen.values((layout.rows, hidden), dtype, seed, "filler", rank, layout.sizes, data=p["data"])
+    probe = gen.values((hidden,), dtype, seed, "probe", rank, data=p["data"])
+    for row in layout.probes:
+        x[row] = probe
+    return x
+
+
+def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
+    return torch.stack([rank_input(p, dtype, r, layout) for r in range(world_size)])
+
+
+def _run_layout(subject, ctx: RankContext, p, dtype, layout: Layout, graph: bool):
+    """Execute one call on this rank; return (probe copies it owns, its output, input mutated?)."""
+    inp = rank_input(p, dtype, ctx.rank, layout).to(ctx.device)
+    pristine = inp.clone()
+    out = inp.new_empty((layout.sizes[ctx.rank], inp.shape[1]))
+
+    def call(o, i):
+        subject.reduce_scatter(o, i, list(layout.sizes), ctx.group)
+
+    if graph:
+        decoy = gen.values(tuple(inp.shape), dtype, p["seed"], "decoy", ctx.rank).to(ctx.device)
+        replay_in_graph(call, out, inp, decoy)
+    else:
+        call(out, inp)
+    mutated = not torch.equal(inp.view(torch.uint8), pristine.view(torch.uint8))
+    mine = {}
+    for copy, row in enumerate(layout.probes):
+        dest, local = layout.owner(row)
+        if dest == ctx.rank:
+            mine[copy] = out[local].cpu()
+    return mine, out.cpu(), mutated
+
+
+def _labels(layout: Layout) -> list[str]:
+    out = []
+    for row in layout.probes:
+        dest, local = layout.owner(row)
+        out.append(f"{layout.label}: rank {dest} row {local}")
+    return out
+
+
+def execute(check: dict, subject, ctx: RankContext) -> dict:
+    p = {**DEFAULTS, **check["params"]}
+    prop = check["property"]
+    dtype = gen.dtype_of(p["dtype"])
+    runs = layouts(prop, p, ctx.world_size)
+    graph = p["mode"] == "graph" or prop == "graph-invariance"
+    if prop == "graph-invariance":  # first eager, then the same calls in a CUDA graph
+        runs = runs + [Layout(r.sizes, r.probes, f"graph {r.label}") for r in runs]
+
+    local_copies, local_outputs, mutated = [], [], False
+    for i, layout in enumerate(runs):
+        use_graph = graph and (prop != "graph-invariance" or i >= len(runs) // 2)
+        mine, out, was_mutated = _run_layout(subject, ctx, p, dtype, layout, use_graph)
+        local_copies.append(mine)
+        local_outputs.append(out)
+        mutated |= was_mutated
+    gathered = ctx.gather((local_copies, local_outputs if prop == "reference" else None, mutated))
+
+    result = None
+    if ctx.rank == 0:
+        result = _measure(check, subject, ctx, p, dtype, prop, runs, gathered)
+    return ctx.share_from_rank0(result)
+
+
+def _measure(check, subject, ctx, p, dtype, prop, runs, gathered) -> dict:
+    world_size = ctx.world_size
+    mutated_ranks = [r for r, (_, _, m) in enumerate(gathered) if m]
+    extra = f"subject modified its input on ranks {mutated_ranks}" if mutated_ranks else None
+    if prop == "reference":
+        return _measure_reference(p, dtype, runs[0], [g[1][0] for g in gathered], world_size, extra)
+
+    observed, labels = [], []
+    for i, layout in enumerate(runs):
+        for copy in range(len(layout.probes)):
+            owner = next(r for r in range(world_size) if copy in gathered[r][0][i])
+            observed.append(gathered[owner][0][i][copy])
+        labels += _labels(layout)
+    observed = torch.stack(observed)
+    expected = _expected(prop, observed, runs)
+    mismatch = compare_bitwise(observed, expected, labels)
+
+    # The prediction comes from the inputs alone: every rank's input is regenerated here.
+    model = subject.order_model(ctx.backend)
+    predicted = None
+    if model is not None:
+        pred_rows = []
+        for layout in runs:
+            x = all_inputs(p, dtype, world_size, layout)
+            hidden = x.shape[-1]
+            outs = model.predict(x.reshape(world_size, -1), [s * hidden for s in layout.sizes])
+            for row in layout.probes:
+                dest, local = layout.owner(row)
+                pred_rows.append(outs[dest].view(-1, hidden)[local])
+        pred_rows = torch.stack(pred_rows)
+        predicted = compare_bitwise(pred_rows, _expected(prop, pred_rows, runs)).mismatched
+
+    probe = torch.stack([
+        gen.values((p["hidden"],), dtype, p["seed"], "probe", r, data=p["data"]) for r in range(world_size)
+    ])
+    sensitive = int(orders.order_sensitive(probe).sum())
+    vacuous = None
+    if sensitive == 0:
+        vacuous = (f"0 of {p['hidden']:,} probe elements change bits under any reordering of "
+                   f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
+    elif prop == "rank-invariance" and len(runs[0].probes) < 2:
+        vacuous = "the probe lands on only one destination"
+    return {
+        **mismatch.to_dict(),
+        "held": mismatch.mismatched == 0,
+        "predicted_mismatched": predicted,
+        "order_model": None if model is None else model.name,
+        "order_model_exact": None if model is None else model.exact,
+        "order_sensitive": sensitive,
+        "vacuous_reason": vacuous,
+        "extra_failure": extra,
+    }
+
+
+def _expected(prop, observed, runs):
+    if prop in ("run-to-run", "graph-invariance"):
+        per_run = len(runs[0].probes)
+        base = observed[:per_run]
+        return base.repeat(len(observed) // per_run, 1)
+    return observed[0]
+
+
+def _measure_reference(p, dtype, layout, outputs, world_size, extra) -> dict:
+    """Every output element vs the float64 sum: |got - exact| <= gamma_{W-1} * sum |x_r|."""
+    x = all_inputs(p, dtype, world_size, layout)
+    exact = torch.cat(reference_reduce_scatter(x, list(layout.sizes)))
+    magnitude = torch.cat(reference_reduce_scatter(x.abs(), list(layout.sizes)))
+    got = torch.cat([o.to(torch.float64) for o in outputs])
+    u = unit_roundoff(dtype)
+    hops = world_size - 1
+    gamma = hops * u / (1 - hops * u)
+    err = (got - exact).abs()
+    bound = gamma * magnitude
+    over = err > bound
+    scaled = err / magnitude.clamp_min(torch.finfo(torch.float64).tiny)
+    worst = int(scaled.reshape(-1).argmax())
+    return {
+        "mismatched": int(over.sum()),
+        "total": got.numel(),
+        "held": not bool(over.any()),
+        "max_abs": json_float(float(err.max())),
+        "error_vs_reference": json_float(float(scaled.reshape(-1)[worst])),
+        "tolerance": {"rule": f"|err| <= gamma_{hops} * sum|x_r|", "gamma": gamma, "unit_roundoff": u},
+        "vacuous_reason": None,
+        "extra_failure": extra,
+        "predicted_mismatched": None,
+    }

@@ -1,0 +1,175 @@
+"""Launch one torchrun job per (world size, environment) and watch it.
+
+The launcher wraps torchrun and nothing else. A check that raises on any rank, or does
+not finish within its timeout (stacks are dumped first), is recorded as an error and the
+job is relaunched from the next check, so one bad subject never costs the whole run and
+no process outlives it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.records import read_jsonl, write_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180.0
+POLL_S = 0.1
+
+
+@dataclass
+class Outcome:
+    """What became of one check in a launch: a measurement or an error."""
+
+    seconds: float
+    measured: dict | None = None
+    error: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+def torchrun_command(world_size: int, job_dir: Path, start: int, torchrun_args: str | None) -> list[str]:
+    # Past one host, pass torchrun's own rendezvous (--nnodes, --rdzv-endpoint, ...) through
+    # EP_HARNESS_TORCHRUN_ARGS; JOB_DIR must then be on a filesystem every host shares.
+    rendezvous = shlex.split(torchrun_args) if torchrun_args else ["--standalone", "--nnodes", "1"]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+            "--nproc-per-node", str(world_size), "--max-restarts", "0", "--monitor-interval", "0.1",
+            "-m", "harness.worker", str(job_dir), str(start)]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _ranks_state(job_dir: Path, world_size: int) -> list[dict | None]:
+    return [_read_json(job_dir / f"progress-rank{r}") for r in range(world_size)]
+
+
+def _clear_rank_files(job_dir: Path) -> None:
+    for pattern in ("progress-rank*", "pid-rank*", "error-rank*.json", "stack-rank*.txt"):
+        for p in job_dir.glob(pattern):
+            p.unlink()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _dump_stacks(job_dir: Path, world_size: int) -> dict[str, str]:
+    for r in range(world_size):
+        try:
+            os.kill(int((job_dir / f"pid-rank{r}").read_text()), signal.SIGUSR1)
+        except (OSError, ValueError):
+            pass
+    time.sleep(1.0)
+    dumps = {}
+    for r in range(world_size):
+        path = job_dir / f"stack-rank{r}.txt"
+        if path.exists() and path.read_text().strip():
+            dumps[str(r)] = path.read_text()
+    return dumps
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], env: dict[str, str],
+            plugins: list[str], torchrun_args: str | None = None) -> dict[str, Outcome]:
+    """Run `checks` on `world_size` ranks; return an Outcome per check id."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    longest = max(c["timeout_s"] for c in checks)
+    write_json(job_dir / "job.json", {
+        "backend": backend, "plugins": plugins, "checks": checks,
+        # Collective timeouts sit above the launcher's: the launcher must see a hang first.
+        "collective_timeout_s": longest + 60,
+    })
+    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    outcomes: dict[str, Outcome] = {}
+    start, attempt = 0, 0
+    while start < len(checks):
+        _clear_rank_files(job_dir)
+        log_path = job_dir / f"torchrun-{attempt}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(torchrun_command(world_size, job_dir, start, torchrun_args), env=child_env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+        launched = time.time()
+        failed_at, error, details = None, None, {}
+        try:
+            while proc.poll() is None:
+                time.sleep(POLL_S)
+                states = _ranks_state(job_dir, world_size)
+                running = [s for s in states if s and s["index"] < len(checks)]
+                if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
+                    failed_at = start
+                    error = f"ranks did not start within {START_TIMEOUT_S:.0f} s"
+                    details = {"stacks": _dump_stacks(job_dir, world_size), "log": _log_tail(log_path)}
+                    break
+                for s in running:
+                    if time.time() - s["since"] > checks[s["index"]]["timeout_s"]:
+                        failed_at = min(x["index"] for x in running)
+                        stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
+                        error = (f"timed out after {checks[failed_at]['timeout_s']:.0f} s "
+                                 f"(ranks {stuck} still inside the check); stack dumps attached")
+                        details = {"stacks": _dump_stacks(job_dir, world_size)}
+                        break
+                if error:
+                    break
+        finally:
+            _kill(proc)
+
+        for line in read_jsonl(job_dir / "records.jsonl"):
+            if line["index"] >= start and checks[line["index"]]["id"] not in outcomes:
+                outcomes[checks[line["index"]]["id"]] = Outcome(line["seconds"], measured=line["measured"])
+        if error is None and proc.returncode != 0:
+            errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
+                            key=lambda e: e["time"])
+            if errors:
+                first = errors[0]
+                rank = next(p.name[len("error-rank"):-len(".json")] for p in job_dir.glob("error-rank*.json")
+                            if _read_json(p) == first)
+                failed_at = first["index"]
+                error = f"rank {rank} raised {first['error']}"
+                details = {"tracebacks": {p.name[len("error-rank"):-len(".json")]: _read_json(p)["traceback"]
+                                          for p in job_dir.glob("error-rank*.json")}}
+            else:
+                states = [s for s in _ranks_state(job_dir, world_size) if s]
+                failed_at = min((s["index"] for s in states), default=start)
+                error = f"a rank exited with code {proc.returncode} without a Python traceback"
+                details = {"log": _log_tail(log_path)}
+        if error is None:
+            break
+        seconds = round(time.time() - launched, 3)
+        if not any(_ranks_state(job_dir, world_size)):  # failed before any check: all would
+            reason = f"the {world_size}-rank launch failed before its first check ({error})"
+            for c in checks[start:]:
+                outcomes.setdefault(c["id"], Outcome(seconds, error=reason, details={"log": _log_tail(log_path)}))
+            break
+        if failed_at is None or failed_at >= len(checks):
+            failed_at = start
+        outcomes[checks[failed_at]["id"]] = Outcome(seconds, error=error, details=details)
+        start = failed_at + 1
+        while start < len(checks) and checks[start]["id"] in outcomes:
+            start += 1
+        attempt += 1
+    for c in checks:  # a job that ended early leaves no check unaccounted for
+        outcomes.setdefault(c["id"], Outcome(0.0, error="the launch ended before this check ran",
+                                             details={"log": _log_tail(job_dir / f"torchrun-{attempt}.log")}))
+    return outcomes

@@ -1,0 +1,90 @@
+"""Expand case grids into checks, and drop what this machine cannot run (with the reason)."""
+from __future__ import annotations
+
+import fnmatch
+import itertools
+
+from harness import subject as registry
+from harness.cases import Suite
+from harness.errors import HarnessError
+from harness.families import PROPERTIES
+from harness.inputs import DTYPES
+from harness.subject import Platform
+
+
+def check_id(case: str, prop: str, point: dict) -> str:
+    parts = [case, prop]
+    for key in sorted(point):
+        parts.append(f"{key}={point[key]}")
+    return "/".join(parts)
+
+
+def _skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | None:
+    world_size = params.get("world_size", 1)
+    if world_size > platform.ranks:
+        where = (f"GPUS={platform.ranks}" if platform.device == "cuda"
+                 else f"the CPU default of {platform.ranks} gloo ranks")
+        return f"needs {world_size} ranks; this run has {platform.ranks} ({where})"
+    if (params.get("mode") == "graph" or prop == "graph-invariance") and platform.device != "cuda":
+        return "CUDA graphs need a GPU"
+    return subject.unavailable(platform, params)
+
+
+def expand(suite: Suite, platform: Platform, selection: list[str] | None = None) -> list[dict]:
+    """Every check of the suite, in file order; skipped ones carry `skip_reason`."""
+    checks = []
+    for case in suite.cases:
+        subject = registry.get(case.subject)
+        known = PROPERTIES.get(subject.family, ())
+        for prop in case.properties:
+            if prop not in known:
+                raise HarnessError(
+                    f"{suite.path}: case {case.name!r}: property {prop!r} is not defined for "
+                    f"{subject.family} subjects; known: {', '.join(known)}"
+                )
+        for dtype in case.grid.get("dtype", []) + [case.params.get("dtype")]:
+            if dtype is not None and dtype not in DTYPES:
+                raise HarnessError(f"{suite.path}: case {case.name!r}: unknown dtype {dtype!r}; "
+                                   f"known: {', '.join(DTYPES)}")
+        for ws in case.grid.get("world_size", []) + [case.params.get("world_size")]:
+            if ws is not None and (not isinstance(ws, int) or ws < 1):
+                raise HarnessError(f"{suite.path}: case {case.name!r}: world_size {ws!r} is not a positive integer")
+        keys = list(case.grid)
+        for prop in case.properties:
+            for values in itertools.product(*(case.grid[k] for k in keys)):
+                point = dict(zip(keys, values))
+                params = {"world_size": 1, **case.params, **point, "backend": platform.backend}
+                cid = check_id(case.name, prop, point)
+                checks.append({
+                    "id": cid,
+                    "suite": str(suite.path),
+                    "case": case.name,
+                    "subject": subject.name,
+                    "family": subject.family,
+                    "property": prop,
+                    "params": params,
+                    "expect": case.expect.get(platform.backend, "holds"),
+                    "timeout_s": case.timeout_s,
+                    "env": case.env,
+                    "skip_reason": _skip_reason(platform, subject, prop, params),
+                })
+    ids = [c["id"] for c in checks]
+    dupes = {i for i in ids if ids.count(i) > 1}
+    if dupes:
+        raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
+    if selection:
+        checks = [c for c in checks if any(fnmatch.fnmatchcase(c["id"], pat) for pat in selection)]
+        if not checks:
+            raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}; "
+                               f"list them with `ep-harness list --suite {suite.path}`")
+    return checks
+
+
+def jobs(checks: list[dict]) -> list[tuple[int, dict, list[dict]]]:
+    """Group runnable checks into launches: one per (world size, environment), plan order kept."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in checks:
+        if c["skip_reason"] is None:
+            key = (c["params"]["world_size"], tuple(sorted(c["env"].items())))
+            groups.setdefault(key, []).append(c)
+    return [(ws, dict(env), cs) for (ws, env), cs in groups.items()]

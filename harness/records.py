@@ -1,0 +1,71 @@
+"""The record: one JSON object per check in `results.jsonl` (DESIGN.md lists the keys).
+
+Files are written to a temporary name and renamed, so a reader never sees half a run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+REQUIRED = (
+    "run_id", "check", "case", "subject", "family", "property", "params", "expect", "held",
+    "mismatched", "total", "status", "reason", "rerun", "seconds",
+)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(r, sort_keys=False) + "\n" for r in records))
+
+
+def write_json(path: Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def append_line(path: Path, obj) -> None:
+    """Append one record durably (worker progress; merged atomically by the launcher)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def base_record(check: dict, run_id: str, rerun: str) -> dict:
+    return {
+        "run_id": run_id,
+        "check": check["id"],
+        "case": check["case"],
+        "subject": check["subject"],
+        "family": check["family"],
+        "property": check["property"],
+        "params": check["params"],
+        "expect": check["expect"],
+        "held": None,
+        "mismatched": None,
+        "total": None,
+        "status": None,
+        "reason": None,
+        "rerun": rerun,
+        "seconds": 0.0,
+    }

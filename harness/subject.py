@@ -1,0 +1,119 @@
+"""The contract a subject implements, and the registry that finds subjects by name.
+
+A subject is a small adapter around one production implementation. It knows nothing of
+the properties that check it. Built-in subjects live in `harness/subjects/`, one file
+each; third-party packages add theirs through the entry-point group
+`ep_harness.subjects` (each entry point names a module that registers on import).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Callable, Protocol, runtime_checkable
+
+from harness.errors import HarnessError
+
+FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
+ENTRY_POINT_GROUP = "ep_harness.subjects"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the run executes on, as the planner and subjects see it."""
+
+    backend: str  # "gloo" or "nccl"
+    device: str  # "cpu" or "cuda"
+    ranks: int  # the largest world size this run may launch
+    gpu_name: str | None = None
+    capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class OrderModel:
+    """How a collective subject accumulates, as a function of all ranks' inputs.
+
+    `predict(inputs [world_size, N] flat, sizes [elements per destination])` returns the
+    per-destination outputs. `exact` says the model is known to reproduce the backend bit
+    for bit (a measured count that differs from its prediction is then a failure).
+    """
+
+    name: str
+    predict: Callable
+    exact: bool
+
+
+@runtime_checkable
+class Subject(Protocol):
+    name: str
+    family: str
+    summary: str
+
+    def unavailable(self, platform: Platform, params: dict) -> str | None:
+        """Why this subject cannot run here with these params (None when it can)."""
+
+
+class CollectiveSubject(Subject, Protocol):
+    def reduce_scatter(self, out, inp, sizes: list[int], group) -> None:
+        """Sum rows [offset(d), offset(d) + sizes[d]) of every rank's `inp` into rank d's `out`.
+
+        inp: [sum(sizes), hidden] on every rank; out: [sizes[rank], hidden], which may alias
+        a slice of `inp`. Must not modify `inp` except through such an alias.
+        """
+
+    def order_model(self, backend: str) -> OrderModel | None:
+        """The accumulation order this implementation follows on `backend`, if known."""
+
+
+_REGISTRY: dict[str, Subject] = {}
+_loaded = False
+
+
+def register(cls):
+    """Class decorator: instantiate and register a subject under its `name`."""
+    subject = cls()
+    if subject.family not in FAMILIES:
+        raise ValueError(f"subject {subject.name!r} has unknown family {subject.family!r}; known: {FAMILIES}")
+    if subject.name in _REGISTRY and type(_REGISTRY[subject.name]) is not cls:
+        raise ValueError(f"two subjects are named {subject.name!r}")
+    _REGISTRY[subject.name] = subject
+    return cls
+
+
+def import_plugins(modules: list[str]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise HarnessError(
+                f"cannot import subject plugin {module!r} ({exc}); check the module path or PYTHONPATH"
+            ) from None
+
+
+def load_all(plugins: list[str] = ()) -> dict[str, Subject]:
+    """Import built-in subjects, entry-point subjects and explicit plugin modules."""
+    global _loaded
+    if not _loaded:
+        importlib.import_module("harness.subjects")
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except Exception as exc:  # a broken third-party plugin must not hide the others
+                raise HarnessError(
+                    f"subject entry point {ep.name!r} ({ep.value}) failed to load: {exc}; "
+                    f"fix or uninstall the package that provides it"
+                ) from None
+        _loaded = True
+    import_plugins(list(plugins))
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> Subject:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise HarnessError(
+            f"unknown subject {name!r}; registered subjects: {known} "
+            f"(add one with @register, a --plugin module, or the {ENTRY_POINT_GROUP!r} entry point)"
+        ) from None

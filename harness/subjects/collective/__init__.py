@@ -1,0 +1,1 @@
+"""Tensor-parallel reduce-scatter implementations, one file each."""

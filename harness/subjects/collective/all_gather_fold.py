@@ -1,0 +1,35 @@
+"""All-gather every rank's input (pure copies), then fold this rank's shard in a fixed order."""
+import torch.distributed as dist
+
+from harness.subject import OrderModel, register
+from harness.subjects.collective.common import fold_descending, offsets
+from reference import orders
+
+
+def _model(x, sizes):
+    folded = orders.chain_fold(x, list(range(x.shape[0] - 1, -1, -1)))
+    return [folded[o:o + s] for o, s in zip(offsets(sizes), sizes)]
+
+
+@register
+class AllGatherFold:
+    name = "all_gather_fold"
+    family = "collective"
+    summary = "all-gather + fixed-order fold"
+
+    def unavailable(self, platform, params):
+        return None
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
+        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        start = offsets(sizes)[rank]
+        per_rank = gathered.view(world_size, *inp.shape)
+        out.copy_(fold_descending(per_rank[:, start:start + sizes[rank]]))
+
+    def order_model(self, backend):
+        return OrderModel("fixed fold W-1..0", _model, exact=True)
+
+
+FOLD_MODEL = _model

@@ -1,0 +1,41 @@
+"""All-reduce a copy of the input, then keep this rank's slice (SGLang's deterministic path).
+
+Invariant only when the all-reduce order is the same for every element: NCCL tree with
+identical trees on all channels. gloo's all-reduce is a ring whose order follows the
+element's offset, so on gloo this path is expected to fail the invariance checks.
+"""
+import torch.distributed as dist
+
+from harness.subject import OrderModel, register
+from harness.subjects.collective.common import offsets, per_destination
+from reference import orders
+
+
+@register
+class AllReduceSlice:
+    name = "all_reduce_slice"
+    family = "collective"
+    summary = "all-reduce of a clone + local slice"
+
+    def unavailable(self, platform, params):
+        return None
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        reduced = inp.clone()  # never reduce in place into the caller's buffer
+        dist.all_reduce(reduced, group=group)
+        rank = dist.get_rank(group)
+        start = offsets(sizes)[rank]
+        out.copy_(reduced[start:start + sizes[rank]])
+
+    def order_model(self, backend):
+        if backend == "gloo":
+            return OrderModel(
+                "gloo ring all-reduce + slice",
+                lambda x, sizes: per_destination(orders.gloo_ring_all_reduce(x), sizes),
+                exact=True,
+            )
+        return OrderModel(
+            "NCCL tree (chain 0..W-1) all-reduce + slice",
+            lambda x, sizes: per_destination(orders.tree_chain_all_reduce(x), sizes),
+            exact=False,
+        )

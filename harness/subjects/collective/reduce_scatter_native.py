@@ -1,0 +1,38 @@
+"""torch.distributed.reduce_scatter_tensor: the backend's own reduce-scatter (the control).
+
+NCCL sums the chunk that ends on rank d starting at d's ring successor, so a token's bits
+depend on its destination rank. gloo implements it as a ring all-reduce plus a slice.
+"""
+import torch.distributed as dist
+
+from harness.subject import OrderModel, register
+from harness.subjects.collective.common import per_destination
+from reference import orders
+
+
+@register
+class NativeReduceScatter:
+    name = "reduce_scatter_native"
+    family = "collective"
+    summary = "native reduce_scatter_tensor"
+
+    def unavailable(self, platform, params):
+        if params.get("shards", "even") != "even":
+            return "reduce_scatter_tensor needs equal shards; uneven shards are reduce_scatterv_native"
+        return None
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        dist.reduce_scatter_tensor(out, inp, group=group)
+
+    def order_model(self, backend):
+        if backend == "gloo":
+            return OrderModel(
+                "gloo ring all-reduce + slice",
+                lambda x, sizes: per_destination(orders.gloo_ring_all_reduce(x), sizes),
+                exact=True,
+            )
+        return OrderModel(
+            "NCCL ring reduce-scatter, ring 0..W-1",
+            lambda x, sizes: orders.nccl_ring_reduce_scatter(x, sizes),
+            exact=False,
+        )

@@ -1,0 +1,41 @@
+"""torch.distributed.reduce_scatter with a list of uneven (possibly empty) shards.
+
+gloo reduces each list element with its own ring all-reduce; NCCL issues one reduce per
+destination, each a ring chain that ends at the destination.
+"""
+import torch
+import torch.distributed as dist
+
+from harness.subject import OrderModel, register
+from harness.subjects.collective.common import offsets
+from reference import orders
+
+
+def _per_shard_gloo(x, sizes):
+    return [
+        orders.gloo_ring_all_reduce(x[:, o:o + s]) if s else x.new_empty(0)
+        for o, s in zip(offsets(sizes), sizes)
+    ]
+
+
+@register
+class NativeReduceScatterV:
+    name = "reduce_scatterv_native"
+    family = "collective"
+    summary = "native reduce_scatter over a list of uneven shards"
+
+    def unavailable(self, platform, params):
+        return None
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        shards = list(torch.split(inp, sizes))
+        dist.reduce_scatter(out, [s.contiguous() for s in shards], group=group)
+
+    def order_model(self, backend):
+        if backend == "gloo":
+            return OrderModel("gloo ring all-reduce per shard", _per_shard_gloo, exact=True)
+        return OrderModel(
+            "NCCL ring reduce per destination, ring 0..W-1",
+            lambda x, sizes: orders.nccl_ring_reduce_scatter(x, sizes),
+            exact=False,
+        )

@@ -1,0 +1,107 @@
+"""plan -> launch -> records -> reports -> exit code."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import shlex
+from pathlib import Path
+
+from harness import subject as registry
+from harness.cases import load_suite, resolve_suite_path
+from harness.environment import detect, pinned_env, run_fingerprint
+from harness.launch import Outcome, run_job
+from harness.plan import expand, jobs
+from harness.records import base_record, write_json, write_jsonl
+from harness.verdict import FAILING, decide
+
+DETAIL_KEYS = ("first_mismatches", "ulp_histogram", "mismatch_map", "max_abs_index", "max_ulp_index",
+               "order_model", "order_model_exact", "order_sensitive")
+MEASURED_KEYS = ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference", "tolerance")
+
+
+def new_run_id() -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str]) -> str:
+    cmd = ["ep-harness", "verify", "--suite", suite, "--check", check_id]
+    if gpus is not None:
+        cmd += ["--gpus", str(gpus)]
+    for p in plugins:
+        cmd += ["--plugin", p]
+    return shlex.join(cmd)
+
+
+def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> dict:
+    rec = base_record(check, run_id, rerun)
+    if check["skip_reason"]:
+        rec.update(status="skipped", reason=check["skip_reason"])
+        return rec
+    rec["seconds"] = outcome.seconds
+    if outcome.error:
+        rec.update(status="error", reason=outcome.error, detail=outcome.details)
+        return rec
+    m = outcome.measured
+    rec.update(held=m["held"], mismatched=m["mismatched"], total=m["total"])
+    for key in MEASURED_KEYS:
+        if m.get(key) is not None:
+            rec[key] = m[key]
+    rec["detail"] = {k: m[k] for k in DETAIL_KEYS if m.get(k) is not None}
+    rec["status"], rec["reason"] = decide(
+        check["expect"], m["held"], m["mismatched"], m["total"], vacuous_reason=m.get("vacuous_reason"),
+        predicted=m.get("predicted_mismatched"), prediction_exact=bool(m.get("order_model_exact")),
+        extra_failure=m.get("extra_failure"),
+    )
+    return rec
+
+
+def point_latest(out_root: Path, run_dir: Path) -> None:
+    link = out_root / "latest"
+    tmp = out_root / f".latest-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
+           plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
+           render: bool = True, quiet: bool = False) -> tuple[int, Path]:
+    suite_path = resolve_suite_path(suite)
+    loaded = load_suite(suite_path)
+    plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
+    registry.load_all(plugins)
+    platform = detect(gpus, cpu_ranks)
+    checks = expand(loaded, platform, selection)
+    run_id = new_run_id()
+    run_dir = out_root / run_id
+    fingerprint = run_fingerprint(platform, list(command))
+    fingerprint["suite"] = str(suite_path)
+    fingerprint["ranks"] = {}
+
+    outcomes: dict[str, Outcome] = {}
+    for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks)):
+        env = pinned_env(platform, env_overrides)
+        job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
+        if not quiet:
+            print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)", flush=True)
+        outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
+                                os.environ.get("EP_HARNESS_TORCHRUN_ARGS")))
+        for f in sorted(job_dir.glob("ranks-*.json")):
+            fingerprint["ranks"][f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
+        fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
+
+    records = [finalize(c, outcomes.get(c["id"]), run_id, rerun_command(str(suite_path), c["id"], gpus, plugins))
+               for c in checks]
+    write_json(run_dir / "environment.json", fingerprint)
+    write_jsonl(run_dir / "results.jsonl", records)
+    point_latest(out_root, run_dir)
+    if render:
+        from reports.render import render_run
+
+        render_run(run_dir, quiet=quiet)
+    failing = sum(r["status"] in FAILING for r in records)
+    return (1 if failing else 0), run_dir

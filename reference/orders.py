@@ -1,0 +1,171 @@
+"""Accumulation-order models: the exact bits a software collective produces.
+
+A model names, for every element, the sequence of ranks whose contributions are added,
+and rounds to the wire dtype after every hop (one `+` on the wire is one rounding; a
+float32 add rounded to bf16/fp16 gives the same bits as a native bf16/fp16 add, since
+float32 has at least 2p+2 bits of precision for those formats).
+
+Models (all take `inputs` [world_size, N] flat, one row per rank):
+
+* `nccl_ring_reduce_scatter`: chunk d ends on rank d and starts at its ring successor:
+  out[d] = ((x[s1] + x[s2]) + ...) + x[d], s1 = next(d), s2 = next(s1), ...
+* `nccl_ring_all_reduce`: the same walk per chunk, but chunks are cut from loops of
+  world_size * chunk_elems elements, so an element's order depends on its offset and on N.
+* `tree_chain_all_reduce`: single-node NCCL tree, a chain; the leaf is added first and
+  the root last, identically for every element.
+* `gloo_ring_all_reduce`: gloo's ring; chunk c (2 segments per rank) is summed
+  x[c-1], x[c-2], ..., x[c] (descending), so the order depends on the element's offset.
+* `chain_fold`: a fixed, explicit order for every element (the deterministic folds).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def fold(inputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Sum contributions in a per-element rank order, rounding after every hop.
+
+    inputs: [world_size, N]; order: [world_size, N] long, order[j, e] is the rank added at
+    hop j for element e (hop 0 is the starting value). Returns [N] in inputs.dtype.
+    """
+    if order.shape != inputs.shape:
+        raise ValueError(f"order shape {tuple(order.shape)} != inputs shape {tuple(inputs.shape)}")
+    ordered = torch.gather(inputs, 0, order)
+    acc = ordered[0].clone()
+    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    for hop in range(1, inputs.shape[0]):
+        acc = (acc.to(wide) + ordered[hop].to(wide)).to(inputs.dtype)
+    return acc
+
+
+def ring_walk(ring: list[int], end: int) -> list[int]:
+    """Ranks in the order they add to the chunk that ends on `end`: successor first."""
+    k = ring.index(end)
+    n = len(ring)
+    return [ring[(k + 1 + j) % n] for j in range(n)]
+
+
+def _uniform_order(walk: list[int], n: int) -> torch.Tensor:
+    return torch.tensor(walk, dtype=torch.long).unsqueeze(1).expand(len(walk), n)
+
+
+def _check(inputs: torch.Tensor, ring: list[int] | None) -> list[int]:
+    world_size = inputs.shape[0]
+    ring = list(range(world_size)) if ring is None else list(ring)
+    if sorted(ring) != list(range(world_size)):
+        raise ValueError(f"ring {ring} is not a permutation of range({world_size})")
+    return ring
+
+
+def nccl_ring_reduce_scatter(
+    inputs: torch.Tensor, sizes: list[int], ring: list[int] | None = None
+) -> list[torch.Tensor]:
+    """Per-destination outputs of NCCL's ring reduce-scatter(v).
+
+    inputs: [world_size, N] flat; sizes: elements per destination (sum N).
+    """
+    ring = _check(inputs, ring)
+    outs, offset = [], 0
+    for dest, size in enumerate(sizes):
+        part = inputs[:, offset:offset + size]
+        outs.append(fold(part, _uniform_order(ring_walk(ring, dest), size)))
+        offset += size
+    return outs
+
+
+def nccl_ring_chunk_of(n: int, world_size: int, chunk_elems: int, align_elems: int) -> torch.Tensor:
+    """Chunk (ring index) that finalises each element of an N-element ring all-reduce.
+
+    Full loops are world_size * chunk_elems elements; in the tail loop NCCL shrinks the
+    chunk to alignUp(divUp(remaining, world_size), align_elems).
+    """
+    chunk = torch.empty(n, dtype=torch.long)
+    loop = world_size * chunk_elems
+    start = 0
+    while start < n:
+        remaining = n - start
+        size = chunk_elems
+        if remaining < loop:
+            per = -(-remaining // world_size)
+            size = -(-per // align_elems) * align_elems
+        end = min(n, start + world_size * size)
+        idx = torch.arange(end - start)
+        chunk[start:end] = torch.clamp(idx // size, max=world_size - 1)
+        start = end
+    return chunk
+
+
+def nccl_ring_all_reduce(
+    inputs: torch.Tensor,
+    chunk_elems: int,
+    ring: list[int] | None = None,
+    align_elems: int | None = None,
+) -> torch.Tensor:
+    """Output of NCCL's ring all-reduce (identical on every rank); inputs [world_size, N]."""
+    ring = _check(inputs, ring)
+    world_size, n = inputs.shape
+    align = align_elems or max(1, 16 // inputs.element_size())
+    chunk = nccl_ring_chunk_of(n, world_size, chunk_elems, align)
+    walks = torch.tensor([ring_walk(ring, ring[c]) for c in range(world_size)], dtype=torch.long)
+    order = walks[chunk].T.contiguous()
+    return fold(inputs, order)
+
+
+def tree_chain_all_reduce(inputs: torch.Tensor, chain: list[int] | None = None) -> torch.Tensor:
+    """Single-node NCCL tree all-reduce: chain[0] is the root, chain[-1] the leaf.
+
+    Sum = ((x[chain[-1]] + x[chain[-2]]) + ...) + x[chain[0]], the same for every element.
+    """
+    chain = _check(inputs, chain)
+    return chain_fold(inputs, list(reversed(chain)))
+
+
+def chain_fold(inputs: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Every element summed in the same explicit rank order (order[0] first)."""
+    _check(inputs, order)
+    return fold(inputs, _uniform_order(order, inputs.shape[1]))
+
+
+def gloo_segments(n: int, world_size: int, max_segment_elems: int | None = None) -> int:
+    """Elements per chunk of gloo's ring all-reduce (a chunk is segments-per-rank segments)."""
+    by_size = 1 if max_segment_elems is None else -(-n // max_segment_elems)
+    num_segments = -(-max(by_size, 2 * world_size) // world_size) * world_size
+    segment = -(-n // num_segments)
+    return segment * (num_segments // world_size)
+
+
+def gloo_ring_all_reduce(inputs: torch.Tensor, max_segment_elems: int | None = None) -> torch.Tensor:
+    """Output of gloo's ring all-reduce for inputs [world_size, N].
+
+    Chunk c (elements [c*L, (c+1)*L)) starts at rank c-1 and walks down: x[c-1], x[c-2],
+    ..., x[c]; L = segments-per-rank * ceil(N / num_segments).
+    """
+    world_size, n = inputs.shape
+    chunk_len = gloo_segments(n, world_size, max_segment_elems)
+    chunk = torch.clamp(torch.arange(n) // chunk_len, max=world_size - 1)
+    walks = torch.tensor(
+        [[(c - 1 - j) % world_size for j in range(world_size)] for c in range(world_size)],
+        dtype=torch.long,
+    )
+    return fold(inputs, walks[chunk].T.contiguous())
+
+
+def order_sensitive(inputs: torch.Tensor) -> torch.Tensor:
+    """Elements whose sum changes bits under some rotation of the ring.
+
+    inputs: [world_size, N]. Returns a bool [N] mask: True where at least two of the
+    world_size cyclic summation orders disagree. A check whose compared elements are all
+    False here cannot observe a reordering (e.g. world_size 2, where a + b == b + a).
+    """
+    world_size, n = inputs.shape
+    first = chain_fold(inputs, list(range(world_size)))
+    sensitive = torch.zeros(n, dtype=torch.bool)
+    for shift in range(1, world_size):
+        order = [(shift + j) % world_size for j in range(world_size)]
+        other = chain_fold(inputs, order)
+        sensitive |= first.view(_int_view(first.dtype)) != other.view(_int_view(other.dtype))
+    return sensitive
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty(0, dtype=dtype).element_size()]

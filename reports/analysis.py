@@ -1,0 +1,86 @@
+"""Derived views of records: verdict counts, control/fix pairs, run-to-run differences."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+STATUS_ORDER = ("ok", "unexpected", "vacuous", "error", "skipped")
+
+
+def counts(records: list[dict]) -> dict[str, int]:
+    c = Counter(r["status"] for r in records)
+    return {s: c.get(s, 0) for s in STATUS_ORDER}
+
+
+def failed(records: list[dict]) -> bool:
+    return any(r["status"] in ("unexpected", "error") for r in records)
+
+
+def point_key(rec: dict) -> str:
+    """What a control and its fix share: family, property and every parameter."""
+    return json.dumps([rec["family"], rec["property"], rec["params"]], sort_keys=True)
+
+
+def pairs(records: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each measured control (expect = violated) with the fixes checked at the same point."""
+    by_point: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("mismatched") is not None:
+            by_point.setdefault(point_key(r), []).append(r)
+    out = []
+    for group in by_point.values():
+        controls = [r for r in group if r["expect"] == "violated"]
+        fixes = [r for r in group if r["expect"] == "holds"]
+        for c in controls:
+            if fixes:
+                out.append((c, fixes))
+    return out
+
+
+def compare_runs(current: list[dict], previous: list[dict]) -> list[dict]:
+    """Per check: regression, improvement, changed control count, new, or disappeared."""
+    now = {r["check"]: r for r in current}
+    before = {r["check"]: r for r in previous}
+    changes = []
+    for cid, old in before.items():
+        new = now.get(cid)
+        if new is None:
+            if old["status"] != "skipped":
+                changes.append({"check": cid, "kind": "regression", "what": "disappeared",
+                                "before": old["status"], "after": "-"})
+            continue
+        change = _classify(old, new)
+        if change:
+            changes.append({"check": cid, **change})
+    for cid, new in now.items():
+        if cid not in before:
+            changes.append({"check": cid, "kind": "new", "what": f"new check ({new['status']})",
+                            "before": "-", "after": new["status"]})
+    return changes
+
+
+def _classify(old: dict, new: dict) -> dict | None:
+    bad = ("unexpected", "error")
+    if old["expect"] == "holds" and old.get("held") is True and new.get("held") is False:
+        return {"kind": "regression", "what": "held before, violated now",
+                "before": _count(old), "after": _count(new)}
+    if new["status"] in bad and old["status"] not in bad:
+        return {"kind": "regression", "what": f"now {new['status']}: {new.get('reason')}",
+                "before": old["status"], "after": new["status"]}
+    if (old["expect"] == "violated" and old.get("mismatched") is not None and new.get("mismatched") is not None
+            and old["mismatched"] != new["mismatched"] and old["params"] == new["params"]):
+        return {"kind": "regression", "what": "control's mismatch count changed for the same inputs",
+                "before": _count(old), "after": _count(new)}
+    if old["status"] in bad and new["status"] not in bad:
+        return {"kind": "improvement", "what": f"was {old['status']}, now {new['status']}",
+                "before": old["status"], "after": new["status"]}
+    if old["expect"] == "holds" and old.get("held") is False and new.get("held") is True:
+        return {"kind": "improvement", "what": "violated before, holds now",
+                "before": _count(old), "after": _count(new)}
+    return None
+
+
+def _count(r: dict) -> str:
+    if r.get("mismatched") is None:
+        return r["status"]
+    return f"{r['mismatched']:,} / {r['total']:,}"

@@ -1,0 +1,24 @@
+"""Render a run directory: terminal table to stdout, report.html beside the records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.records import write_atomic
+from reports import terminal
+from reports.analysis import compare_runs
+from reports.html import render_page
+from reports.load import load_run
+
+
+def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False) -> int:
+    run = load_run(run_dir)
+    changes = None
+    if against is not None:
+        changes = compare_runs(run.records, load_run(against).records)
+    if not quiet:
+        print(terminal.render(run.records, run.environment, changes))
+    target = out or (run.path / "report.html")
+    write_atomic(Path(target), render_page(run, changes, str(against) if against else None))
+    if not quiet:
+        print(f"# report: {target}")
+    return 0

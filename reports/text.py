@@ -1,0 +1,58 @@
+"""Plain-text renderings of one record, in torch.testing.assert_close's words."""
+from __future__ import annotations
+
+DASH = "-"
+
+
+def fmt_int(n) -> str:
+    return DASH if n is None else f"{n:,}"
+
+
+def fmt_count(mismatched, total) -> str:
+    if mismatched is None or total is None:
+        return DASH
+    pct = 100.0 * mismatched / total if total else 0.0
+    return f"{mismatched:,} / {total:,} ({pct:.1f}%)"
+
+
+def fmt_float(x, digits: int = 3) -> str:
+    if x is None:
+        return DASH
+    if isinstance(x, str):
+        return x
+    return f"{x:.{digits}g}"
+
+
+def mismatch_text(rec: dict) -> str:
+    """The assertion message for a record, e.g. `Mismatched elements: 2550 / 8192 (31.1%)`."""
+    mismatched, total = rec.get("mismatched"), rec.get("total")
+    if mismatched is None:
+        return rec.get("reason") or "no measurement"
+    bitwise = rec.get("property") != "reference"
+    lines = [f"Tensor-likes are {'not equal' if bitwise else 'not close'}!" if mismatched
+             else f"Tensor-likes are {'equal' if bitwise else 'close'}.", ""]
+    lines.append(f"Mismatched elements: {mismatched} / {total} ({100.0 * mismatched / max(total, 1):.1f}%)")
+    detail = rec.get("detail", {})
+    if mismatched and rec.get("max_abs") is not None:
+        idx = detail.get("max_abs_index")
+        where = f" at index {tuple(idx)}" if idx else ""
+        lines.append(f"Greatest absolute difference: {fmt_float(rec['max_abs'], 6)}{where}")
+    if mismatched and rec.get("max_ulp") is not None:
+        idx = detail.get("max_ulp_index")
+        where = f" at index {tuple(idx)}" if idx else ""
+        lines.append(f"Greatest ULP distance: {rec['max_ulp']}{where}")
+    first = rec.get("first_mismatch")
+    if first:
+        lines.append(
+            f"First mismatch: index {tuple(first['index'])} ({first['row']}): "
+            f"{first['actual']} ({first['actual_bits']}) != {first['expected']} ({first['expected_bits']}), "
+            f"{first['ulp']} ULP"
+        )
+    if rec.get("tolerance"):
+        tol = rec["tolerance"]
+        lines.append(f"Error vs float64 reference: {fmt_float(rec.get('error_vs_reference'))} "
+                     f"(up to {fmt_float(tol.get('gamma'))} allowed: {tol.get('rule')})")
+    if rec.get("predicted_mismatched") is not None:
+        lines.append(f"Order model ({detail.get('order_model', '?')}) predicted: {rec['predicted_mismatched']}")
+    lines.append(f"Rerun: {rec['rerun']}")
+    return "\n".join(lines)
