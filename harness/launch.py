@@ -60,7 +60,13 @@ def _clear_rank_files(job_dir: Path) -> None:
             p.unlink()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, job_dir: Path) -> None:
+    """Kill torchrun and every worker: torchrun starts each worker in a session of its own."""
+    for pid_file in job_dir.glob("pid-rank*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -101,7 +107,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         "collective_timeout_s": longest + 60,
     })
     child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+                 "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     outcomes: dict[str, Outcome] = {}
     start, attempt = 0, 0
     while start < len(checks):
@@ -109,7 +115,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         log_path = job_dir / f"torchrun-{attempt}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(torchrun_command(world_size, job_dir, start, torchrun_args), env=child_env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         launched = time.time()
         failed_at, error, details = None, None, {}
         try:
@@ -133,7 +139,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                 if error:
                     break
         finally:
-            _kill(proc)
+            _kill(proc, job_dir)
 
         for line in read_jsonl(job_dir / "records.jsonl"):
             if line["index"] >= start and checks[line["index"]]["id"] not in outcomes:
@@ -143,12 +149,12 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                             key=lambda e: e["time"])
             if errors:
                 first = errors[0]
-                rank = next(p.name[len("error-rank"):-len(".json")] for p in job_dir.glob("error-rank*.json")
-                            if _read_json(p) == first)
                 failed_at = first["index"]
-                error = f"rank {rank} raised {first['error']}"
-                details = {"tracebacks": {p.name[len("error-rank"):-len(".json")]: _read_json(p)["traceback"]
-                                          for p in job_dir.glob("error-rank*.json")}}
+                silent = [r for r in range(world_size) if r not in {e["rank"] for e in errors}]
+                error = f"rank {first['rank']} raised {first['error']}"
+                if silent:
+                    error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
+                details = {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors}}
             else:
                 states = [s for s in _ranks_state(job_dir, world_size) if s]
                 failed_at = min((s["index"] for s in states), default=start)

@@ -8,6 +8,8 @@ each; third-party packages add theirs through the entry-point group
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
@@ -81,6 +83,9 @@ def register(cls):
 
 
 def import_plugins(modules: list[str]) -> None:
+    """Import plugin modules by name, resolved from the working directory like `python -m`."""
+    if modules and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     for module in modules:
         try:
             importlib.import_module(module)

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
             measured = EXECUTORS[check["family"]](check, subject, ctx)
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
             write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
-                "index": index, "check": check["id"], "time": time.time(),
+                "index": index, "check": check["id"], "rank": rank, "time": time.time(),
                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
             }))
             stacks.flush()

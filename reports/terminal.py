@@ -29,7 +29,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
         f"backend {env.get('backend', DASH)}  torch {env.get('torch', DASH)}  nccl {env.get('nccl') or DASH}",
         f"# command: {env.get('command', DASH)}",
         "#",
-        "# " + _row([name for name, _ in COLUMNS])[2:],
+        "# " + _row([name for name, _ in COLUMNS]),
     ]
     for r in records:
         p = r["params"]

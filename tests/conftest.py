@@ -1,0 +1,25 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def run_cli(*args, cwd=REPO, timeout=600):
+    """Run the installed console script the way a user would."""
+    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The CPU default, once per session: `ep-harness verify` with the smoke suite."""
+    out = tmp_path_factory.mktemp("smoke")
+    proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
+    return proc, out / "latest"

@@ -1,0 +1,112 @@
+"""`ep-harness verify` end to end on the CPU default (4 gloo ranks, torchrun, real records)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from harness.records import REQUIRED
+from tests.conftest import REPO, run_cli
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def find(recs, case, prop, dtype, ws):
+    return next(r for r in recs if r["case"] == case and r["property"] == prop
+                and r["params"].get("dtype") == dtype and r["params"]["world_size"] == ws)
+
+
+@pytest.mark.slow
+def test_smoke_run_shows_the_control_and_the_fixes(smoke_run):
+    proc, run_dir = smoke_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run_dir / "report.html").stat().st_size > 10_000
+    assert proc.stdout.rstrip().splitlines()[-2].startswith("# OK:")
+    recs = records(run_dir)
+    for r in recs:
+        assert set(REQUIRED) <= set(r), set(REQUIRED) - set(r)
+    control = find(recs, "rs-native", "rank-invariance", "bfloat16", 4)
+    assert control["expect"] == "violated" and control["held"] is False and control["status"] == "ok"
+    assert control["mismatched"] > 0 and control["mismatched"] == control["predicted_mismatched"]
+    assert control["total"] == 4 * 2048
+    for case in ("ag-fold", "a2a-fold"):
+        for prop in ("rank-invariance", "batch-invariance", "position-invariance"):
+            for dtype in ("bfloat16", "float16", "float32"):
+                for ws in (3, 4):
+                    r = find(recs, case, prop, dtype, ws)
+                    assert (r["status"], r["held"], r["mismatched"]) == ("ok", True, 0), r["check"]
+                    assert r["detail"]["order_sensitive"] > 0  # not vacuous: the inputs could fail
+
+
+@pytest.mark.slow
+def test_every_gloo_count_equals_its_order_model(smoke_run):
+    _, run_dir = smoke_run
+    measured = [r for r in records(run_dir) if r.get("predicted_mismatched") is not None]
+    assert len(measured) > 50
+    controls = [r for r in measured if r["expect"] == "violated" and r["status"] != "vacuous"]
+    assert controls and all(r["mismatched"] > 0 for r in controls)
+    for r in measured:
+        assert r["mismatched"] == r["predicted_mismatched"], r["check"]
+
+
+@pytest.mark.slow
+def test_world_size_two_is_vacuous_not_a_pass(smoke_run):
+    _, run_dir = smoke_run
+    r = find(records(run_dir), "two-ranks", "rank-invariance", "bfloat16", 2)
+    assert r["status"] == "vacuous" and "a + b == b + a" in r["reason"]
+
+
+@pytest.mark.slow
+def test_faulty_ranks_become_error_records(tmp_path):
+    proc = run_cli("verify", "--suite", "tests/cases/faults.toml", "--gpus", "0", "--out", str(tmp_path))
+    assert proc.returncode == 1  # errors fail the run ...
+    run_dir = tmp_path / "latest"
+    by_case = {r["case"]: r for r in records(run_dir)}
+    assert by_case["before"]["status"] == "ok" and by_case["after"]["status"] == "ok"  # ... but it goes on
+    raised = by_case["raises"]
+    assert raised["status"] == "error" and raised["reason"].startswith("rank 1 raised RuntimeError")
+    assert "planted failure on rank 1" in raised["detail"]["tracebacks"]["1"]
+    hung = by_case["hangs"]
+    assert hung["status"] == "error" and "timed out after 6 s" in hung["reason"]
+    assert "tests/planted.py" in hung["detail"]["stacks"]["1"]  # rank 1's stack shows where it hangs
+    crashed = by_case["crashes"]
+    assert crashed["status"] == "error" and "rank(s) [1] left no traceback" in crashed["reason"]
+    assert (run_dir / "report.html").exists()
+    pids = [int(p.read_text()) for p in run_dir.glob("jobs/*/pid-rank*")]
+    assert pids
+    for pid in pids:  # no worker outlives the run
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "tests/cases/does-not-exist.toml"], "not found"),
+    (["--gpus", "4"], "GPUS=4 but this machine has 0 visible GPUs"),
+    (["--suite", "smoke", "--check", "no/such/check"], "matches no check"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    proc = run_cli("verify", *args, "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_malformed_and_unknown_subject_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[case]]\nname = 'x'\nsubject = 'no_such_subject'\nproperties = ['rank-invariance']\n"
+                   "expect = 'holds'\n")
+    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "unknown subject 'no_such_subject'" in proc.stderr
+    bad.write_text("[[case]\n")
+    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "malformed TOML" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_verify_with_more_gpus_than_present():
+    proc = subprocess.run(["make", "-s", "verify", "GPUS=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "GPUS=4 but this machine has 0 visible GPUs" in proc.stderr
