@@ -80,11 +80,12 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None)
     return checks
 
 
-def jobs(checks: list[dict]) -> list[tuple[int, dict, list[dict]]]:
-    """Group runnable checks into launches: one per (world size, environment), plan order kept."""
+def jobs(checks: list[dict], per_check: bool = False) -> list[tuple[int, dict, list[dict]]]:
+    """Group runnable checks into launches: one per (world size, environment), plan order
+    kept. `per_check` gives every check a launch of its own (only to measure what grouping saves)."""
     groups: dict[tuple, list[dict]] = {}
     for c in checks:
         if c["skip_reason"] is None:
-            key = (c["params"]["world_size"], tuple(sorted(c["env"].items())))
+            key = (c["params"]["world_size"], tuple(sorted(c["env"].items())), c["id"] if per_check else None)
             groups.setdefault(key, []).append(c)
-    return [(ws, dict(env), cs) for (ws, env), cs in groups.items()]
+    return [(ws, dict(env), cs) for (ws, env, _), cs in groups.items()]

@@ -69,7 +69,7 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
 
 def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
-           render: bool = True, quiet: bool = False) -> tuple[int, Path]:
+           render: bool = True, quiet: bool = False, per_check_launch: bool = False) -> tuple[int, Path]:
     suite_path = resolve_suite_path(suite)
     loaded = load_suite(suite_path)
     plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
@@ -83,7 +83,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     fingerprint["ranks"] = {}
 
     outcomes: dict[str, Outcome] = {}
-    for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks)):
+    for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, per_check_launch)):
         env = pinned_env(platform, env_overrides)
         job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
         if not quiet:

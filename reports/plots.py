@@ -30,7 +30,9 @@ def summary_figure(frame) -> str | None:
     fig = Figure(figsize=(7.5, 0.28 * len(labels) + 1.0))
     ax = fig.add_subplot()
     colors = [CONTROL if e == "violated" else FIX for e in grouped["expect"]]
-    ax.barh(range(len(labels)), grouped["pct"], color=colors)
+    bars = ax.barh(range(len(labels)), grouped["pct"], color=colors)
+    ax.bar_label(bars, labels=[f"{v:.1f}%" for v in grouped["pct"]], fontsize=7, padding=2)
+    ax.set_xlim(0, max(5.0, float(grouped["pct"].max()) * 1.15))
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("elements whose bits differ (%, worst grid point)")

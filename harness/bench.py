@@ -1,0 +1,99 @@
+"""`make bench`: timings that belong in BENCHMARKS.md, never in tests.
+
+    python -m harness.bench suite   # CPU default suite: one launch per world size vs one per check
+    python -m harness.bench report  # render a 2,000-record run: seconds and bytes
+
+Medians over repeats, measured side by side in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from harness.records import read_jsonl, write_json, write_jsonl
+
+
+def bench_suite(repeats: int, suite: str) -> dict:
+    from harness.verify import verify
+
+    timings = {"grouped": [], "per_check": []}
+    checks = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, n in (("grouped", repeats), ("per_check", 1)):
+            for _ in range(n):
+                began = time.perf_counter()
+                code, run_dir = verify(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True,
+                                       per_check_launch=mode == "per_check")
+                timings[mode].append(time.perf_counter() - began)
+                checks = sum(r["status"] != "skipped" for r in read_jsonl(run_dir / "results.jsonl"))
+                if code:
+                    raise SystemExit(f"the {mode} run failed; fix the suite before timing it")
+    grouped, per_check = statistics.median(timings["grouped"]), statistics.median(timings["per_check"])
+    return {"suite": suite, "checks_run": checks, "grouped_s": timings["grouped"], "per_check_s": timings["per_check"],
+            "grouped_median_s": round(grouped, 2), "per_check_median_s": round(per_check, 2),
+            "ratio": round(per_check / grouped, 2)}
+
+
+def synthetic_run(base: list[dict], n: int, out: Path) -> Path:
+    """`n` records cloned from a real run's, with distinct ids and a share of failures."""
+    records = []
+    for i in range(n):
+        r = json.loads(json.dumps(base[i % len(base)]))
+        r["check"] = f"{r['check']}/copy={i // len(base)}"
+        r["params"] = {**r["params"], "copy": i // len(base)}
+        if i % 50 == 7 and r.get("mismatched") is not None and r["expect"] == "holds":
+            r["status"], r["reason"] = "unexpected", "planted for the benchmark"
+        records.append(r)
+    write_jsonl(out / "results.jsonl", records)
+    write_json(out / "environment.json", {"command": "synthetic", "suite": "bench"})
+    return out
+
+
+def bench_report(n: int, repeats: int, source: Path) -> dict:
+    from reports.render import render_run
+
+    base = read_jsonl(source / "results.jsonl")
+    if not base:
+        raise SystemExit(f"no records in {source}; run `make verify` first")
+    times, size = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = synthetic_run(base, n, Path(tmp))
+        for _ in range(repeats):
+            began = time.perf_counter()
+            render_run(run_dir, quiet=True)
+            times.append(time.perf_counter() - began)
+            size = (run_dir / "report.html").stat().st_size
+    return {"records": n, "render_s": [round(t, 3) for t in times], "render_median_s": round(statistics.median(times), 3),
+            "html_bytes": size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench")
+    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--suite", default="smoke")
+    parser.add_argument("--records", type=int, default=2000)
+    parser.add_argument("--source", type=Path, default=Path("reports/out/latest"))
+    args = parser.parse_args(argv)
+    results = {}
+    if "suite" in args.what:
+        results["suite"] = bench_suite(args.repeats, args.suite)
+        s = results["suite"]
+        print(f"suite {s['suite']} ({s['checks_run']} checks): one launch per world size "
+              f"{s['grouped_median_s']} s (median of {len(s['grouped_s'])}), one launch per check "
+              f"{s['per_check_median_s']} s -> {s['ratio']}x")
+    if "report" in args.what:
+        results["report"] = bench_report(args.records, args.repeats, args.source)
+        r = results["report"]
+        print(f"report of {r['records']} records: {r['render_median_s']} s (median of {len(r['render_s'])}), "
+              f"{r['html_bytes'] / 1e6:.2f} MB")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

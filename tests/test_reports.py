@@ -1,0 +1,147 @@
+"""Reports: they read records only, name bad input by file and line, compare runs, and the
+page works in a real browser."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness.errors import HarnessError
+from reports.analysis import compare_runs
+from reports.load import load_run
+from reports.render import render_run
+from tests.conftest import run_cli
+
+
+def record(check, **kw):
+    base = {"run_id": "r1", "check": check, "case": check.split("/")[0], "subject": "all_gather_fold",
+            "family": "collective", "property": "rank-invariance", "params": {"dtype": "bfloat16", "world_size": 4},
+            "expect": "holds", "held": True, "mismatched": 0, "total": 8192, "status": "ok", "reason": "holds",
+            "rerun": f"ep-harness verify --check {check}", "seconds": 0.1}
+    base.update(kw)
+    return base
+
+
+def write_run(path, records, env=None):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "environment.json").write_text(json.dumps(env or {"command": "test"}))
+    return path
+
+
+def test_truncated_results_name_the_file_and_line(tmp_path):
+    run = write_run(tmp_path / "run", [record("a"), record("b")])
+    text = (run / "results.jsonl").read_text()
+    (run / "results.jsonl").write_text(text[: len(text) - 20])
+    with pytest.raises(HarnessError, match=r"results.jsonl:2: invalid JSON"):
+        load_run(run)
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 2 and "results.jsonl:2: invalid JSON" in proc.stderr
+
+
+def test_record_missing_required_keys(tmp_path):
+    rec = record("a")
+    del rec["rerun"]
+    run = write_run(tmp_path / "run", [rec])
+    with pytest.raises(HarnessError, match=r"results.jsonl:1: record lacks rerun"):
+        load_run(run)
+
+
+def test_missing_optional_fields_render_as_dash(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [record("a", mismatched=None, total=None, held=None, status="skipped",
+                                              reason="needs 8 ranks")])
+    render_run(run)
+    out = capsys.readouterr().out
+    assert "skipped" in out and " - " in out
+    assert (run / "report.html").exists()
+
+
+def test_empty_run_says_so(tmp_path):
+    run = write_run(tmp_path / "run", [])
+    render_run(run, quiet=True)
+    assert "This run has no records" in (run / "report.html").read_text()
+
+
+def test_against_marks_exactly_the_planted_regression(tmp_path, capsys):
+    good = [record(f"c{i}") for i in range(6)] + [
+        record("ctl", subject="reduce_scatter_native", expect="violated", held=False, mismatched=2711)]
+    bad = json.loads(json.dumps(good))
+    bad[3].update(held=False, mismatched=17, status="unexpected", reason="expected to hold, but 17 differ")
+    old, new = write_run(tmp_path / "old", good), write_run(tmp_path / "new", bad)
+    changes = compare_runs(load_run(new).records, load_run(old).records)
+    assert [(c["check"], c["kind"]) for c in changes] == [("c3", "regression")]
+    render_run(new, against=old)
+    out = capsys.readouterr().out
+    assert "regression: c3: held before, violated now (0 / 8,192 -> 17 / 8,192)" in out
+    assert "regression" in (new / "report.html").read_text()
+
+
+def test_compare_runs_sees_every_kind(tmp_path):
+    before = [record("held"), record("ctl", expect="violated", held=False, mismatched=10),
+              record("gone"), record("broken", status="error", held=None, mismatched=None, total=None)]
+    after = [record("held", held=False, mismatched=1, status="unexpected"),
+             record("ctl", expect="violated", held=False, mismatched=11),
+             record("broken"), record("new")]
+    kinds = {c["check"]: (c["kind"], c["what"]) for c in compare_runs(after, before)}
+    assert kinds["held"][0] == "regression"
+    assert kinds["ctl"] == ("regression", "control's mismatch count changed for the same inputs")
+    assert kinds["gone"] == ("regression", "disappeared")
+    assert kinds["broken"][0] == "improvement"
+    assert kinds["new"][0] == "new"
+
+
+def browser():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return exe, "playwright is not installed (pip install playwright; .ci/run installs it)"
+    if exe is None:
+        return None, "no Chromium on this machine (apt-get install chromium; .ci/run installs it)"
+    return exe, None
+
+
+@pytest.mark.slow
+def test_report_in_headless_chromium(smoke_run, tmp_path):
+    exe, missing = browser()
+    if missing:
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    _, run_dir = smoke_run
+    records = load_run(run_dir).records
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = b.new_page(viewport={"width": 1400, "height": 1000})
+        problems = []
+        page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto((run_dir / "report.html").resolve().as_uri())
+        rows = page.locator("#summary tbody tr")
+        assert rows.count() == len(records)
+        listed = set(page.eval_on_selector_all("#summary tbody tr td:nth-child(2)", "els => els.map(e => e.innerText)"))
+        assert listed == {r["check"] for r in records}
+        plots = page.locator("img.plot")
+        assert plots.count() >= 1
+        maps = page.locator("img.map")
+        assert maps.count() == sum(1 for r in records if r["expect"] == "violated" and r.get("mismatched"))
+        page.locator("details:has(img.map) > summary").first.click()  # controls start collapsed
+        for img in [plots.first, maps.first]:
+            img.scroll_into_view_if_needed()
+            assert img.is_visible()
+            assert img.evaluate("i => i.complete && i.naturalWidth > 0")
+            box = img.bounding_box()
+            assert box["width"] > 100 and box["height"] > 5
+        page.select_option("select[name=status]", "vacuous")  # the filters work
+        assert page.locator("#summary tbody tr:visible").count() == sum(r["status"] == "vacuous" for r in records)
+        b.close()
+    assert problems == []
+
+
+def test_reports_import_no_torch():
+    code = "import sys, reports.render, reports.html; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
