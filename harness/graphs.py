@@ -7,13 +7,15 @@ import torch
 
 
 def replay_in_graph(fn: Callable[[torch.Tensor, torch.Tensor], None], out: torch.Tensor,
-                    inp: torch.Tensor, decoy: torch.Tensor) -> None:
-    """Capture fn(out, inp) in a CUDA graph, replay it on `decoy` and then on the real input.
+                    inp: torch.Tensor) -> None:
+    """Capture fn(out, inp) in a CUDA graph, replay it on a decoy input and then on the real one.
 
-    The decoy replay makes stale state visible: if the graph kept anything from the decoy
-    (a cached pointer, an unflushed buffer) the second replay's bits change.
+    The decoy (the input's rows rolled by one) makes stale state visible: if the graph kept
+    anything from the decoy replay (a cached pointer, an unflushed buffer), the second
+    replay's bits change.
     """
     real = inp.clone()
+    decoy = inp.roll(1, 0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

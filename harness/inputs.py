@@ -19,6 +19,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # GEMM operands only; built by quantizing bf16 values
 }
 
 

@@ -67,6 +67,19 @@ class CollectiveSubject(Subject, Protocol):
         """The accumulation order this implementation follows on `backend`, if known."""
 
 
+class GemmSubject(Subject, Protocol):
+    layouts: tuple[str, ...]  # of "contiguous", "masked", "dense"; the first is the default
+    dtypes: tuple[str, ...]  # operand dtypes: "bfloat16", "float32", "float8_e4m3fn"
+
+    def run(self, problem, out) -> None:
+        """Write D = A @ B^T per expert into `out` (see harness.gemm_problem.GemmProblem)."""
+
+
+class QuantSubject(Subject, Protocol):
+    def quantize(self, x, ue8m0: bool):
+        """x [rows, cols] bf16 -> (float8_e4m3fn [rows, cols], float32 scales [rows, cols // 128])."""
+
+
 _REGISTRY: dict[str, Subject] = {}
 _loaded = False
 

@@ -100,7 +100,7 @@ def _summary_table(records: list[dict], df: pd.DataFrame) -> str:
         p = r["params"]
         tol = r.get("tolerance") or {}
         ref = DASH if r.get("error_vs_reference") is None else (
-            f"{fmt_float(r['error_vs_reference'])} (&le; {fmt_float(tol.get('gamma'))})")
+            f"{fmt_float(r['error_vs_reference'])} (&le; {fmt_float(tol.get('allowed'))})")
         data = (f'data-family="{esc(r["family"])}" data-subject="{esc(r["subject"])}" '
                 f'data-property="{esc(r["property"])}" data-dtype="{esc(p.get("dtype", DASH))}" '
                 f'data-ws="{esc(p.get("world_size", DASH))}" data-status="{esc(r["status"])}"')

@@ -51,7 +51,7 @@ def mismatch_text(rec: dict) -> str:
     if rec.get("tolerance"):
         tol = rec["tolerance"]
         lines.append(f"Error vs float64 reference: {fmt_float(rec.get('error_vs_reference'))} "
-                     f"(up to {fmt_float(tol.get('gamma'))} allowed: {tol.get('rule')})")
+                     f"(up to {fmt_float(tol.get('allowed'))} allowed: {tol.get('rule')})")
     if rec.get("predicted_mismatched") is not None:
         lines.append(f"Order model ({detail.get('order_model', '?')}) predicted: {rec['predicted_mismatched']}")
     lines.append(f"Rerun: {rec['rerun']}")

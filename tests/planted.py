@@ -43,3 +43,32 @@ class CrashesOnOneRank(AllGatherFold):
         if dist.get_rank(group) == FAULTY_RANK:
             os._exit(9)
         super().reduce_scatter(out, inp, sizes, group)
+
+
+SPLIT_K_ROWS = 64  # past this many rows per expert the planted GEMM splits K in two
+
+
+@register
+class SplitKPastThreshold:
+    """A GEMM whose output for a row depends on how many rows share its expert: past
+    SPLIT_K_ROWS it sums the two K halves separately (a split-K that kicks in with M)."""
+
+    name = "planted_split_k"
+    family = "gemm"
+    summary = "torch GEMM that switches to split-K past 64 rows"
+    layouts = ("contiguous",)
+    dtypes = ("bfloat16",)
+
+    def unavailable(self, platform, params):
+        return None
+
+    def run(self, problem, out):
+        half = problem.a.shape[1] // 2
+        for g, count in enumerate(problem.counts):
+            s = problem.starts[g]
+            a, b = problem.a[s:s + count].float(), problem.b[g].float()
+            if count > SPLIT_K_ROWS:
+                d = a[:, :half] @ b[:, :half].T + a[:, half:] @ b[:, half:].T
+            else:
+                d = a @ b.T
+            out[s:s + count] = d.to(out.dtype)

@@ -4,12 +4,16 @@ Each executor maps (check, subject, rank context) to the measured part of a reco
 """
 from __future__ import annotations
 
-from harness.families import collective
+from harness.families import collective, gemm, quant
 
 EXECUTORS = {
     "collective": collective.execute,
+    "gemm": gemm.execute,
+    "quant": quant.execute,
 }
 
 PROPERTIES = {
     "collective": collective.PROPERTIES,
+    "gemm": gemm.PROPERTIES,
+    "quant": quant.PROPERTIES,
 }

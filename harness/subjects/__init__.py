@@ -6,3 +6,5 @@ from harness.subjects.collective import (  # noqa: F401
     reduce_scatter_native,
     reduce_scatterv_native,
 )
+from harness.subjects.gemm import deepgemm, torch_bmm, torch_grouped_mm, torch_mm  # noqa: F401
+from harness.subjects.quant import deepgemm_fp8, torch_fp8  # noqa: F401

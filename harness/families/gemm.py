@@ -1,0 +1,193 @@
+"""GEMM checks: a probe row's output while everything around it changes.
+
+The probe is one activation row of expert `probe_group`, fixed by the seed. Runs differ in
+what else is in the batch:
+
+* batch-invariance: the probe's expert holds 1 .. thousands of rows (m_values), the other
+  experts' load changes (other_loads), and for masked layouts the expected_m hint changes.
+* position-invariance: the probe at the first, middle and last row of its expert.
+* run-to-run: one run repeated; graph-invariance: eager vs CUDA-graph replay.
+* reference: the whole output against the float64 product, within tolerances.GEMM.
+
+Vacuity: if summing the probe's K products in two different orders cannot change a single
+output element (after rounding to the output dtype), no kernel reordering could show.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness import inputs as gen
+from harness.compare import compare_bitwise, json_float
+from harness.context import RankContext
+from harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
+from harness.graphs import replay_in_graph
+from harness.tolerances import gemm_bound
+from reference import gemm as ref
+
+PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
+
+DEFAULTS = {
+    "n": 256, "k": 512, "groups": 4, "probe_group": 0,
+    "m_values": [1, 3, 17, 128, 1000], "other_loads": [0, 64, 512], "expected_m_values": [1, 64, 1024],
+    "position_m": 256, "repeats": 3, "alignment": 128, "seed": 0, "data": "randn", "cancel": True,
+    "mode": "eager",
+}
+
+
+def out_dtype(dtype: str) -> torch.dtype:
+    return torch.float32 if dtype == "float32" else torch.bfloat16
+
+
+def runs_for(prop: str, p: dict) -> list[dict]:
+    """Each run: rows per expert, the probe's row within its expert, expected_m, a label."""
+    g, groups = p["probe_group"], p["groups"]
+
+    def counts(m, other):
+        return [m if i == g else other for i in range(groups)]
+
+    base_other = p["other_loads"][0]
+    if prop == "batch-invariance":
+        runs = [{"counts": counts(m, base_other), "pos": 0, "expected_m": None, "label": f"m={m}"}
+                for m in p["m_values"]]
+        m0 = p["m_values"][0]
+        runs += [{"counts": counts(m0, o), "pos": 0, "expected_m": None, "label": f"m={m0} others={o}"}
+                 for o in p["other_loads"][1:]]
+        if p["layout"] == "masked":
+            runs += [{"counts": counts(m0, base_other), "pos": 0, "expected_m": e, "label": f"m={m0} expected_m={e}"}
+                     for e in p["expected_m_values"]]
+        return runs
+    m = p["position_m"]
+    if prop == "position-invariance":
+        return [{"counts": counts(m, base_other), "pos": pos, "expected_m": None, "label": name}
+                for pos, name in ((0, "first"), (m // 2, "middle"), (m - 1, "last"))]
+    one = {"counts": counts(m, base_other), "pos": 0, "expected_m": None}
+    if prop == "run-to-run":
+        return [{**one, "label": f"repeat {i}"} for i in range(p["repeats"])]
+    if prop == "graph-invariance":
+        return [{**one, "label": "eager"}, {**one, "label": "graph"}]
+    if prop == "reference":
+        return [{**one, "label": "reference"}]
+    raise ValueError(f"gemm checks have no property {prop!r}")
+
+
+CANCEL = 2.0 ** 12  # one probe product pair: +CANCEL*w and -CANCEL*w, in different K halves
+
+
+def probe_row(p: dict, base) -> torch.Tensor:
+    """The probe activation. With cancel=true two entries, K/2 apart, carry +-CANCEL against
+    equal weight columns: their products cancel exactly, but whatever was added between
+    them is rounded at their magnitude, so any other K order (split-K, another tile walk)
+    changes the output bits. Without it, a bf16 output hides most float32 reorderings."""
+    probe = gen.values((p["k"],), base, p["seed"], "probe-row", data=p["data"])
+    if p["cancel"]:
+        probe[1], probe[1 + p["k"] // 2] = CANCEL, -CANCEL
+    return probe
+
+
+def make_problem(p: dict, run: dict, w, w_scale) -> GemmProblem:
+    k, dtype = p["k"], p["dtype"]
+    base = torch.bfloat16 if dtype == FP8 else gen.dtype_of(dtype)
+    probe = probe_row(p, base)
+    rows = {}
+    for g, c in enumerate(run["counts"]):
+        rows[g] = gen.values((c, k), base, p["seed"], "rows", g, tuple(run["counts"]), data=p["data"])
+        if g == p["probe_group"]:
+            rows[g][run["pos"]] = probe
+    return build(p["layout"], dtype, rows, run["counts"], w, w_scale, k, p["alignment"], run["expected_m"])
+
+
+def output_for(problem: GemmProblem, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    shape = (problem.a.shape[0], n) if problem.layout != "masked" else (*problem.a.shape[:2], n)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def execute(check: dict, subject, ctx: RankContext) -> dict:
+    p = {**DEFAULTS, "layout": subject.layouts[0], **check["params"]}
+    prop = check["property"]
+    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+    probes, labels = [], []
+    for i, run in enumerate(runs_for(prop, p)):
+        problem = make_problem(p, run, w, w_scale)
+        dev = problem.to(ctx.device)
+        out = output_for(dev, p["n"], out_dtype(p["dtype"]), ctx.device)
+        graph = p["mode"] == "graph" or (prop == "graph-invariance" and i == 1)
+        if graph:
+            replay_in_graph(lambda o, a: subject.run(dev, o), out, dev.a)
+        else:
+            subject.run(dev, out)
+        if prop == "reference":
+            return _measure_reference(p, problem, out.cpu())
+        probes.append(out[dev.row_index(p["probe_group"], run["pos"])])
+        labels.append(run["label"])
+    observed = torch.stack(probes)
+    mismatch = compare_bitwise(observed, observed[0], labels)  # on the device; small results come back
+    sensitive = order_sensitive(p, w, w_scale)
+    vacuous = None
+    if sensitive == 0:
+        vacuous = f"no probe output changes bits when its {p['k']} products are summed in another order"
+    elif prop == "batch-invariance" and len({tuple(r['counts']) for r in runs_for(prop, p)}) < 2:
+        vacuous = "the batch never changed"
+    return {**mismatch.to_dict(), "held": mismatch.mismatched == 0, "predicted_mismatched": None,
+            "order_sensitive": sensitive, "vacuous_reason": vacuous, "extra_failure": None}
+
+
+def order_sensitive(p: dict, w, w_scale) -> int:
+    """Output elements of the probe whose bits depend on the K summation order."""
+    run = runs_for("position-invariance", p)[0]
+    problem = make_problem(p, run, w, w_scale)
+    a, b = dequantized(problem)
+    row = a[problem.row_index(p["probe_group"], 0)]
+    weight = b if problem.layout == "dense" else b[p["probe_group"]]
+    row32, w32, half = row.float(), weight.float(), p["k"] // 2
+    whole = w32 @ row32
+    split = w32[:, :half] @ row32[:half] + w32[:, half:] @ row32[half:]
+    dtype = out_dtype(p["dtype"])
+    return int((whole.to(dtype) != split.to(dtype)).sum())
+
+
+def _measure_reference(p: dict, problem: GemmProblem, out: torch.Tensor) -> dict:
+    a, b = dequantized(problem)
+    if problem.layout == "dense":
+        exact, scale = a @ b.T, ref.abs_products(a, b)
+    elif problem.layout == "contiguous":
+        exact = ref.grouped_contiguous(a, b, problem.grouped_layout)
+        scale = torch.zeros_like(exact)
+        for g in range(b.shape[0]):
+            rows = (problem.grouped_layout == g).nonzero().flatten()
+            if rows.numel():
+                scale[rows] = ref.abs_products(a[rows], b[g])
+    else:
+        exact = ref.grouped_masked(a, b, problem.masked_m)
+        scale = torch.zeros_like(exact)
+        for g in range(b.shape[0]):
+            m = int(problem.masked_m[g])
+            scale[g, :m] = ref.abs_products(a[g, :m], b[g])
+    tol = gemm_bound(p["dtype"], p["k"])
+    bound = tol["u_out"] * exact.abs() + tol["gamma"] * scale
+    valid = _valid_mask(problem, exact.shape)
+    err = (out.to(torch.float64) - exact).abs()
+    over = (err > bound) & valid
+    ratio = torch.where(valid, err / bound.clamp_min(1e-300), torch.zeros_like(err))
+    return {
+        "mismatched": int(over.sum()), "total": int(valid.sum()), "held": not bool(over.any()),
+        "max_abs": json_float(float(torch.where(valid, err, torch.zeros_like(err)).max())),
+        "error_vs_reference": json_float(float(ratio.max())),  # 1.0 = at the bound
+        "tolerance": {**tol, "allowed": 1.0, "metric": "max |err| / bound"},
+        "calc_diff": json_float(_calc_diff(out.to(torch.float64)[valid], exact[valid])),
+        "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": None,
+    }
+
+
+def _valid_mask(problem: GemmProblem, shape) -> torch.Tensor:
+    if problem.layout == "dense":
+        return torch.ones(shape, dtype=torch.bool)
+    if problem.layout == "contiguous":
+        return (problem.grouped_layout >= 0).unsqueeze(1).expand(shape)
+    rows = torch.arange(shape[1]).unsqueeze(0) < problem.masked_m.unsqueeze(1)
+    return rows.unsqueeze(2).expand(shape)
+
+
+def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's global similarity 1 - 2<x,y>/(|x|^2+|y|^2), for comparison with its thresholds."""
+    denom = float((x * x + y * y).sum())
+    return 0.0 if denom == 0 else 1.0 - 2.0 * float((x * y).sum()) / denom

@@ -1,0 +1,1 @@
+"""Device kernels the harness itself runs (not subjects)."""

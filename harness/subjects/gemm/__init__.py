@@ -1,0 +1,1 @@
+"""Grouped and dense GEMM implementations, one file per library."""

@@ -1,0 +1,20 @@
+"""torch.bmm over the masked layout [G, max_m, K] x [G, K, N]: every slot, valid or not."""
+import torch
+
+from harness.subject import register
+from harness.subjects.gemm.common import unsupported
+
+
+@register
+class TorchBmm:
+    name = "torch_bmm"
+    family = "gemm"
+    summary = "torch.bmm over the masked layout"
+    layouts = ("masked",)
+    dtypes = ("bfloat16", "float32")
+
+    def unavailable(self, platform, params):
+        return unsupported(self, params)
+
+    def run(self, problem, out):
+        torch.bmm(problem.a, problem.b.transpose(1, 2), out=out)

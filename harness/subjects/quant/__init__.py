@@ -1,0 +1,1 @@
+"""Per-token-group FP8 quantization implementations."""

@@ -1,0 +1,24 @@
+"""DeepGEMM's own quantization helper, deep_gemm.utils.per_token_cast_to_fp8."""
+from harness.subject import register
+from harness.subjects.gemm.deepgemm import deep_gemm
+
+
+@register
+class DeepGemmFp8Quant:
+    name = "deepgemm_fp8_quant"
+    family = "quant"
+    summary = "deep_gemm.utils.per_token_cast_to_fp8"
+
+    def unavailable(self, platform, params):
+        if platform.device != "cuda":
+            return "deep_gemm loads CUDA libraries at import; this run is on the CPU"
+        try:
+            deep_gemm()
+        except ImportError as exc:
+            return f"deep_gemm cannot be imported ({exc}); pip install 'ep-harness[deepgemm]'"
+        return None
+
+    def quantize(self, x, ue8m0):
+        from deep_gemm.utils import per_token_cast_to_fp8
+
+        return per_token_cast_to_fp8(x, use_ue8m0=ue8m0)

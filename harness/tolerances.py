@@ -1,0 +1,38 @@
+"""Error bounds against the float64 reference, in one place.
+
+GEMM, per output element (the classic dot-product bound plus the output rounding):
+
+    |D - D64| <= u_out * |D64| + gamma(K, u_acc) * sum_k |a_k * b_k|,  gamma(K, u) = K*u / (1 - K*u)
+
+so the allowed error grows linearly with K. `u_acc` is the accumulator's unit roundoff with
+a factor of 2 of slack for tensor-core accumulation that does not round to nearest.
+
+| operands      | output | u_out | u_acc | why u_acc                                                 |
+|---------------|--------|-------|-------|-----------------------------------------------------------|
+| bfloat16      | bf16   | 2^-8  | 2^-23 | float32 accumulation                                      |
+| float32       | fp32   | 2^-24 | 2^-23 | float32 accumulation (TF32 off)                           |
+| float8_e4m3fn | bf16   | 2^-8  | 2^-13 | Hopper FP8 MMA keeps ~14 accumulator bits between the     |
+|               |        |       |       | 128-K promotions into float32 (DeepSeek-V3 report)        |
+
+Collectives: a sum of W contributions rounded after every hop obeys
+|s - s64| <= gamma(W-1, u) * sum_r |x_r| with u the wire dtype's unit roundoff.
+"""
+from __future__ import annotations
+
+GEMM = {
+    "bfloat16": {"u_out": 2.0 ** -8, "u_acc": 2.0 ** -23},
+    "float32": {"u_out": 2.0 ** -24, "u_acc": 2.0 ** -23},
+    "float8_e4m3fn": {"u_out": 2.0 ** -8, "u_acc": 2.0 ** -13},
+}
+
+
+def gamma(n: int, u: float) -> float:
+    if n * u >= 1:
+        raise ValueError(f"gamma({n}, {u}) is undefined: n*u >= 1")
+    return n * u / (1 - n * u)
+
+
+def gemm_bound(dtype: str, k: int) -> dict:
+    t = GEMM[dtype]
+    return {"rule": "|err| <= u_out*|D64| + gamma(K, u_acc)*sum|a*b|", "u_out": t["u_out"], "u_acc": t["u_acc"],
+            "K": k, "gamma": gamma(k, t["u_acc"])}

@@ -1,0 +1,71 @@
+"""Exact per-token-group FP8 (e4m3fn) quantization: the one correct bit pattern.
+
+    scale[r, j] = max(amax(x[r, 128j:128(j+1)]), 1e-4) / 448   (float32, or rounded up to a
+                                                                power of two for UE8M0)
+    q[r, k]     = RNE_e4m3(x[r, k] / scale[r, k // 128])        (one rounding, saturating at 448)
+
+The 1e-4 floor and the 448 divisor are DeepGEMM's and DeepEP's conventions. The division
+is done in float64 and rounded once to e4m3 here, by hand, so no intermediate float32
+rounding can creep in.
+"""
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E4M3_MANTISSA_BITS = 3
+E4M3_MIN_NORMAL_EXP = -6
+AMAX_FLOOR = 1e-4
+
+
+def group_scales(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> torch.Tensor:
+    """x: [rows, cols] (cols a multiple of `group`) -> float32 scales [rows, cols // group]."""
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"cols={cols} is not a multiple of the group size {group}")
+    amax = x.to(torch.float64).abs().view(rows, cols // group, group).amax(dim=2).clamp_min(AMAX_FLOOR)
+    scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)  # float32 division, as kernels do
+    if ue8m0:  # round up to a power of two, so that x / scale is exact in binary
+        scale = torch.exp2(torch.ceil(torch.log2(scale.to(torch.float64)))).to(torch.float32)
+    return scale
+
+
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Round float64 values to the nearest e4m3fn value (ties to even), saturating at 448."""
+    mag = v.abs()
+    exp = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag))))
+    exp = exp.clamp_min(E4M3_MIN_NORMAL_EXP)  # subnormals share the smallest normal's quantum
+    quantum = torch.exp2(exp - E4M3_MANTISSA_BITS)
+    rounded = torch.round(mag / quantum) * quantum  # torch.round: half to even; exact in float64
+    rounded = rounded.clamp_max(E4M3_MAX)
+    return (torch.sign(v) * rounded).to(torch.float8_e4m3fn)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int = 128, ue8m0: bool = False):
+    """x: [rows, cols] -> (q float8_e4m3fn [rows, cols], scales float32 [rows, cols // group])."""
+    scale = group_scales(x, group, ue8m0)
+    expanded = scale.to(torch.float64).repeat_interleave(group, dim=1)
+    return round_to_e4m3(x.to(torch.float64) / expanded), scale
+
+
+def quantize_per_block(w: torch.Tensor, block: int = 128, ue8m0: bool = False):
+    """w: [n, k] (multiples of `block`) -> (q [n, k], scales float32 [n // block, k // block])."""
+    n, k = w.shape
+    if n % block or k % block:
+        raise ValueError(f"weight {n}x{k} is not a multiple of the {block}x{block} block")
+    blocks = w.to(torch.float64).view(n // block, block, k // block, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
+    scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale.to(torch.float64)))).to(torch.float32)
+    expanded = scale.to(torch.float64).repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return round_to_e4m3(w.to(torch.float64) / expanded), scale
+
+
+def dequantize_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
+    return q.to(torch.float64) * scale.to(torch.float64).repeat_interleave(group, dim=-1)
+
+
+def dequantize_per_block(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    s = scale.to(torch.float64).repeat_interleave(block, -2).repeat_interleave(block, -1)
+    return q.to(torch.float64) * s
