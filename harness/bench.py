@@ -2,6 +2,7 @@
 
     python -m harness.bench suite   # CPU default suite: one launch per world size vs one per check
     python -m harness.bench report  # render a 2,000-record run: seconds and bytes
+    python -m harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
 
 Medians over repeats, measured side by side in one process.
 """
@@ -71,9 +72,61 @@ def bench_report(n: int, repeats: int, source: Path) -> dict:
             "html_bytes": size}
 
 
+def _cuda_median(fn, repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def bench_compare(gib_sizes: list[float], repeats: int) -> list[dict]:
+    """Fused comparison (reads both tensors once) against a device-to-device copy of one."""
+    import torch
+
+    from harness.kernels.bitcompare import bitwise_stats
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the comparison benchmark needs a CUDA GPU")
+    rows = []
+    for gib in gib_sizes:
+        for dtype in (torch.bfloat16, torch.float32):
+            n = int(gib * 2**30) // torch.empty(0, dtype=dtype).element_size()
+            a = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
+            b = a.clone()
+            b[n // 3] = b[n // 3] * 2 + 1  # two planted differences, the first at n // 3
+            b[-1] = -b[-1] + 1
+            dst = torch.empty_like(a)
+            copy_s = _cuda_median(lambda: dst.copy_(a), repeats)
+            fused_s = _cuda_median(lambda: bitwise_stats(a, b), repeats)
+            torch_s = _cuda_median(lambda: bitwise_stats(a, b, use_triton=False), max(3, repeats // 4))
+            fused, vectorized = bitwise_stats(a, b), bitwise_stats(a, b, use_triton=False)
+            nbytes = a.numel() * a.element_size()
+            rows.append({
+                "dtype": str(dtype).replace("torch.", ""), "bytes_per_tensor": nbytes,
+                "copy_GBps": round(2 * nbytes / copy_s / 1e9, 1),
+                "fused_GBps": round(2 * nbytes / fused_s / 1e9, 1),
+                "torch_GBps": round(2 * nbytes / torch_s / 1e9, 1),
+                "fused_vs_copy": round(copy_s / fused_s, 3),
+                "fused_stats": list(fused), "torch_stats": list(vectorized), "agree": fused == vectorized,
+            })
+            del a, b, dst
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bench")
-    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report"])
+    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report", "compare"])
+    parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suite", default="smoke")
     parser.add_argument("--records", type=int, default=2000)
@@ -91,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         r = results["report"]
         print(f"report of {r['records']} records: {r['render_median_s']} s (median of {len(r['render_s'])}), "
               f"{r['html_bytes'] / 1e6:.2f} MB")
+    if "compare" in args.what:
+        results["compare"] = bench_compare(args.gib, max(args.repeats, 10))
+        for r in results["compare"]:
+            print(f"compare {r['dtype']} {r['bytes_per_tensor'] / 2**30:.0f} GiB: fused {r['fused_GBps']} GB/s, "
+                  f"torch {r['torch_GBps']} GB/s, copy {r['copy_GBps']} GB/s -> fused/copy {r['fused_vs_copy']}"
+                  f" (stats agree: {r['agree']})")
     print(json.dumps(results))
     return 0
 

@@ -65,8 +65,8 @@ def runs_for(prop: str, p: dict) -> list[dict]:
         return [{**one, "label": f"repeat {i}"} for i in range(p["repeats"])]
     if prop == "graph-invariance":
         return [{**one, "label": "eager"}, {**one, "label": "graph"}]
-    if prop == "reference":
-        return [{**one, "label": "reference"}]
+    if prop == "reference":  # every expert loaded, so the whole layout is checked
+        return [{"counts": [m] * groups, "pos": 0, "expected_m": None, "label": "reference"}]
     raise ValueError(f"gemm checks have no property {prop!r}")
 
 
