@@ -15,7 +15,8 @@ def replay_in_graph(fn: Callable[[torch.Tensor, torch.Tensor], None], out: torch
     replay's bits change.
     """
     real = inp.clone()
-    decoy = inp.roll(1, 0)
+    raw = inp.view(torch.uint8) if inp.element_size() == 1 else inp  # roll has no fp8 kernel
+    decoy = raw.roll(1, 0).view(inp.dtype)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -55,6 +55,8 @@ def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> d
         predicted=m.get("predicted_mismatched"), prediction_exact=bool(m.get("order_model_exact")),
         extra_failure=m.get("extra_failure"),
     )
+    if m.get("note"):
+        rec["reason"] += f"; {m['note']}"
     return rec
 
 

@@ -18,17 +18,36 @@ DEFAULTS = {"rows": 64, "cols": 2048, "ue8m0": False, "batch_sizes": [1, 7, 64, 
             "seed": 0, "data": "spread"}
 
 
-def double_rounding(x, scale, q, rq) -> int:
-    """Mismatches explained by rounding through float32: the subject's value is one e4m3
-    step from the exact rounding, and the exact quotient lies within 2^-22 (relative) of the
-    midpoint between them, where a float32 intermediate can land on the tie."""
+def reciprocal_scales(x: torch.Tensor) -> torch.Tensor:
+    """amax * float32(1 / 448): how a scalar division is often compiled (PyTorch's CUDA
+    kernels multiply by the divisor's reciprocal)."""
+    rows, cols = x.shape
+    amax = x.abs().float().view(rows, cols // 128, 128).amax(dim=2).clamp(min=ref.AMAX_FLOOR)
+    return amax * torch.tensor(1.0 / ref.E4M3_MAX, dtype=torch.float32)
+
+
+def explain(x, scale, q, ref_scale, ref_q) -> dict:
+    """Sort every difference from the exact reference into a known cause (or none).
+
+    scales: `reciprocal` when the subject's scale is amax * float32(1/448).
+    values: `scale` when the subject's value is the exact rounding of x / (its own scale);
+    `double rounding` when it is one e4m3 step away and x / scale lies within 2^-22
+    (relative) of the midpoint, where a float32 intermediate can land on the tie."""
+    scale_differs = scale.view(torch.int32) != ref_scale.view(torch.int32)
+    by_reciprocal = scale_differs & (scale.view(torch.int32) == reciprocal_scales(x).view(torch.int32))
     v = x.double() / scale.double().repeat_interleave(128, dim=1)
-    got, want = q.double(), rq.double()
-    differ = q.view(torch.int8) != rq.view(torch.int8)
+    exact_given_scale = ref.round_to_e4m3(v)
+    differ = q.view(torch.int8) != ref_q.view(torch.int8)
+    by_scale = differ & (q.view(torch.int8) == exact_given_scale.view(torch.int8))
+    got, want = q.double(), exact_given_scale.double()
     mid = (got + want) / 2
-    near_tie = (v - mid).abs() <= mid.abs() * 2.0 ** -22
-    one_step = (ref.round_to_e4m3(mid).double() == got) | (ref.round_to_e4m3(mid).double() == want)
-    return int((differ & near_tie & one_step).sum())
+    by_double = differ & ~by_scale & ((v - mid).abs() <= mid.abs() * 2.0 ** -22) & (
+        (ref.round_to_e4m3(mid).double() == got) | (ref.round_to_e4m3(mid).double() == want))
+    return {
+        "scales_differ": int(scale_differs.sum()), "scales_by_reciprocal": int(by_reciprocal.sum()),
+        "values_differ": int(differ.sum()), "values_by_scale": int(by_scale.sum()),
+        "values_by_double_rounding": int(by_double.sum()),
+    }
 
 
 def execute(check: dict, subject, ctx: RankContext) -> dict:
@@ -45,14 +64,20 @@ def execute(check: dict, subject, ctx: RankContext) -> dict:
         out.update(mismatched=mq.mismatched + ms.mismatched, total=mq.total + ms.total,
                    held=mq.mismatched + ms.mismatched == 0)
         out["scale_mismatched"] = ms.mismatched
-        explained = double_rounding(x, rs, q.cpu(), rq)
-        out["explained"] = explained
-        unexplained = mq.mismatched - explained
+        causes = explain(x, s.float().cpu(), q.cpu(), rs, rq)
+        out["explained"] = causes
+        unexplained_values = causes["values_differ"] - causes["values_by_scale"] - causes["values_by_double_rounding"]
+        unexplained_scales = causes["scales_differ"] - causes["scales_by_reciprocal"]
         extra = None
-        if ms.mismatched or unexplained:
-            extra = (f"{unexplained:,} quantized values and {ms.mismatched:,} scales differ from the exact "
-                     f"reference without a double-rounding explanation")
-        return {**out, "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": extra}
+        if unexplained_values or unexplained_scales:
+            extra = (f"{unexplained_values:,} quantized values and {unexplained_scales:,} scales differ from the "
+                     f"exact reference with no known cause")
+        note = None
+        if causes["values_differ"] or causes["scales_differ"]:
+            note = (f"explained: {causes['values_by_double_rounding']:,} values by double rounding, "
+                    f"{causes['values_by_scale']:,} values by their scale, {causes['scales_by_reciprocal']:,} "
+                    f"scales by reciprocal multiplication")
+        return {**out, "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": extra, "note": note}
 
     probe = gen.values((p["cols"],), dtype, p["seed"], "quant-probe", data=p["data"])
     sizes = p["batch_sizes"] if prop == "batch-invariance" else [p["rows"]] * p["repeats"]
