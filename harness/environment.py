@@ -99,6 +99,9 @@ def library_versions() -> dict[str, str]:
 
 
 def git_commit() -> str | None:
+    """The harness's commit (+dirty); EP_HARNESS_COMMIT names it where the tree has no .git."""
+    if os.environ.get("EP_HARNESS_COMMIT"):
+        return os.environ["EP_HARNESS_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -107,7 +110,9 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return (sha + ("+dirty" if dirty else "")) if sha else None
+    if len(sha) != 40:  # not a checkout (a copied tree prints the argument back or nothing)
+        return None
+    return sha + ("+dirty" if dirty else "")
 
 
 def gpu_driver() -> str | None:
