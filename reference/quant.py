@@ -38,7 +38,7 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     quantum = torch.exp2(exp - E4M3_MANTISSA_BITS)
     rounded = torch.round(mag / quantum) * quantum  # torch.round: half to even; exact in float64
     rounded = rounded.clamp_max(E4M3_MAX)
-    return (torch.sign(v) * rounded).to(torch.float8_e4m3fn)
+    return torch.copysign(rounded, v).to(torch.float8_e4m3fn)  # keeps -0 and tiny negatives
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int = 128, ue8m0: bool = False):
