@@ -10,7 +10,7 @@ PYTEST_WORKERS ?= 2
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),)
 
-.PHONY: install verify test bench report clean
+.PHONY: install verify test bench report nightly baseline clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: install
 
 bench: install
 	$(PY) -m harness.bench
+
+nightly: install
+	$(VENV)/bin/ep-harness nightly $(GPU_FLAG)
+
+baseline: install
+	$(VENV)/bin/ep-harness baseline update reports/out/latest
 
 report: install
 	$(VENV)/bin/ep-harness report reports/out/latest

@@ -1,4 +1,4 @@
-"""`ep-harness`: verify, report, list."""
+"""`ep-harness`: verify, report, list, gate, baseline, nightly."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--against", type=Path, help="an earlier run to compare with")
     r.add_argument("--out", type=Path, help="where to write the HTML (default RUN_DIR/report.html)")
 
+    g = sub.add_parser("gate", help="compare a run with its platform's baseline; non-zero on a regression")
+    g.add_argument("run_dir", type=Path)
+    g.add_argument("--baseline", type=Path, help="default: ci/baselines/<platform>.jsonl")
+
+    b = sub.add_parser("baseline", help="manage baselines")
+    b.add_argument("action", choices=["update"])
+    b.add_argument("run_dir", type=Path)
+    b.add_argument("--baseline", type=Path, help="default: ci/baselines/<platform>.jsonl")
+
+    n = sub.add_parser("nightly", help="verify + gate + history + report with trends (make nightly)")
+    n.add_argument("--suite", default="nightly")
+    n.add_argument("--gpus", type=_gpus, default=None)
+    n.add_argument("--baseline", type=Path)
+    n.add_argument("--history", type=Path, default=Path("reports/out/history.jsonl"))
+
     ls = sub.add_parser("list", help="list a suite's checks and what this machine would skip")
     ls.add_argument("--suite", default="smoke")
     ls.add_argument("--gpus", type=_gpus, default=None)
@@ -63,6 +78,22 @@ def main(argv: list[str] | None = None) -> int:
             return render_run(args.run_dir, against=args.against, out=args.out)
         if args.command == "list":
             return _list(args)
+        if args.command == "gate":
+            from harness.gate import gate, render_gate
+
+            result = gate(args.run_dir, args.baseline)
+            print(render_gate(result))
+            return 0 if result["passed"] else 1
+        if args.command == "baseline":
+            from harness.gate import update_baseline
+
+            print(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
+            return 0
+        if args.command == "nightly":
+            from harness.nightly import nightly
+
+            return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
+                           command=["ep-harness", *argv])
     except HarnessError as exc:
         print(f"ep-harness: error: {exc}", file=sys.stderr)
         return 2

@@ -54,7 +54,9 @@ def compare_runs(current: list[dict], previous: list[dict]) -> list[dict]:
             changes.append({"check": cid, **change})
     for cid, new in now.items():
         if cid not in before:
-            changes.append({"check": cid, "kind": "new", "what": f"new check ({new['status']})",
+            failing = new["status"] in ("unexpected", "error")
+            changes.append({"check": cid, "kind": "regression" if failing else "new",
+                            "what": f"new check, {new['status']}" + (f": {new.get('reason')}" if failing else ""),
                             "before": "-", "after": new["status"]})
     return changes
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.records import write_atomic
-from reports import terminal
+from reports import terminal, trends
 from reports.analysis import compare_runs
 from reports.html import render_page
 from reports.load import load_run
 
 
-def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False) -> int:
+def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False,
+               history: Path | None = None) -> int:
     run = load_run(run_dir)
     changes = None
     if against is not None:
@@ -18,7 +19,8 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     if not quiet:
         print(terminal.render(run.records, run.environment, changes))
     target = out or (run.path / "report.html")
-    write_atomic(Path(target), render_page(run, changes, str(against) if against else None))
+    page = render_page(run, changes, str(against) if against else None, extra_sections=trends.section(history))
+    write_atomic(Path(target), page)
     if not quiet:
         print(f"# report: {target}")
     return 0
