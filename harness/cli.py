@@ -1,4 +1,4 @@
-"""`ep-harness`: verify, report, list, gate, baseline, nightly."""
+"""`ep-harness`: verify, report, list, gate, baseline, nightly, explore."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--baseline", type=Path)
     n.add_argument("--history", type=Path, default=Path("reports/out/history.jsonl"))
 
+    e = sub.add_parser("explore", help="search for an invariance violation of a subject and shrink it")
+    e.add_argument("subject")
+    e.add_argument("--world-size", type=int, default=4)
+    e.add_argument("--budget", type=float, default=120.0, help="seconds of search (default 120)")
+    e.add_argument("--max-examples", type=int, default=200)
+    e.add_argument("--plugin", action="append", default=[])
+    e.add_argument("--gpus", type=_gpus, default=None)
+    e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
+
     ls = sub.add_parser("list", help="list a suite's checks and what this machine would skip")
     ls.add_argument("--suite", default="smoke")
     ls.add_argument("--gpus", type=_gpus, default=None)
@@ -89,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
             return 0
+        if args.command == "explore":
+            from harness.explore import explore
+
+            return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
+                           store=args.store, gpus=args.gpus)
         if args.command == "nightly":
             from harness.nightly import nightly
 

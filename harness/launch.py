@@ -34,13 +34,14 @@ class Outcome:
     details: dict = field(default_factory=dict)
 
 
-def torchrun_command(world_size: int, job_dir: Path, start: int, torchrun_args: str | None) -> list[str]:
+def torchrun_command(world_size: int, job_dir: Path, start: int, torchrun_args: str | None,
+                     module: str = "harness.worker") -> list[str]:
     # Past one host, pass torchrun's own rendezvous (--nnodes, --rdzv-endpoint, ...) through
     # EP_HARNESS_TORCHRUN_ARGS; JOB_DIR must then be on a filesystem every host shares.
     rendezvous = shlex.split(torchrun_args) if torchrun_args else ["--standalone", "--nnodes", "1"]
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
             "--nproc-per-node", str(world_size), "--max-restarts", "0", "--monitor-interval", "0.1",
-            "-m", "harness.worker", str(job_dir), str(start)]
+            "-m", module, str(job_dir), str(start)]
 
 
 def _read_json(path: Path):

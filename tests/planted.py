@@ -3,10 +3,12 @@
 import os
 import time
 
+import torch
 import torch.distributed as dist
 
 from harness.subject import register
 from harness.subjects.collective.all_gather_fold import AllGatherFold
+from harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 
 FAULTY_RANK = 1
 
@@ -79,3 +81,25 @@ class SplitKPastThreshold:
             a, b = problem.a[s:s + count], problem.b[g]
             d = split_k(a, b) if count > SPLIT_K_ROWS else whole_k(a, b)
             out[s:s + count] = d.to(out.dtype)
+
+
+@register
+class ArrivalOrderCombine(TorchAllToAllDispatcher):
+    """The torch dispatcher, but its combine sums in arrival order: the local rank's
+    expert outputs first, then the next ranks' round the ring. The order now depends on
+    which rank the token sits on."""
+
+    name = "planted_arrival_order_combine"
+    summary = "combine that sums in arrival order"
+
+    def dispatch(self, x, topk_idx, cfg, group):
+        self.topk_idx, self.per_rank = topk_idx, cfg["num_experts"] // dist.get_world_size(group)
+        return super().dispatch(x, topk_idx, cfg, group)
+
+    def fold(self, slots, weights, group):
+        rank, world, k = dist.get_rank(group), dist.get_world_size(group), weights.shape[1]
+        hops = (self.topk_idx // self.per_rank - rank) % world  # arrival: this rank first
+        hops = torch.where(self.topk_idx >= 0, hops, world)
+        order = torch.sort(hops * k + torch.arange(k), dim=1).indices
+        reordered = torch.gather(slots, 1, order.unsqueeze(-1).expand_as(slots))
+        return super().fold(reordered, torch.gather(weights, 1, order), group)

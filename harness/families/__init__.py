@@ -4,16 +4,18 @@ Each executor maps (check, subject, rank context) to the measured part of a reco
 """
 from __future__ import annotations
 
-from harness.families import collective, gemm, quant
+from harness.families import collective, dispatch, gemm, quant
 
 EXECUTORS = {
     "collective": collective.execute,
     "gemm": gemm.execute,
     "quant": quant.execute,
+    "dispatch": dispatch.execute,
 }
 
 PROPERTIES = {
     "collective": collective.PROPERTIES,
     "gemm": gemm.PROPERTIES,
     "quant": quant.PROPERTIES,
+    "dispatch": dispatch.PROPERTIES,
 }

@@ -7,7 +7,7 @@ the probe. The compared copies of the probe are gathered from the ranks that own
 
 * rank-invariance: the probe in every non-empty shard of one call; copy d vs copy 0.
 * batch-invariance: the last token of the smallest batch, at every batch size (it moves
-  to another destination and row as the batch grows), vs its first result.
+  to another destination and row as the batch grows), vs its result in the first batch.
 * position-invariance: the probe first, in the middle and last in one batch size.
 * run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy.
 * graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
@@ -87,7 +87,7 @@ def layouts(prop: str, p: dict, world_size: int) -> list[Layout]:
         return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p["repeats"])]
     if prop == "batch-invariance":
         batches = p["batch_sizes"]
-        probe = sum(shard_pattern(p["shards"], world_size, batches[0])) - 1
+        probe = sum(shard_pattern(p["shards"], world_size, min(batches))) - 1  # fits every batch
         return [Layout(shard_pattern(p["shards"], world_size, b), (probe,), f"batch {b}") for b in batches]
     if prop == "position-invariance":
         sizes = shard_pattern(p["shards"], world_size, p["position_rows"])

@@ -1,0 +1,202 @@
+"""`ep-harness explore`: search for an invariance violation of a subject, and shrink it.
+
+One torchrun launch: rank 0 runs a Hypothesis search (`hypothesis.find`) over shapes,
+routing, batch composition and seeds; every example it draws is broadcast to all ranks,
+which run the check exactly as `verify` would. The smallest failing example is printed as
+a case-file snippet with its rerun command, and appended to a store that later explorations
+replay first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.errors import HarnessError
+from harness.records import append_line, read_jsonl, write_json
+
+STORE = Path("reports/out/counterexamples.jsonl")
+INVARIANCES = ("rank-invariance", "batch-invariance", "position-invariance", "others-invariance")
+
+
+def strategy(family: str):
+    """Hypothesis strategy of (property, params) for a family; shrinks toward small cases."""
+    from hypothesis import strategies as st
+
+    if family == "dispatch":
+        return st.fixed_dictionaries({
+            "property": st.sampled_from(INVARIANCES),
+            "params": st.fixed_dictionaries({
+                "tokens": st.integers(1, 16),
+                "routing": st.sampled_from(["uniform", "zipf", "empty", "one-rank"]),
+                "seed": st.integers(0, 10_000),
+                "batch_sizes": st.lists(st.integers(1, 32), min_size=2, max_size=4, unique=True),
+                "dtype": st.just("bfloat16"),
+            }),
+        })
+    if family == "collective":
+        return st.fixed_dictionaries({
+            "property": st.sampled_from(INVARIANCES[:3]),
+            "params": st.fixed_dictionaries({
+                "hidden": st.sampled_from([64, 256, 2048]),
+                "rows_per_rank": st.integers(1, 8),
+                "batch_sizes": st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True),
+                "position_rows": st.integers(1, 16),
+                "seed": st.integers(0, 10_000),
+                "dtype": st.sampled_from(["bfloat16", "float16", "float32"]),
+            }),
+        })
+    if family == "gemm":
+        return st.fixed_dictionaries({
+            "property": st.sampled_from(["batch-invariance", "position-invariance"]),
+            "params": st.fixed_dictionaries({
+                "m_values": st.lists(st.integers(1, 512), min_size=2, max_size=4, unique=True),
+                "position_m": st.integers(1, 256),
+                "seed": st.integers(0, 10_000),
+                "dtype": st.just("bfloat16"),
+            }),
+        })
+    raise HarnessError(f"explore has no search space for {family} subjects; families: dispatch, collective, gemm")
+
+
+def as_check(subject, example: dict, world_size: int, backend: str) -> dict:
+    params = {**example["params"], "world_size": world_size, "backend": backend}
+    return {"id": f"explore/{subject.name}/{example['property']}", "case": "explore", "subject": subject.name,
+            "family": subject.family, "property": example["property"], "params": params, "expect": "holds",
+            "timeout_s": 120, "env": {}, "skip_reason": None}
+
+
+def snippet(subject_name: str, example: dict, n: int, world_size: int) -> str:
+    lines = ["[[case]]", f'name = "counterexample-{n}"', f'subject = "{subject_name}"',
+             f'properties = ["{example["property"]}"]', 'expect = "holds"', "[case.params]"]
+    for key, value in sorted({**example["params"], "world_size": world_size}.items()):
+        if key != "backend":
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def explore(subject_name: str, world_size: int, budget_s: float, max_examples: int, plugins: list[str],
+            store: Path = STORE, gpus: int | None = None) -> int:
+    from harness import subject as registry
+    from harness.environment import detect, pinned_env
+    from harness.launch import torchrun_command
+
+    registry.load_all(plugins)
+    subject = registry.get(subject_name)
+    strategy(subject.family)  # fail early on a family without a search space
+    platform = detect(gpus)
+    if world_size > platform.ranks:
+        raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
+    job_dir = Path("reports/out/explore") / f"{subject_name}-{int(time.time())}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    known = [r for r in read_jsonl(store) if r["subject"] == subject_name]
+    write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,
+                                      "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
+                                      "known": [k["example"] for k in known]})
+    env = {**os.environ, **pinned_env(platform, {}), "PYTHONPATH": os.pathsep.join(
+        filter(None, [os.getcwd(), str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
+    with open(job_dir / "torchrun.log", "w") as log:
+        proc = subprocess.run(torchrun_command(world_size, job_dir, 0, None, module="harness.explore"), env=env,
+                              stdout=log, stderr=subprocess.STDOUT, timeout=budget_s + 600)
+    result_path = job_dir / "result.json"
+    if proc.returncode != 0 or not result_path.exists():
+        tail = "\n".join((job_dir / "torchrun.log").read_text().splitlines()[-15:])
+        raise HarnessError(f"the exploration launch failed (exit {proc.returncode}); log {job_dir}/torchrun.log:\n{tail}")
+    result = json.loads(result_path.read_text())
+    print(f"# explored {subject_name} on {world_size} {platform.backend} ranks: {result['examples']} examples "
+          f"in {result['seconds']:.0f} s ({len(known)} known counterexample(s) replayed first)")
+    if not result["found"]:
+        print("# no violation found within the budget")
+        return 0
+    example = result["example"]
+    n = len(known) + 1
+    suite = job_dir / "counterexample.toml"
+    suite.write_text(f'[suite]\nname = "counterexample"\nplugins = {json.dumps(plugins)}\n\n'
+                     + snippet(subject_name, example, n, world_size))
+    if not result.get("replayed"):
+        append_line(store, {"subject": subject_name, "example": example, "found": result["summary"]})
+    print(f"# violation: {result['summary']}")
+    print(snippet(subject_name, example, n, world_size))
+    check = f"counterexample-{n}/{example['property']}"
+    print(f"# rerun: ep-harness verify --suite {suite} --check '{check}'"
+          + "".join(f" --plugin {p}" for p in plugins))
+    return 1
+
+
+def worker(job_dir: Path) -> int:
+    """Every rank: rank 0 searches; all ranks evaluate what it broadcasts."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from harness import subject as registry
+    from harness.context import RankContext
+    from harness.families import EXECUTORS
+
+    job = json.loads((job_dir / "job.json").read_text())
+    registry.load_all(job["plugins"])
+    subject = registry.get(job["subject"])
+    rank = int(os.environ["RANK"])
+    device = torch.device("cpu")
+    if job["backend"] == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(job["backend"], timeout=datetime.timedelta(seconds=job["budget_s"] + 300))
+    ctx = RankContext(rank, dist.get_world_size(), job["backend"], device, dist.group.WORLD)
+
+    def evaluate(example):
+        box = [example]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return None
+        return EXECUTORS[subject.family](as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
+
+    if rank != 0:
+        while evaluate(None) is not None:
+            pass
+        dist.destroy_process_group()
+        return 0
+
+    from hypothesis import HealthCheck, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    began, count, found, replayed = time.time(), 0, None, False
+
+    def violates(example) -> bool:
+        nonlocal count
+        if time.time() - began > job["budget_s"]:
+            return False
+        count += 1
+        m = evaluate(example)
+        return m["held"] is False and not m.get("vacuous_reason")
+
+    for example in job["known"]:  # replay known counterexamples first
+        if violates(example):
+            found, replayed = example, True
+            break
+    if found is None:
+        try:
+            found = find(strategy(subject.family), violates, settings=settings(
+                max_examples=job["max_examples"], deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck)))
+        except NoSuchExample:
+            found = None
+    summary = None
+    if found is not None:
+        m = evaluate(found)
+        summary = (f"{found['property']}: {m['mismatched']:,} / {m['total']:,} differ "
+                   f"(first at {m['first_mismatch']['row']})" if m.get("first_mismatch") else found["property"])
+    evaluate(None)
+    write_json(job_dir / "result.json", {"found": found is not None, "example": found, "examples": count,
+                                          "seconds": time.time() - began, "summary": summary,
+                                          "replayed": replayed})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker(Path(sys.argv[1])))

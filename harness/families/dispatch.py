@@ -1,0 +1,207 @@
+"""Dispatch + combine checks.
+
+Experts here are exact: expert e multiplies its rows by c_e = +-2^(8j) (a power of two,
+alternating in sign), so expert outputs carry no rounding and the combine's top-k sum is
+the only place an order can change bits. The probe goes to experts 4, 5 (+-2^16) and 0, 1
+(+-1) with equal weights on the first two: the large pair cancels exactly when added
+together, but a small term added between them is rounded away, so the order shows.
+
+* reference: BF16 dispatch is lossless (every received row bitwise equal to the row sent,
+  compared after sorting by expert, source rank and token); FP8 dispatch equals the exact
+  reference quantization, values and scales.
+* combine-reference: combined output vs the float64 weighted sum, within tolerances.
+* batch-, position-, rank-, others-invariance, run-to-run: the probe's combined bits.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from harness.compare import compare_bitwise, json_float
+from harness.context import RankContext
+from harness.moe_scenario import placements, rank_tokens
+from harness.subjects.dispatch.common import Received
+from harness.subjects.dispatch.wire import resolve_wire_dtype
+from harness.tolerances import gamma
+from reference import quant as ref_quant
+
+PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
+              "rank-invariance", "others-invariance")
+DEFAULTS = {"tokens": 16, "hidden": 256, "num_experts": 16, "topk": 4, "routing": "uniform",
+            "layout": "contiguous", "alignment": 16, "expert_quant": "bf16", "wire": "auto", "ue8m0": True,
+            "batch_sizes": [1, 3, 16, 64], "repeats": 3, "seed": 0, "data": "spread",
+            "probe_experts": [4, 5, 0, 1]}
+
+
+def expert_scale(e: int) -> float:
+    """+-1 for experts 0, 1; +-2^8 for 2, 3; +-2^16 for 4, 5; and so on, repeating."""
+    return (-1.0) ** e * 2.0 ** (8 * ((e // 2) % 3))
+
+
+def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
+    """Exact experts on the received layout -> bf16 outputs in the same layout."""
+    rows = received.rows()
+    if received.scale is not None:
+        x = rows.float() * received.scale.reshape(-1, received.scale.shape[-1]).repeat_interleave(128, dim=1)
+    else:
+        x = rows.float()
+    local = torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
+    if received.layout == "masked":
+        max_m = received.x.shape[1]
+        for e, c in enumerate(received.counts):
+            local[e * max_m:e * max_m + c] = e
+    else:
+        local = received.grouped_layout.long()
+    scales = torch.tensor([expert_scale(rank * per_rank + e) for e in range(per_rank)] + [0.0],
+                          device=rows.device)
+    y = x * scales[local].unsqueeze(1)  # padding rows (local = -1) pick the trailing 0
+    return y.to(torch.bfloat16).view(*received.x.shape)
+
+
+def execute(check: dict, subject, ctx: RankContext) -> dict:
+    p = {**DEFAULTS, **check["params"]}
+    prop = check["property"]
+    cfg = {**p, "wire": resolve_wire_dtype(p["expert_quant"], p["wire"])}
+    per_rank = p["num_experts"] // ctx.world_size
+    copies, mine_dispatch, outputs = [], [], []
+    runs = placements(prop, p, ctx.world_size)
+    for run in runs:
+        x, idx, w = rank_tokens(p, run, ctx.rank)
+        x, idx, w = x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
+        received = subject.dispatch(x, idx, cfg, ctx.group)
+        y = run_experts(received, ctx.rank, per_rank)
+        out = subject.combine(y, received, w, ctx.group)
+        copies.append({i: out[pos].cpu() for i, (r, pos) in enumerate(run.probes) if r == ctx.rank})
+        outputs.append(out.cpu())
+        if prop == "reference":
+            mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
+    gathered = ctx.gather((copies, outputs if prop == "combine-reference" else None, mine_dispatch))
+    result = None
+    if ctx.rank == 0:
+        if prop == "reference":
+            result = _measure_dispatch(p, cfg, runs[0], [g[2][0] for g in gathered], ctx.world_size)
+        elif prop == "combine-reference":
+            result = _measure_combine(p, runs[0], [g[1][0] for g in gathered], ctx.world_size, per_rank)
+        else:
+            result = _measure_probe(p, prop, runs, gathered, ctx.world_size)
+    return ctx.share_from_rank0(result)
+
+
+def _received_rows(received: Received, rank: int, per_rank: int) -> list[tuple]:
+    """(expert, src rank, token, slot, row bytes, scale) for every valid received row."""
+    rows = received.rows().cpu()
+    if rows.element_size() == 1:  # fp8 storages do not survive all_gather_object's pickling
+        rows = rows.view(torch.uint8)
+    scales = None if received.scale is None else received.scale.reshape(-1, received.scale.shape[-1]).cpu()
+    if received.layout == "masked":
+        local = [e for e, c in enumerate(received.counts) for _ in range(received.x.shape[1])]
+    else:
+        local = received.grouped_layout.cpu().tolist()
+    out = []
+    for i in (received.src_rank >= 0).nonzero().flatten().tolist():
+        out.append((rank * per_rank + local[i], int(received.src_rank[i]), int(received.src_token[i]),
+                    int(received.src_slot[i]), rows[i], None if scales is None else scales[i]))
+    return out
+
+
+def _measure_dispatch(p, cfg, run, per_rank_rows, world) -> dict:
+    got = sorted((r for rows in per_rank_rows for r in rows), key=lambda r: r[:4])
+    want = []
+    for src in range(world):
+        x, idx, _ = rank_tokens(p, run, src)
+        for t in range(x.shape[0]):
+            for slot, e in enumerate(idx[t].tolist()):
+                if e >= 0:
+                    want.append((e, src, t, slot, x[t]))
+    want.sort(key=lambda r: r[:4])
+    if [r[:4] for r in got] != [r[:4] for r in want]:
+        missing = len({r[:4] for r in want} - {r[:4] for r in got})
+        return {"mismatched": max(missing, 1), "total": len(want), "held": False, "predicted_mismatched": None,
+                "vacuous_reason": None, "extra_failure": f"{missing} (token, slot) rows were lost or misrouted"}
+    actual = torch.stack([r[4] for r in got])
+    if actual.dtype == torch.uint8:
+        actual = actual.view(torch.float8_e4m3fn)
+    expected = torch.stack([r[4] for r in want])
+    labels = [f"expert {r[0]} from rank {r[1]} token {r[2]}" for r in got]
+    if cfg["wire"] == "fp8":
+        q, s = ref_quant.quantize_per_token_group(expected, 128, ue8m0=p["ue8m0"])
+        mq = compare_bitwise(actual, q, labels)
+        ms = compare_bitwise(torch.stack([r[5] for r in got]), s)
+        out = mq.to_dict()
+        out.update(mismatched=mq.mismatched + ms.mismatched, total=mq.total + ms.total)
+    else:
+        out = compare_bitwise(actual, expected, labels).to_dict()
+    return {**out, "held": out["mismatched"] == 0, "predicted_mismatched": None, "vacuous_reason": None,
+            "extra_failure": None}
+
+
+def _combine_inputs(p, run, world, per_rank):
+    """float64 expert outputs per (token, slot) and weights, rebuilt from inputs alone."""
+    outs = []
+    for src in range(world):
+        x, idx, w = rank_tokens(p, run, src)
+        xd = x.double()
+        if p["expert_quant"] == "fp8":
+            q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p["ue8m0"])
+            xd = ref_quant.dequantize_per_token_group(q, s)
+        scale = torch.tensor([expert_scale(int(e)) if e >= 0 else 0.0 for e in idx.flatten()], dtype=torch.float64)
+        y = xd.unsqueeze(1) * scale.view(idx.shape).unsqueeze(-1)
+        y = y.to(torch.bfloat16).double()  # experts write bf16 (exact here: powers of two)
+        outs.append((y, w.double()))
+    return outs
+
+
+def _measure_combine(p, run, outputs, world, per_rank) -> dict:
+    got, exact, magnitude = [], [], []
+    for (y, w), out in zip(_combine_inputs(p, run, world, per_rank), outputs):
+        exact.append((y * w.unsqueeze(-1)).sum(1))
+        magnitude.append((y.abs() * w.unsqueeze(-1)).sum(1))
+        got.append(out.double())
+    got, exact, magnitude = torch.cat(got), torch.cat(exact), torch.cat(magnitude)
+    u_out, g = 2.0 ** -8, gamma(p["topk"], 2.0 ** -24)
+    bound = u_out * exact.abs() + g * magnitude
+    err = (got - exact).abs()
+    over = err > bound
+    return {"mismatched": int(over.sum()), "total": got.numel(), "held": not bool(over.any()),
+            "max_abs": json_float(float(err.max())),
+            "error_vs_reference": json_float(float((err / bound.clamp_min(1e-300)).max())),
+            "tolerance": {"rule": "|err| <= 2^-8*|exact| + gamma(k, 2^-24)*sum_j w_j|y_j|", "allowed": 1.0,
+                          "metric": "max |err| / bound"},
+            "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": None}
+
+
+def order_sensitive(p) -> int:
+    """Probe elements whose bf16 combine result changes under some order of its k terms."""
+    run = placements("position-invariance", p, 1)[0]
+    y, w64 = _combine_inputs(p, run, 1, p["num_experts"])[0]
+    terms = (y[0] * w64[0].unsqueeze(-1)).float()  # [k, H] as float32 products
+    first = None
+    sensitive = torch.zeros(terms.shape[1], dtype=torch.bool)
+    for perm in itertools.islice(itertools.permutations(range(terms.shape[0])), 24):
+        acc = torch.zeros(terms.shape[1])
+        for j in perm:
+            acc = acc + terms[j]
+        bits = acc.to(torch.bfloat16).view(torch.int16)
+        first = bits if first is None else first
+        sensitive |= bits != first
+    return int(sensitive.sum())
+
+
+def _measure_probe(p, prop, runs, gathered, world) -> dict:
+    observed, labels = [], []
+    for i, run in enumerate(runs):
+        for c, (r, pos) in enumerate(run.probes):
+            observed.append(gathered[r][0][i][c])
+            labels.append(f"{run.label}: rank {r} token {pos}")
+    observed = torch.stack(observed)
+    expected = observed[0]
+    m = compare_bitwise(observed, expected, labels)
+    sensitive = order_sensitive(p)
+    vacuous = None
+    if sensitive == 0:
+        vacuous = f"no probe element changes bits under another order of its {p['topk']} combine terms"
+    elif prop == "rank-invariance" and world < 2:
+        vacuous = "one rank: the probe cannot move"
+    return {**m.to_dict(), "held": m.mismatched == 0, "predicted_mismatched": None, "order_sensitive": sensitive,
+            "vacuous_reason": vacuous, "extra_failure": None}

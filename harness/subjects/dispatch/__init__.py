@@ -1,0 +1,1 @@
+"""Expert-parallel dispatch + combine implementations."""

@@ -1,0 +1,130 @@
+"""An expert-parallel dispatcher on torch.distributed all-to-all (gloo or NCCL).
+
+Dispatch sends every (token, slot) row to the rank that owns the slot's expert (expert e
+lives on rank e // experts_per_rank), BF16 or FP8 + scales on the wire. Rows arrive in
+(source rank, token, slot) order and are grouped per local expert in that order, so the
+received layout does not depend on timing. Combine sends expert outputs back and forms
+the top-k weighted sum in slot order in float32, rounding once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.subject import register
+from harness.subjects.dispatch.common import Received, align, quantize_wire
+from harness.subjects.dispatch.wire import resolve_wire_dtype
+
+
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """all_to_all_single of rows; fp8 and other byte types travel as uint8."""
+    raw = send.view(torch.uint8) if send.element_size() == 1 and send.dtype != torch.uint8 else send
+    out = raw.new_empty((sum(recv_counts), *raw.shape[1:]))
+    dist.all_to_all_single(out, raw.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                           group=group)
+    return out.view(send.dtype) if raw is not send else out
+
+
+@register
+class TorchAllToAllDispatcher:
+    name = "torch_a2a_dispatch"
+    family = "dispatch"
+    summary = "torch.distributed all-to-all dispatch, fixed-order combine"
+
+    def unavailable(self, platform, params):
+        try:
+            resolve_wire_dtype(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def dispatch(self, x, topk_idx, cfg, group) -> Received:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        per_rank = cfg["num_experts"] // world
+        wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))
+        tokens, slots = (topk_idx >= 0).nonzero(as_tuple=True)  # row-major: (token, slot) order
+        experts = topk_idx[tokens, slots]
+        dest = experts // per_rank
+        order = torch.sort(dest, stable=True).indices
+        tokens, slots, experts, dest = tokens[order], slots[order], experts[order], dest[order]
+        send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
+        recv_counts_t = torch.empty(world, dtype=torch.int64, device=x.device)
+        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64, device=x.device),
+                               group=group)
+        recv_counts = recv_counts_t.tolist()
+        meta = torch.stack([torch.full_like(tokens, rank), tokens, slots, experts], dim=1)
+        meta = _exchange(meta, send_counts, recv_counts, group)
+        rows = x[tokens]
+        scale = None
+        if wire == "fp8":
+            rows, scale = quantize_wire(rows, cfg.get("ue8m0", True))
+            scale = _exchange(scale, send_counts, recv_counts, group)
+        rows = _exchange(rows, send_counts, recv_counts, group)
+        local = meta[:, 3] - rank * per_rank
+        order = torch.sort(local, stable=True).indices  # group per expert, keep arrival order
+        return self._layout(cfg, per_rank, rows[order], None if scale is None else scale[order],
+                            meta[order], local[order])
+
+    def _layout(self, cfg, per_rank, rows, scale, meta, local) -> Received:
+        counts = [int((local == e).sum()) for e in range(per_rank)]
+        hidden, dev = rows.shape[1], rows.device
+        if cfg["layout"] == "masked":
+            max_m = align(max(max(counts), 1), cfg["alignment"])
+            shape, starts = (per_rank, max_m), [0] * per_rank
+            slot_of = [e * max_m + i for e in range(per_rank) for i in range(counts[e])]
+        else:
+            starts, total = [], 0
+            for c in counts:
+                starts.append(total)
+                total += align(c, cfg["alignment"])
+            shape = (total,)
+            slot_of = [starts[e] + i for e in range(per_rank) for i in range(counts[e])]
+        where = torch.tensor(slot_of, dtype=torch.long, device=dev)
+        flat_rows = int(torch.tensor(shape).prod())
+        x = torch.zeros((flat_rows, hidden), dtype=rows.dtype, device=dev)
+        x.view(torch.uint8 if x.element_size() == 1 else x.dtype)[where] = (
+            rows.view(torch.uint8) if rows.element_size() == 1 else rows)
+        src = torch.full((flat_rows, 3), -1, dtype=torch.int64, device=dev)
+        src[where] = meta[:, :3]
+        sc = None
+        if scale is not None:
+            sc = torch.zeros((flat_rows, scale.shape[1]), dtype=scale.dtype, device=dev)
+            sc[where] = scale
+            sc = sc.view(*shape, scale.shape[1])
+        received = Received(cfg["layout"], x.view(*shape, hidden), sc, counts, starts,
+                            src[:, 0], src[:, 1], src[:, 2])
+        if cfg["layout"] == "masked":
+            received.masked_m = torch.tensor(counts, dtype=torch.int32, device=dev)
+        else:
+            gl = torch.full((flat_rows,), -1, dtype=torch.int32, device=dev)
+            gl[where] = local.to(torch.int32)
+            received.grouped_layout = gl
+        return received
+
+    def combine(self, expert_out, handle: Received, topk_weights, group) -> torch.Tensor:
+        """expert_out: bf16 in handle's layout -> [T, H] bf16 on every source rank."""
+        world = dist.get_world_size(group)
+        flat = expert_out.reshape(-1, expert_out.shape[-1])
+        valid = (handle.src_rank >= 0).nonzero().flatten()
+        back = torch.sort(handle.src_rank[valid], stable=True).indices
+        valid = valid[back]
+        dest = handle.src_rank[valid]
+        send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
+        recv_counts_t = torch.empty(world, dtype=torch.int64, device=flat.device)
+        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64, device=flat.device),
+                               group=group)
+        recv_counts = recv_counts_t.tolist()
+        meta = _exchange(torch.stack([handle.src_token[valid], handle.src_slot[valid]], dim=1), send_counts,
+                         recv_counts, group)
+        rows = _exchange(flat[valid], send_counts, recv_counts, group)
+        tokens, k = topk_weights.shape
+        slots = torch.zeros((tokens, k, flat.shape[1]), dtype=torch.float32, device=flat.device)
+        slots[meta[:, 0], meta[:, 1]] = rows.float()
+        return self.fold(slots, topk_weights, group).to(expert_out.dtype)
+
+    def fold(self, slots: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
+        """sum_j w_j * y_j in slot order, float32 (empty slots hold zeros)."""
+        acc = torch.zeros_like(slots[:, 0])
+        for j in range(slots.shape[1]):
+            acc = acc + weights[:, j:j + 1].float() * slots[:, j]
+        return acc
