@@ -90,7 +90,9 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     platform = detect(gpus)
     if world_size > platform.ranks:
         raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
-    job_dir = Path("reports/out/explore") / f"{subject_name}-{int(time.time())}"
+    from harness.verify import new_run_id
+
+    job_dir = Path("reports/out/explore") / f"{subject_name}-{new_run_id()}"
     job_dir.mkdir(parents=True, exist_ok=True)
     known = [r for r in read_jsonl(store) if r["subject"] == subject_name]
     write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,

@@ -75,6 +75,15 @@ class GemmSubject(Subject, Protocol):
         """Write D = A @ B^T per expert into `out` (see harness.gemm_problem.GemmProblem)."""
 
 
+class DispatchSubject(Subject, Protocol):
+    def dispatch(self, x, topk_idx, topk_weights, cfg: dict, group):
+        """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
+        (-1: none); return a harness.subjects.dispatch.common.Received in cfg["layout"]."""
+
+    def combine(self, expert_out, handle, topk_weights, group):
+        """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""
+
+
 class QuantSubject(Subject, Protocol):
     def quantize(self, x, ue8m0: bool):
         """x [rows, cols] bf16 -> (float8_e4m3fn [rows, cols], float32 scales [rows, cols // 128])."""

@@ -92,9 +92,9 @@ class ArrivalOrderCombine(TorchAllToAllDispatcher):
     name = "planted_arrival_order_combine"
     summary = "combine that sums in arrival order"
 
-    def dispatch(self, x, topk_idx, cfg, group):
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
         self.topk_idx, self.per_rank = topk_idx, cfg["num_experts"] // dist.get_world_size(group)
-        return super().dispatch(x, topk_idx, cfg, group)
+        return super().dispatch(x, topk_idx, topk_weights, cfg, group)
 
     def fold(self, slots, weights, group):
         rank, world, k = dist.get_rank(group), dist.get_world_size(group), weights.shape[1]

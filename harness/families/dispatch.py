@@ -62,14 +62,15 @@ def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
 def execute(check: dict, subject, ctx: RankContext) -> dict:
     p = {**DEFAULTS, **check["params"]}
     prop = check["property"]
-    cfg = {**p, "wire": resolve_wire_dtype(p["expert_quant"], p["wire"])}
+    cfg = {**p, "wire": resolve_wire_dtype(p["expert_quant"], p["wire"]),
+           "tokens_max": max([p["tokens"], *p["batch_sizes"]])}
     per_rank = p["num_experts"] // ctx.world_size
     copies, mine_dispatch, outputs = [], [], []
     runs = placements(prop, p, ctx.world_size)
     for run in runs:
         x, idx, w = rank_tokens(p, run, ctx.rank)
         x, idx, w = x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
-        received = subject.dispatch(x, idx, cfg, ctx.group)
+        received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
         out = subject.combine(y, received, w, ctx.group)
         copies.append({i: out[pos].cpu() for i, (r, pos) in enumerate(run.probes) if r == ctx.rank})

@@ -38,7 +38,8 @@ class TorchAllToAllDispatcher:
             return str(exc)
         return None
 
-    def dispatch(self, x, topk_idx, cfg, group) -> Received:
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
+        """Weights stay on the source rank: this combine applies them where the token lives."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         per_rank = cfg["num_experts"] // world
         wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))

@@ -1,0 +1,121 @@
+"""Dispatch: the wire-dtype contract, the DeepEP adapters' wiring against a recording fake,
+real gloo dispatch checks, and the planted arrival-order combine (verify and explore)."""
+import json
+import shlex
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.context import RankContext
+from harness.families import dispatch as family
+from harness.subjects.dispatch import deepep
+from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype
+from tests import fake_deep_ep
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize("experts, wire", [("bf16", "fp8"), ("fp8", "bf16")])
+def test_wire_contradicting_the_checkpoint_is_refused(experts, wire):
+    with pytest.raises(ValueError, match=f"wire dtype {wire} contradicts the {experts} expert weights"):
+        resolve_wire_dtype(experts, wire)
+
+
+def test_wire_follows_the_checkpoint():
+    assert resolve_wire_dtype("fp8") == "fp8" and resolve_wire_dtype("bf16", "auto") == "bf16"
+
+
+@pytest.mark.parametrize("wire, flag", [("bf16", True), ("fp8", False)])
+def test_buffer_option_against_the_wire_is_refused(wire, flag):
+    with pytest.raises(ValueError, match=f"use_fp8_dispatch={flag} contradicts the {wire} wire dtype"):
+        check_buffer_option(wire, flag)
+
+
+@pytest.fixture
+def one_rank():
+    store = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    yield RankContext(0, 1, "gloo", torch.device("cpu"), dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake_deep_ep.CALLS.clear()
+    monkeypatch.setattr(deepep._DeepEP, "module", staticmethod(lambda: fake_deep_ep))
+    return fake_deep_ep.CALLS
+
+
+def run_check(subject, prop, ctx, **params):
+    check = {"id": "x", "property": prop, "params": {"world_size": 1, "num_experts": 8, **params}}
+    return family.execute(check, subject, ctx)
+
+
+@pytest.mark.parametrize("name", ["deepep_v2", "deepep_v1", "deepep_v1_ll"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_deepep_wiring_against_the_recording_fake(one_rank, fake, name, quant):
+    subject = {"deepep_v2": deepep.DeepEPElastic, "deepep_v1": deepep.DeepEPNormal,
+               "deepep_v1_ll": deepep.DeepEPLowLatency}[name]()
+    layout = "masked" if name == "deepep_v1_ll" else "contiguous"
+    m = run_check(subject, "combine-reference", one_rank, expert_quant=quant, layout=layout)
+    assert m["held"], m
+    kinds = {k: v for k, v in fake}
+    dispatched = next(v for k, v in fake if k.endswith("dispatch"))
+    if name == "deepep_v2":
+        ctor = kinds["ElasticBuffer"]
+        assert ctor["use_fp8_dispatch"] is (quant == "fp8")
+        assert ctor["deterministic"] is True and ctor["allow_multiple_reduction"] is False
+        assert dispatched["do_expand"] is True
+    if name == "deepep_v1_ll":
+        assert dispatched["dtype"] == torch.bfloat16 and dispatched["use_fp8"] is (quant == "fp8")
+        assert kinds["Buffer"]["low_latency_mode"] is True
+    else:
+        assert dispatched["wire"] == quant
+        if quant == "fp8":
+            assert dispatched["dtype"] == torch.float8_e4m3fn and dispatched["scale_dtype"] == torch.float32
+            assert dispatched["scale_shape"][1] == 256 // 128
+        else:
+            assert dispatched["dtype"] == torch.bfloat16
+    assert any(k.endswith("combine") for k, _ in fake)
+
+
+def test_deepep_is_skipped_with_the_import_error(monkeypatch):
+    from harness.subject import Platform
+
+    deepep._import.clear()
+    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4), {})
+    assert reason.startswith("deep_ep cannot be imported (ModuleNotFoundError: No module named 'deep_ep')")
+    assert deepep.DeepEPElastic().unavailable(Platform("gloo", "cpu", 4), {}) == \
+        "DeepEP needs NVIDIA GPUs; this run is on the CPU"
+
+
+@pytest.mark.slow
+def test_planted_arrival_order_combine_fails_rank_invariance(tmp_path):
+    proc = run_cli("verify", "--suite", "tests/cases/planted_combine.toml", "--gpus", "0", "--out", str(tmp_path))
+    assert proc.returncode == 1
+    recs = {}
+    for line in (tmp_path / "latest" / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        recs[r["property"]] = r
+    assert recs["rank-invariance"]["status"] == "unexpected" and recs["rank-invariance"]["mismatched"] > 0
+    assert recs["rank-invariance"]["detail"]["order_sensitive"] > 0
+    assert recs["batch-invariance"]["status"] == "ok"  # the probe never left rank 0 there
+
+
+@pytest.mark.slow
+def test_explore_finds_and_shrinks_the_planted_combine(tmp_path):
+    store = tmp_path / "cx.jsonl"
+    args = ["explore", "planted_arrival_order_combine", "--plugin", "tests.planted", "--budget", "120",
+            "--store", str(store)]
+    proc = run_cli(*args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    example = json.loads(store.read_text().splitlines()[0])["example"]
+    assert example["property"] == "rank-invariance"
+    assert example["params"]["tokens"] * 4 <= 4  # one token per rank: at most 4 in the system
+    assert "[[case]]" in proc.stdout and "# rerun: ep-harness verify --suite" in proc.stdout
+    rerun = shlex.split(proc.stdout.split("# rerun: ")[1].strip())
+    again = run_cli(*rerun[1:], "--out", str(tmp_path / "rerun"))
+    assert again.returncode == 1 and "unexpected" in again.stdout
+    replay = run_cli(*args)
+    assert "1 known counterexample(s) replayed first" in replay.stdout and replay.returncode == 1
