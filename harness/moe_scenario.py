@@ -76,8 +76,9 @@ def placements(prop: str, p: dict, world: int) -> list[Placement]:
         return [Placement((t,) * world, tuple((r, 0) for r in range(world)), seed, "every rank")]
     if prop == "run-to-run":
         return [Placement((t,) * world, ((0, 0),), seed, f"repeat {i}") for i in range(p["repeats"])]
-    if prop == "batch-invariance":
-        return [Placement((b,) * world, ((0, b - 1),), seed, f"tokens {b}") for b in p["batch_sizes"]]
+    if prop == "batch-invariance":  # a fixed global token: it changes rank as the batch grows
+        g = world * min(p["batch_sizes"]) - 1
+        return [Placement((b,) * world, (divmod(g, b),), seed, f"tokens {b}") for b in p["batch_sizes"]]
     if prop == "position-invariance":
         return [Placement((t,) * world, ((0, pos),), seed, name)
                 for pos, name in ((0, "first"), (t // 2, "middle"), (t - 1, "last"))]

@@ -14,6 +14,14 @@ a factor of 2 of slack for tensor-core accumulation that does not round to neare
 | float8_e4m3fn | bf16   | 2^-8  | 2^-13 | Hopper FP8 MMA keeps ~14 accumulator bits between the     |
 |               |        |       |       | 128-K promotions into float32 (DeepSeek-V3 report)        |
 
+MoE layer (bf16 activations; roundings at the TP reduce, gate-up, silu*up, down and combine):
+
+    |out - out64| <= u_out * |out64| + factor * u_out * sum_j w_j * (|silu(g_j) * u_j| @ |W_down_j|^T)
+
+with u_out = 2^-8 and factor = 8: a coarse bound at the down projection's scale, counted
+only over tokens whose selected experts match the reference (router flips are reported
+apart, since a flip changes the function, not its rounding).
+
 Collectives: a sum of W contributions rounded after every hop obeys
 |s - s64| <= gamma(W-1, u) * sum_r |x_r| with u the wire dtype's unit roundoff.
 """
@@ -24,6 +32,10 @@ GEMM = {
     "float32": {"u_out": 2.0 ** -24, "u_acc": 2.0 ** -23},
     "float8_e4m3fn": {"u_out": 2.0 ** -8, "u_acc": 2.0 ** -13},
 }
+
+
+MOE = {"u_out": 2.0 ** -8, "factor": 8.0,
+       "rule": "|err| <= u_out*|out64| + factor*u_out*sum_j w_j (|act_j| @ |W_down_j|^T)"}
 
 
 def gamma(n: int, u: float) -> float:

@@ -17,7 +17,8 @@ from harness.records import base_record, write_json, write_jsonl
 from harness.verdict import FAILING, decide
 
 DETAIL_KEYS = ("first_mismatches", "ulp_histogram", "mismatch_map", "max_abs_index", "max_ulp_index",
-               "order_model", "order_model_exact", "order_sensitive", "explained", "scale_mismatched", "calc_diff")
+               "order_model", "order_model_exact", "order_sensitive", "explained", "scale_mismatched", "calc_diff",
+               "router_flips", "tokens")
 MEASURED_KEYS = ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference", "tolerance")
 
 

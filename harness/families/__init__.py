@@ -4,13 +4,14 @@ Each executor maps (check, subject, rank context) to the measured part of a reco
 """
 from __future__ import annotations
 
-from harness.families import collective, dispatch, gemm, quant
+from harness.families import collective, dispatch, gemm, moe_layer, quant
 
 EXECUTORS = {
     "collective": collective.execute,
     "gemm": gemm.execute,
     "quant": quant.execute,
     "dispatch": dispatch.execute,
+    "moe_layer": moe_layer.execute,
 }
 
 PROPERTIES = {
@@ -18,4 +19,5 @@ PROPERTIES = {
     "gemm": gemm.PROPERTIES,
     "quant": quant.PROPERTIES,
     "dispatch": dispatch.PROPERTIES,
+    "moe_layer": moe_layer.PROPERTIES,
 }

@@ -1,0 +1,157 @@
+"""The MoE layer end to end against the float64 reference, and the probe token's final
+hidden state under batch, position, rank and other-token changes.
+
+Every rank holds TP partial sums for every token (its shard of the attention output);
+the probe token's partials are fixed by the seed. The reference sums the partials in
+float64 and runs routing, experts and combine in float64 (reference/moe.py).
+
+* reference: tokens whose selected experts differ from the reference's are counted apart
+  (`router_flips`); the others must satisfy tolerances.MOE.
+* invariances: the probe's output bits, as for dispatch.
+"""
+from __future__ import annotations
+
+import torch
+
+from harness import inputs as gen
+from harness.compare import compare_bitwise, json_float
+from harness.context import RankContext
+from harness.moe_scenario import Placement, placements
+from harness.tolerances import MOE
+from reference import moe as ref
+from reference.orders import order_sensitive
+
+PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
+              "others-invariance")
+DEFAULTS = {"tokens": 8, "hidden": 256, "intermediate": 128, "num_experts": 16, "topk": 4,
+            "layout": "contiguous", "alignment": 16, "batch_sizes": [1, 3, 8, 32], "repeats": 3, "seed": 0,
+            "data": "randn", "routing": "uniform", "cancel": True}
+
+
+CANCEL = 2.0 ** 12
+
+
+def cancel_columns(h: int) -> tuple[int, int]:
+    return 1, 1 + h // 2
+
+
+def layer_weights(p: dict) -> dict:
+    """Router [E, H] fp32, gate-up [E, 2I, H] and down [E, H, I] bf16. With `cancel`, the two
+    hidden columns that carry the probe's +-CANCEL pair have equal weights everywhere, so
+    the pair cancels exactly in every product but makes the K order visible (as in
+    families/gemm.py); the router does not see it at all."""
+    e, h, i = p["num_experts"], p["hidden"], p["intermediate"]
+    seed = p["seed"]
+    router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
+    gate_up = (gen.values((e, 2 * i, h), torch.float64, seed, "gate-up", data="randn") * h ** -0.5).to(torch.bfloat16)
+    if p["cancel"]:
+        a, b = cancel_columns(h)
+        router[:, b], gate_up[:, :, b] = router[:, a], gate_up[:, :, a]
+    return {"router": router, "gate_up": gate_up,
+            "down": (gen.values((e, h, i), torch.float64, seed, "down", data="randn") * i ** -0.5).to(torch.bfloat16)}
+
+
+def partials(p: dict, run: Placement, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s TP partial sums for every token of the placement, bf16 [sum(tokens), H]."""
+    total = sum(run.tokens)
+    x = gen.values((total, p["hidden"]), torch.bfloat16, run.filler_seed, "partials", rank, run.tokens,
+                   data=p["data"]) / world
+    probe = gen.values((p["hidden"],), torch.bfloat16, p["seed"], "probe-partial", rank, data=p["data"]) / world
+    if p["cancel"]:  # rank 0 carries the +-CANCEL pair, the others nothing there
+        a, b = cancel_columns(p["hidden"])
+        probe[a], probe[b] = (CANCEL, -CANCEL) if rank == 0 else (0.0, 0.0)
+    for r, pos in run.probes:
+        x[sum(run.tokens[:r]) + pos] = probe
+    return x.to(torch.bfloat16)
+
+
+def execute(check: dict, subject, ctx: RankContext) -> dict:
+    p = {**DEFAULTS, **check["params"]}
+    prop = check["property"]
+    weights = {k: v.to(ctx.device) for k, v in layer_weights(p).items()}
+    runs = placements(prop, p, ctx.world_size)
+    mine, outs = [], []
+    for run in runs:
+        part = partials(p, run, ctx.rank, ctx.world_size).to(ctx.device)
+        out, idx = subject.forward(part, weights, p, ctx.group)
+        mine.append({c: out[pos].cpu() for c, (r, pos) in enumerate(run.probes) if r == ctx.rank})
+        outs.append((out.cpu(), idx.cpu()))
+    gathered = ctx.gather((mine, outs if prop == "reference" else None))
+    result = None
+    if ctx.rank == 0:
+        result = (_measure_reference(p, runs[0], [g[1][0] for g in gathered], ctx.world_size)
+                  if prop == "reference" else _measure_probe(p, prop, runs, gathered, ctx.world_size))
+    return ctx.share_from_rank0(result)
+
+
+def _measure_reference(p, run, outputs, world) -> dict:
+    w = layer_weights(p)
+    exact_x = sum(partials(p, run, r, world).double() for r in range(world))
+    logits = (exact_x @ w["router"].double().T)
+    ref_out, ref_idx = ref.moe_layer(exact_x, logits, w["gate_up"], w["down"], p["topk"])
+    got = torch.cat([o for o, _ in outputs]).double()
+    idx = torch.cat([i for _, i in outputs])
+    flips = torch.tensor([set(a.tolist()) != set(b.tolist()) for a, b in zip(idx, ref_idx)])
+    magnitude = _magnitude(exact_x, ref_idx, w, p)
+    bound = MOE["u_out"] * ref_out.abs() + MOE["factor"] * MOE["u_out"] * magnitude
+    err = (got - ref_out).abs()
+    keep = ~flips.unsqueeze(1).expand_as(err)
+    over = (err > bound) & keep
+    ratio = torch.where(keep, err / bound.clamp_min(1e-300), torch.zeros_like(err))
+    return {"mismatched": int(over.sum()), "total": int(keep.sum()), "held": not bool(over.any()),
+            "max_abs": json_float(float(torch.where(keep, err, torch.zeros_like(err)).max())),
+            "error_vs_reference": json_float(float(ratio.max())),
+            "tolerance": {**MOE, "allowed": 1.0, "metric": "max |err| / bound"},
+            "router_flips": int(flips.sum()), "tokens": int(flips.numel()),
+            "note": f"{int(flips.sum())} of {flips.numel()} tokens chose other experts than the reference",
+            "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": None}
+
+
+def _magnitude(x, idx, w, p) -> torch.Tensor:
+    """sum_j w_j * (|silu(g)*u| @ |W_down|^T): the scale the down projection works at."""
+    _, weights = ref.route(x @ w["router"].double().T, p["topk"])
+    out = torch.zeros_like(x)
+    inter = p["intermediate"]
+    for t in range(x.shape[0]):
+        for j, e in enumerate(idx[t].tolist()):
+            h = x[t] @ w["gate_up"][e].double().T
+            act = (torch.nn.functional.silu(h[:inter]) * h[inter:]).abs()
+            out[t] += weights[t, j] * (act @ w["down"][e].double().abs().T)
+    return out
+
+
+def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
+    """Gate-up outputs of the probe (for its experts) whose bf16 bits change when K is
+    summed in two halves instead of one pass (float32): could a GEMM reordering show?"""
+    w = layer_weights(p)
+    idx, _ = ref.route((x.double() @ w["router"].double().T).unsqueeze(0), p["topk"])
+    xf, half, count = x.float(), p["hidden"] // 2, 0
+    for e in idx[0].tolist():
+        b = w["gate_up"][e].float()
+        whole = b @ xf
+        split = b[:, :half] @ xf[:half] + b[:, half:] @ xf[half:]
+        count += int((whole.to(torch.bfloat16) != split.to(torch.bfloat16)).sum())
+    return count
+
+
+def _measure_probe(p, prop, runs, gathered, world) -> dict:
+    observed, labels = [], []
+    for i, run in enumerate(runs):
+        for c, (r, pos) in enumerate(run.probes):
+            observed.append(gathered[r][0][i][c])
+            labels.append(f"{run.label}: rank {r} token {pos}")
+    observed = torch.stack(observed)
+    m = compare_bitwise(observed, observed[0], labels)
+    first = runs[0].probes[0]
+    probe = torch.stack([partials(p, runs[0], r, world)[sum(runs[0].tokens[:first[0]]) + first[1]]
+                         for r in range(world)])
+    tp_sensitive = int(order_sensitive(probe).sum()) if world > 2 else 0
+    gemm_sensitive = _gemm_sensitivity(p, probe.double().sum(0).to(torch.bfloat16))
+    sensitive = tp_sensitive + gemm_sensitive
+    vacuous = None
+    if prop == "rank-invariance" and tp_sensitive == 0:
+        vacuous = f"the probe's {world} TP partials sum to the same bits in every order"
+    elif sensitive == 0:
+        vacuous = "neither the TP sum nor the probe's gate-up products change bits in another order"
+    return {**m.to_dict(), "held": m.mismatched == 0, "predicted_mismatched": None, "order_sensitive": sensitive,
+            "vacuous_reason": vacuous, "extra_failure": None}

@@ -1,0 +1,1 @@
+"""MoE layers composed from stage subjects."""
