@@ -3,6 +3,7 @@
     python -m harness.bench suite   # CPU default suite: one launch per world size vs one per check
     python -m harness.bench report  # render a 2,000-record run: seconds and bytes
     python -m harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
+    python -m harness.bench collectives  # native reduce-scatter vs the deterministic paths
 
 Medians over repeats, measured side by side in one process.
 """
@@ -123,9 +124,31 @@ def bench_compare(gib_sizes: list[float], repeats: int) -> list[dict]:
     return rows
 
 
+def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    from harness.launch import REPO_ROOT
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+               "-m", "harness.bench_collectives", str(out), str(min_kib), str(max_mib), str(repeats)]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NCCL_NVLS_ENABLE": "0",
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"the collectives benchmark failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bench")
-    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report", "compare"])
+    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report", "compare", "collectives"])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--min-kib", type=int, default=64)
+    parser.add_argument("--max-mib", type=int, default=16)
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suite", default="smoke")
@@ -150,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compare {r['dtype']} {r['bytes_per_tensor'] / 2**30:.0f} GiB: fused {r['fused_GBps']} GB/s, "
                   f"torch {r['torch_GBps']} GB/s, copy {r['copy_GBps']} GB/s -> fused/copy {r['fused_vs_copy']}"
                   f" (stats agree: {r['agree']})")
+    if "collectives" in args.what:
+        results["collectives"] = c = bench_collectives(args.world_size, args.min_kib, args.max_mib,
+                                                       max(args.repeats, 5))
+        print(f"collectives on {c['world_size']} {c['backend']} ranks, median of {c['repeats']}:")
+        for r in c["rows"]:
+            print(f"  {r['bytes'] / 2**20:9.3f} MiB  {r['subject']:22s} {r['median_s'] * 1e3:9.3f} ms  "
+                  f"{r['vs_native']:.2f}x native")
     print(json.dumps(results))
     return 0
 

@@ -35,13 +35,14 @@ def baseline_path(run_dir: Path, baseline: Path | None) -> Path:
 
 
 def lean(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "detail"}
+    """What the gate compares: verdicts and counts, without the bulky detail."""
+    return {k: v for k, v in record.items() if k not in ("detail", "rerun", "run_id")}
 
 
 def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     run = load_run(run_dir)
     target = baseline_path(run_dir, baseline)
-    write_jsonl(target, [lean(r) for r in run.records])
+    write_jsonl(target, [lean(r) for r in run.records if r["status"] != "skipped"])
     return target
 
 

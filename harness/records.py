@@ -18,6 +18,7 @@ REQUIRED = (
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

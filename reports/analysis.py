@@ -53,7 +53,7 @@ def compare_runs(current: list[dict], previous: list[dict]) -> list[dict]:
         if change:
             changes.append({"check": cid, **change})
     for cid, new in now.items():
-        if cid not in before:
+        if cid not in before and new["status"] != "skipped":  # baselines keep no skipped checks
             failing = new["status"] in ("unexpected", "error")
             changes.append({"check": cid, "kind": "regression" if failing else "new",
                             "what": f"new check, {new['status']}" + (f": {new.get('reason')}" if failing else ""),
