@@ -100,7 +100,8 @@ def test_planted_arrival_order_combine_fails_rank_invariance(tmp_path):
         recs[r["property"]] = r
     assert recs["rank-invariance"]["status"] == "unexpected" and recs["rank-invariance"]["mismatched"] > 0
     assert recs["rank-invariance"]["detail"]["order_sensitive"] > 0
-    assert recs["batch-invariance"]["status"] == "ok"  # the probe never left rank 0 there
+    # As the batch grows the probe (a fixed global token) moves to another rank: caught too.
+    assert recs["batch-invariance"]["status"] == "unexpected" and recs["batch-invariance"]["mismatched"] > 0
 
 
 @pytest.mark.slow
