@@ -85,3 +85,14 @@ def placements(prop: str, p: dict, world: int) -> list[Placement]:
     if prop == "others-invariance":
         return [Placement((t,) * world, ((0, t // 2),), seed + 1000 * i, f"others drawn {i}") for i in range(4)]
     raise ValueError(f"no placements for {prop!r}")
+
+
+def probe_copies(runs: list[Placement], gathered: list) -> tuple[torch.Tensor, list[str]]:
+    """Stack the probe's output copies, in placement order, from every rank's gathered
+    {copy: row} dicts (gathered[rank][0][run])."""
+    observed, labels = [], []
+    for i, run in enumerate(runs):
+        for c, (r, pos) in enumerate(run.probes):
+            observed.append(gathered[r][0][i][c])
+            labels.append(f"{run.label}: rank {r} token {pos}")
+    return torch.stack(observed), labels

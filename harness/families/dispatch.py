@@ -20,7 +20,7 @@ import torch
 
 from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
-from harness.moe_scenario import placements, rank_tokens
+from harness.moe_scenario import placements, probe_copies, rank_tokens
 from harness.subjects.dispatch.common import Received
 from harness.subjects.dispatch.wire import resolve_wire_dtype
 from harness.tolerances import gamma
@@ -190,14 +190,8 @@ def order_sensitive(p) -> int:
 
 
 def _measure_probe(p, prop, runs, gathered, world) -> dict:
-    observed, labels = [], []
-    for i, run in enumerate(runs):
-        for c, (r, pos) in enumerate(run.probes):
-            observed.append(gathered[r][0][i][c])
-            labels.append(f"{run.label}: rank {r} token {pos}")
-    observed = torch.stack(observed)
-    expected = observed[0]
-    m = compare_bitwise(observed, expected, labels)
+    observed, labels = probe_copies(runs, gathered)
+    m = compare_bitwise(observed, observed[0], labels)
     sensitive = order_sensitive(p)
     vacuous = None
     if sensitive == 0:

@@ -16,7 +16,7 @@ import torch
 from harness import inputs as gen
 from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
-from harness.moe_scenario import Placement, placements
+from harness.moe_scenario import Placement, placements, probe_copies
 from harness.tolerances import MOE
 from reference import moe as ref
 from reference.orders import order_sensitive
@@ -135,12 +135,7 @@ def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
 
 
 def _measure_probe(p, prop, runs, gathered, world) -> dict:
-    observed, labels = [], []
-    for i, run in enumerate(runs):
-        for c, (r, pos) in enumerate(run.probes):
-            observed.append(gathered[r][0][i][c])
-            labels.append(f"{run.label}: rank {r} token {pos}")
-    observed = torch.stack(observed)
+    observed, labels = probe_copies(runs, gathered)
     m = compare_bitwise(observed, observed[0], labels)
     first = runs[0].probes[0]
     probe = torch.stack([partials(p, runs[0], r, world)[sum(runs[0].tokens[:first[0]]) + first[1]]

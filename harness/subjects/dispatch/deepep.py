@@ -63,6 +63,11 @@ class _DeepEP:
             self._buffers[key] = self.make_buffer(group, cfg, wire)
         return self._buffers[key]
 
+    @staticmethod
+    def valid_rows(expert_out, handle: Received) -> torch.Tensor:
+        """The expert outputs of real (not padding) rows, in the grouped order."""
+        return expert_out.reshape(-1, expert_out.shape[-1])[handle.grouped_layout >= 0]
+
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
         wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))
         buf = self.buffer(group, cfg, wire)
@@ -121,7 +126,7 @@ class DeepEPElastic(_DeepEP):
 
     def combine(self, expert_out, handle, topk_weights, group):
         buf, ep_handle = self._last
-        grouped = expert_out.reshape(-1, expert_out.shape[-1])[handle.grouped_layout >= 0]
+        grouped = self.valid_rows(expert_out, handle)
         rows = torch.empty_like(grouped)
         rows[self._order] = grouped  # back to the order DeepEP delivered them in
         combined, _, _ = buf.combine(rows, ep_handle, topk_weights=topk_weights)
@@ -154,7 +159,7 @@ class DeepEPNormal(_DeepEP):
         forms its weighted partial per received token, in slot order, in float32."""
         buf, ep_handle = self._last
         tokens, slots, recv_w, n_tokens = self._rows_of
-        y = expert_out.reshape(-1, expert_out.shape[-1])[handle.grouped_layout >= 0].float()
+        y = self.valid_rows(expert_out, handle).float()
         partial = y.new_zeros((n_tokens, y.shape[1]))
         for k in range(recv_w.shape[1]):
             sel = slots == k

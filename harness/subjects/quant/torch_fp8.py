@@ -27,10 +27,17 @@ def scales(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 
 class _TorchQuant:
     family = "quant"
+    reciprocal = False
 
     def unavailable(self, platform, params):
         cols = params.get("cols", 2048)
         return None if cols % GROUP == 0 else f"cols={cols} is not a multiple of {GROUP}"
+
+    def quantize(self, x, ue8m0):
+        s = scales(x, ue8m0)
+        groups = x.float().view(x.shape[0], -1, GROUP)
+        scaled = groups * (1.0 / s.unsqueeze(2)) if self.reciprocal else groups / s.unsqueeze(2)
+        return scaled.to(torch.float8_e4m3fn).view(x.shape), s
 
 
 @register
@@ -38,18 +45,9 @@ class TorchFp8Quant(_TorchQuant):
     name = "torch_fp8_quant"
     summary = "x / scale -> e4m3"
 
-    def quantize(self, x, ue8m0):
-        s = scales(x, ue8m0)
-        q = (x.float().view(x.shape[0], -1, GROUP) / s.unsqueeze(2)).to(torch.float8_e4m3fn)
-        return q.view(x.shape), s
-
 
 @register
 class TorchFp8QuantReciprocal(_TorchQuant):
     name = "torch_fp8_quant_reciprocal"
     summary = "x * (1 / scale) -> e4m3"
-
-    def quantize(self, x, ue8m0):
-        s = scales(x, ue8m0)
-        q = (x.float().view(x.shape[0], -1, GROUP) * (1.0 / s.unsqueeze(2))).to(torch.float8_e4m3fn)
-        return q.view(x.shape), s
+    reciprocal = True
