@@ -89,11 +89,34 @@ def _cuda_median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_compare(gib_sizes: list[float], repeats: int) -> list[dict]:
-    """Fused comparison (reads both tensors once) against a device-to-device copy of one."""
+def _compare_one(n: int, dtype, repeats: int) -> dict:
     import torch
 
     from harness.kernels.bitcompare import bitwise_stats
+
+    a = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
+    b = a.clone()
+    b[n // 3] = b[n // 3] * 2 + 1  # two planted differences, the first at n // 3
+    b[-1] = -b[-1] + 1
+    dst = torch.empty_like(a)
+    copy_s = _cuda_median(lambda: dst.copy_(a), repeats)
+    fused_s = _cuda_median(lambda: bitwise_stats(a, b), repeats)
+    torch_s = _cuda_median(lambda: bitwise_stats(a, b, use_triton=False), max(3, repeats // 4))
+    fused, vectorized = bitwise_stats(a, b), bitwise_stats(a, b, use_triton=False)
+    nbytes = a.numel() * a.element_size()
+    return {
+        "dtype": str(dtype).replace("torch.", ""), "bytes_per_tensor": nbytes,
+        "copy_GBps": round(2 * nbytes / copy_s / 1e9, 1),
+        "fused_GBps": round(2 * nbytes / fused_s / 1e9, 1),
+        "torch_GBps": round(2 * nbytes / torch_s / 1e9, 1),
+        "fused_vs_copy": round(copy_s / fused_s, 3),
+        "fused_stats": list(fused), "torch_stats": list(vectorized), "agree": fused == vectorized,
+    }
+
+
+def bench_compare(gib_sizes: list[float], repeats: int) -> list[dict]:
+    """Fused comparison (reads both tensors once) against a device-to-device copy of one."""
+    import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("the comparison benchmark needs a CUDA GPU")
@@ -101,25 +124,7 @@ def bench_compare(gib_sizes: list[float], repeats: int) -> list[dict]:
     for gib in gib_sizes:
         for dtype in (torch.bfloat16, torch.float32):
             n = int(gib * 2**30) // torch.empty(0, dtype=dtype).element_size()
-            a = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
-            b = a.clone()
-            b[n // 3] = b[n // 3] * 2 + 1  # two planted differences, the first at n // 3
-            b[-1] = -b[-1] + 1
-            dst = torch.empty_like(a)
-            copy_s = _cuda_median(lambda: dst.copy_(a), repeats)
-            fused_s = _cuda_median(lambda: bitwise_stats(a, b), repeats)
-            torch_s = _cuda_median(lambda: bitwise_stats(a, b, use_triton=False), max(3, repeats // 4))
-            fused, vectorized = bitwise_stats(a, b), bitwise_stats(a, b, use_triton=False)
-            nbytes = a.numel() * a.element_size()
-            rows.append({
-                "dtype": str(dtype).replace("torch.", ""), "bytes_per_tensor": nbytes,
-                "copy_GBps": round(2 * nbytes / copy_s / 1e9, 1),
-                "fused_GBps": round(2 * nbytes / fused_s / 1e9, 1),
-                "torch_GBps": round(2 * nbytes / torch_s / 1e9, 1),
-                "fused_vs_copy": round(copy_s / fused_s, 3),
-                "fused_stats": list(fused), "torch_stats": list(vectorized), "agree": fused == vectorized,
-            })
-            del a, b, dst
+            rows.append(_compare_one(n, dtype, repeats))
             torch.cuda.empty_cache()
     return rows
 

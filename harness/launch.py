@@ -155,7 +155,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                 error = f"rank {first['rank']} raised {first['error']}"
                 if silent:
                     error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
-                details = {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors}}
+                details = {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors}, "silent_ranks": silent}
             else:
                 states = [s for s in _ranks_state(job_dir, world_size) if s]
                 failed_at = min((s["index"] for s in states), default=start)
