@@ -25,7 +25,7 @@ PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invarianc
               "others-invariance")
 DEFAULTS = {"tokens": 8, "hidden": 256, "intermediate": 128, "num_experts": 16, "topk": 4,
             "layout": "contiguous", "alignment": 16, "batch_sizes": [1, 3, 8, 32], "repeats": 3, "seed": 0,
-            "data": "randn", "routing": "uniform", "cancel": True}
+            "data": "randn", "routing": "uniform", "cancel": True, "scoring": "softmax"}
 
 
 CANCEL = 2.0 ** 12
@@ -88,7 +88,7 @@ def _measure_reference(p, run, outputs, world) -> dict:
     w = layer_weights(p)
     exact_x = sum(partials(p, run, r, world).double() for r in range(world))
     logits = (exact_x @ w["router"].double().T)
-    ref_out, ref_idx = ref.moe_layer(exact_x, logits, w["gate_up"], w["down"], p["topk"])
+    ref_out, ref_idx = ref.moe_layer(exact_x, logits, w["gate_up"], w["down"], p["topk"], p["scoring"])
     got = torch.cat([o for o, _ in outputs]).double()
     idx = torch.cat([i for _, i in outputs])
     flips = torch.tensor([set(a.tolist()) != set(b.tolist()) for a, b in zip(idx, ref_idx)])
@@ -109,7 +109,7 @@ def _measure_reference(p, run, outputs, world) -> dict:
 
 def _magnitude(x, idx, w, p) -> torch.Tensor:
     """sum_j w_j * (|silu(g)*u| @ |W_down|^T): the scale the down projection works at."""
-    _, weights = ref.route(x @ w["router"].double().T, p["topk"])
+    _, weights = ref.route(x @ w["router"].double().T, p["topk"], p["scoring"])
     out = torch.zeros_like(x)
     inter = p["intermediate"]
     for t in range(x.shape[0]):
@@ -124,7 +124,7 @@ def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
     """Gate-up outputs of the probe (for its experts) whose bf16 bits change when K is
     summed in two halves instead of one pass (float32): could a GEMM reordering show?"""
     w = layer_weights(p)
-    idx, _ = ref.route((x.double() @ w["router"].double().T).unsqueeze(0), p["topk"])
+    idx, _ = ref.route((x.double() @ w["router"].double().T).unsqueeze(0), p["topk"], p["scoring"])
     xf, half, count = x.float(), p["hidden"] // 2, 0
     for e in idx[0].tolist():
         b = w["gate_up"][e].float()

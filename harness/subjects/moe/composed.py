@@ -22,11 +22,11 @@ def stages(params: dict) -> dict:
     return {stage: registry.get(params.get(stage, default)) for stage, default in STAGES.items()}
 
 
-def route(x: torch.Tensor, w_router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, w_router: torch.Tensor, k: int, scoring: str = "softmax"):
     """fp32 router logits (computed in float64, rounded once, so no row depends on the batch),
-    softmax, top-k, renormalised."""
+    softmax or sigmoid scores, top-k, renormalised. Returns (topk_idx, weights)."""
     logits = (x.double() @ w_router.double().T).float()
-    scores = torch.softmax(logits, dim=-1)
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
     return idx, vals / vals.sum(dim=-1, keepdim=True)
 
@@ -62,7 +62,7 @@ class ComposedMoE:
         local = partials.shape[0] // world
         x = partials.new_empty((local, partials.shape[1]))
         s["tp_reduce"].reduce_scatter(x, partials, [local] * world, group)
-        idx, w = route(x, weights["router"], params["topk"])
+        idx, w = route(x, weights["router"], params["topk"], params.get("scoring", "softmax"))
         cfg = {**params, "expert_quant": "bf16", "wire": "bf16", "tokens_max": local}
         received = s["dispatch"].dispatch(x, idx, w, cfg, group)
         per_rank = params["num_experts"] // world
