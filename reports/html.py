@@ -159,7 +159,9 @@ def _details(records: list[dict]) -> str:
         if not _has_detail(r):
             continue
         d = r.get("detail", {})
-        parts = [f"<p>{esc(r['reason'])}</p>", f"<pre>{esc(mismatch_text(r))}</pre>"]
+        point = ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items()))
+        parts = [f"<p>{esc(r['reason'])}</p>", f"<p>Inputs: <code>{esc(point)}</code> (the seed fixes every value)</p>",
+                 f"<pre>{esc(mismatch_text(r))}</pre>"]
         mm = d.get("mismatch_map")
         if mm:
             h = max(12, 640 * len(mm["rows"]) // max(mm["bins"], 1))

@@ -21,7 +21,7 @@ def _png(fig: Figure) -> str:
 
 def summary_figure(frame) -> str | None:
     """Mismatch percentage per subject and property (controls red, fixes blue)."""
-    measured = frame[frame["mismatched"].notna() & (frame["property"] != "reference")]
+    measured = frame[frame["mismatched"].notna() & ~frame["property"].str.endswith("reference")]
     if measured.empty:
         return None
     grouped = (measured.assign(pct=100.0 * measured["mismatched"] / measured["total"].clip(lower=1))
