@@ -27,6 +27,8 @@ def _skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | 
         return f"needs {world_size} ranks; this run has {platform.ranks} ({where})"
     if (params.get("mode") == "graph" or prop == "graph-invariance") and platform.device != "cuda":
         return "CUDA graphs need a GPU"
+    if params.get("gpu_only") and platform.device != "cuda":
+        return "sized for GPUs (gpu_only = true in the case file)"
     return subject.unavailable(platform, params)
 
 

@@ -103,3 +103,11 @@ def test_pinned_env_never_enables_multicast():
     assert env["NCCL_ALGO"] == "reducescatter:ring"
     assert env["NCCL_MIN_NCHANNELS"] == env["NCCL_MAX_NCHANNELS"]
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_gpu_only_cases_are_skipped_on_the_cpu(tmp_path):
+    text = GOOD + "[case.params]\ngpu_only = true\n"
+    suite = load_suite(write(tmp_path, text))
+    assert {c["skip_reason"] for c in expand(suite, CPU4) if c["params"]["world_size"] < 8} == \
+        {"sized for GPUs (gpu_only = true in the case file)"}
+    assert all(c["skip_reason"] is None for c in expand(suite, GPU4) if c["params"]["world_size"] <= 4)

@@ -11,6 +11,8 @@ the probe. The compared copies of the probe are gathered from the ranks that own
 * position-invariance: the probe first, in the middle and last in one batch size.
 * run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy.
 * graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
+* size-invariance: the probe at row 0 while the whole message grows (message_bytes, e.g.
+  decode- to prefill-sized): NCCL picks channels, and so trees, by message size.
 * reference: every output element against the float64 sum, within the summation bound.
 
 As in SGLang's test, the first copy is counted in `total` (it always matches itself).
@@ -32,7 +34,7 @@ from reference.collectives import shard_offsets
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
-    "rank-invariance", "graph-invariance",
+    "rank-invariance", "graph-invariance", "size-invariance",
 )
 
 DEFAULTS = {
@@ -45,6 +47,7 @@ DEFAULTS = {
     "data": "spread",
     "seed": 0,
     "mode": "eager",
+    "message_bytes": [4096, 65536, 1 << 20, 16 << 20],
 }
 
 
@@ -94,6 +97,9 @@ def layouts(prop: str, p: dict, world_size: int) -> list[Layout]:
         total = sum(sizes)
         return [Layout(sizes, (row,), name) for row, name in
                 ((0, "first"), (total // 2, "middle"), (total - 1, "last"))]
+    if prop == "size-invariance":
+        per_row = p["hidden"] * gen.dtype_of(p["dtype"]).itemsize * world_size
+        return [Layout((max(1, size // per_row),) * world_size, (0,), f"{size:,} B") for size in p["message_bytes"]]
     raise ValueError(f"collective checks have no property {prop!r}")
 
 
