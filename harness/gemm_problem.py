@@ -43,6 +43,15 @@ def align(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
+def aligned_starts(counts: list[int], alignment: int) -> tuple[list[int], int]:
+    """Contiguous layout: where each expert's segment starts, and the padded total rows."""
+    starts, total = [], 0
+    for c in counts:
+        starts.append(total)
+        total += align(max(c, 0), alignment)
+    return starts, total
+
+
 def weights(seed: int, groups: int, n: int, k: int, dtype: str, data: str,
             cancel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert weights [G, N, K] (and block scales for FP8), fixed by the seed. With `cancel`
@@ -66,10 +75,7 @@ def build(layout: str, dtype: str, rows: dict[int, torch.Tensor], counts: list[i
         problem = GemmProblem("dense", rows[0], b[0], counts, [0])
         b_scale = None if b_scale is None else b_scale[0]
     elif layout == "contiguous":
-        starts, total = [], 0
-        for c in counts:
-            starts.append(total)
-            total += align(max(c, 0), alignment)
+        starts, total = aligned_starts(counts, alignment)
         a = torch.zeros(total, k, dtype=base)
         grouped = torch.full((total,), -1, dtype=torch.int32)
         for g, c in enumerate(counts):

@@ -7,8 +7,6 @@ import torch
 
 from harness.subjects.quant.torch_fp8 import TorchFp8Quant
 
-GROUP = 128
-
 
 @dataclass
 class Received:
@@ -40,7 +38,3 @@ def quantize_wire(x: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, to
     """FP8 wire: per-token-group (128) e4m3 with float32 scales, by the torch quantizer;
     power-of-two (UE8M0) scales by default, for which x / scale is exact."""
     return TorchFp8Quant().quantize(x, ue8m0)
-
-
-def align(x: int, to: int) -> int:
-    return -(-x // to) * to

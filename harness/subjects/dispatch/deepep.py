@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from harness.subject import register
-from harness.subjects.dispatch.common import Received, align, quantize_wire
+from harness.gemm_problem import aligned_starts
+from harness.subjects.dispatch.common import Received, quantize_wire
 from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype
 
 _import: dict = {}
@@ -84,10 +85,7 @@ def _grouped(rows, scale, local, per_rank, alignment) -> tuple[Received, torch.T
     order = torch.sort(local, stable=True).indices
     rows, local = rows[order], local[order]
     counts = [int((local == e).sum()) for e in range(per_rank)]
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += align(c, alignment)
+    starts, total = aligned_starts(counts, alignment)
     where = torch.cat([torch.arange(starts[e], starts[e] + counts[e]) for e in range(per_rank)]).to(rows.device)
     x = rows.new_zeros((total, rows.shape[1]))
     x[where] = rows

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from harness.subject import register
-from harness.subjects.dispatch.common import Received, align, quantize_wire
+from harness.gemm_problem import align, aligned_starts
+from harness.subjects.dispatch.common import Received, quantize_wire
 from harness.subjects.dispatch.wire import resolve_wire_dtype
 
 
@@ -74,10 +75,7 @@ class TorchAllToAllDispatcher:
             shape, starts = (per_rank, max_m), [0] * per_rank
             slot_of = [e * max_m + i for e in range(per_rank) for i in range(counts[e])]
         else:
-            starts, total = [], 0
-            for c in counts:
-                starts.append(total)
-                total += align(c, cfg["alignment"])
+            starts, total = aligned_starts(counts, cfg["alignment"])
             shape = (total,)
             slot_of = [starts[e] + i for e in range(per_rank) for i in range(counts[e])]
         where = torch.tensor(slot_of, dtype=torch.long, device=dev)
