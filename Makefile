@@ -8,7 +8,9 @@ PYTEST_WORKERS ?= 2
 # Reuse the system torch where one is installed (the GPU images); elsewhere install the CPU
 # build, which `pip install torch==2.13.0` takes from this machine's disk.
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
-GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),)
+EMULATE_HOSTS ?=
+# EMULATE_HOSTS=1: GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank.
+GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate-hosts,)
 
 .PHONY: install verify test bench report nightly baseline clean
 

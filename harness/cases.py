@@ -8,7 +8,8 @@
     name = "rs-native"                # unique within the suite
     subject = "reduce_scatter_native"
     properties = ["rank-invariance", "batch-invariance"]
-    expect = "violated"               # or { gloo = "violated", nccl = "holds" }
+    expect = "violated"               # or { gloo = "violated", nccl = "holds" }, or "model":
+                                      # whatever an exact order model predicts for the inputs
     timeout_s = 60                    # optional, per check
     env = { NCCL_ALGO = "..." }       # optional launch environment overrides
     [case.grid]                       # lists; every combination is one check
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from harness.errors import HarnessError
 
-EXPECTATIONS = ("holds", "violated")
+EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
 BACKENDS = ("gloo", "nccl")
 CASE_KEYS = {"name", "subject", "properties", "expect", "timeout_s", "env", "grid", "params", "description"}
 SUITE_KEYS = {"name", "description", "plugins"}

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gpus", type=_gpus, default=None,
                    help="GPUs to use (default: every visible GPU; 0 or none visible: CPU with gloo)")
     v.add_argument("--cpu-ranks", type=int, default=4, help="largest gloo world size on the CPU (default 4)")
+    v.add_argument("--emulate-hosts", action="store_true",
+                   help="run --gpus N NCCL ranks on fewer GPUs, one emulated host per rank (NET/Socket; not NVLink)")
     v.add_argument("--check", action="append", default=[], metavar="ID",
                    help="run only checks whose id matches (glob; repeatable)")
     v.add_argument("--plugin", action="append", default=[], metavar="MODULE",
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("nightly", help="verify + gate + history + report with trends (make nightly)")
     n.add_argument("--suite", default="nightly")
     n.add_argument("--gpus", type=_gpus, default=None)
+    n.add_argument("--emulate-hosts", action="store_true")
     n.add_argument("--baseline", type=Path)
     n.add_argument("--history", type=Path, default=Path("reports/out/history.jsonl"))
 
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--suite", default="smoke")
     ls.add_argument("--gpus", type=_gpus, default=None)
     ls.add_argument("--cpu-ranks", type=int, default=4)
+    ls.add_argument("--emulate-hosts", action="store_true")
     ls.add_argument("--plugin", action="append", default=[])
     return parser
 
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
-                             render=not args.no_report)
+                             render=not args.no_report, emulate_hosts=args.emulate_hosts)
             return code
         if args.command == "report":
             from reports.render import render_run
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             from harness.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
+                           emulate_hosts=args.emulate_hosts,
                            command=["ep-harness", *argv])
     except HarnessError as exc:
         print(f"ep-harness: error: {exc}", file=sys.stderr)
@@ -122,6 +127,6 @@ def _list(args) -> int:
 
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
-    for c in expand(suite, detect(args.gpus, args.cpu_ranks)):
+    for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate_hosts)):
         print(c["id"] + (f"  [skip: {c['skip_reason']}]" if c["skip_reason"] else ""))
     return 0

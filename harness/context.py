@@ -14,6 +14,16 @@ class RankContext:
     backend: str
     device: torch.device
     group: Any  # torch.distributed.ProcessGroup
+    nccl_algo: str | None = None  # NCCL_ALGO as this rank's NCCL reads it
+    nccl_topology: Any = None  # harness.nccl_log.Topology, on rank 0 of an NCCL launch
+    nccl_log: Any = None  # harness.nccl_log.LogTail of rank 0's own NCCL log
+
+    def nccl_mark(self) -> int | None:
+        return self.nccl_log.mark() if self.nccl_log is not None else None
+
+    def nccl_calls_since(self, mark: int | None) -> list:
+        """The collectives rank 0's NCCL logged since `mark` (empty off NCCL or off rank 0)."""
+        return self.nccl_log.calls_since(mark) if self.nccl_log is not None and mark is not None else []
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""

@@ -17,31 +17,42 @@ from harness.subject import Platform
 
 CPU_DEFAULT_RANKS = 4
 DETERMINISTIC_CHANNELS = 8
+NCCL_LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
 RECORDED_PREFIXES = ("NCCL_", "TORCH_", "CUBLAS", "CUDA_", "DG_", "DJ_", "EP_", "NVSHMEM_", "OMP_NUM_THREADS")
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
              "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
 
 
-def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS) -> Platform:
-    """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU."""
+def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+    """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU.
+
+    emulate_hosts: GPUS ranks may exceed the visible GPUs; they share them, one emulated
+    NCCL host per rank (harness/emulation.py)."""
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if emulate_hosts and visible == 0:
+        raise HarnessError("--emulate-hosts (EMULATE_HOSTS=1) runs NCCL ranks on a GPU, but no GPU is visible; "
+                           "drop the flag to run the CPU default")
     if gpus is None:
         gpus = visible
     if gpus < 0:
         raise HarnessError(f"GPUS={gpus} is negative; use GPUS=0 for the CPU or a GPU count")
-    if gpus > visible:
+    if emulate_hosts and gpus == 0:
+        raise HarnessError("--emulate-hosts needs GPUS=N ranks (N >= 1); GPUS=0 is the CPU default")
+    if gpus > visible and not emulate_hosts:
         found = f"{visible} visible GPU{'s' if visible != 1 else ''}"
         raise HarnessError(
             f"GPUS={gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use GPUS={visible} or a machine with {gpus} GPUs"
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use GPUS={visible}, a machine with {gpus} GPUs, "
+            f"or EMULATE_HOSTS=1 to run {gpus} NCCL ranks as emulated hosts on the GPUs present"
         )
     if gpus == 0:
         return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
     props = torch.cuda.get_device_properties(0)
+    emulated = emulate_hosts and gpus > visible
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
-                    capability=(props.major, props.minor))
+                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulated_hosts=emulated)
 
 
 def nccl_version() -> tuple[int, int, int] | None:
@@ -80,6 +91,12 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
             "NCCL_COLLNET_ENABLE": "0",
         })
     env.update(overrides)
+    if platform.backend == "nccl":
+        # The algorithm, protocol and channels of every call are read from NCCL's own log.
+        if env.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
+            env["NCCL_DEBUG"] = "INFO"
+        subsys = [x for x in env.get("NCCL_DEBUG_SUBSYS", "").split(",") if x]
+        env["NCCL_DEBUG_SUBSYS"] = ",".join(dict.fromkeys([*subsys, *NCCL_LOG_SUBSYS]))
     env.update(FORCED_ENV)
     return env
 

@@ -23,9 +23,13 @@ HISTORY_KEYS = ("check", "subject", "property", "status", "held", "mismatched", 
 
 
 def platform_key(environment: dict) -> str:
+    """Baselines of different topologies never mix: emulated hosts are not real GPUs."""
     gpus = environment.get("gpus") or []
+    topology = environment.get("topology") or {}
     if gpus:
         name = re.sub(r"[^A-Za-z0-9]+", "-", gpus[0]).strip("-").lower()
+        if topology.get("kind") == "emulated-hosts":
+            return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}"
         return f"{name}-x{len(gpus)}"
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}"
 

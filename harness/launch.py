@@ -98,12 +98,13 @@ def _log_tail(path: Path, lines: int = 25) -> str:
 
 
 def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], env: dict[str, str],
-            plugins: list[str], torchrun_args: str | None = None) -> dict[str, Outcome]:
-    """Run `checks` on `world_size` ranks; return an Outcome per check id."""
+            plugins: list[str], torchrun_args: str | None = None, emulate_hosts: bool = False) -> dict[str, Outcome]:
+    """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
+    NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py)."""
     job_dir.mkdir(parents=True, exist_ok=True)
     longest = max(c["timeout_s"] for c in checks)
     write_json(job_dir / "job.json", {
-        "backend": backend, "plugins": plugins, "checks": checks,
+        "backend": backend, "plugins": plugins, "checks": checks, "emulate_hosts": emulate_hosts,
         # Collective timeouts sit above the launcher's: the launcher must see a hang first.
         "collective_timeout_s": longest + 60,
     })

@@ -13,8 +13,10 @@ HISTORY = Path("reports/out/history.jsonl")
 
 
 def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | None = None,
-            history: Path = HISTORY, out_root: Path = Path("reports/out"), command: list[str] = ()) -> int:
-    code, run_dir = verify(suite, gpus=gpus, out_root=out_root, command=command, render=False)
+            history: Path = HISTORY, out_root: Path = Path("reports/out"), command: list[str] = (),
+            emulate_hosts: bool = False) -> int:
+    code, run_dir = verify(suite, gpus=gpus, out_root=out_root, command=command, render=False,
+                           emulate_hosts=emulate_hosts)
     added = append_history(run_dir, history)
     try:
         result = gate(run_dir, baseline)

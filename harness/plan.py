@@ -68,6 +68,7 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None)
                     "expect": case.expect.get(platform.backend, "holds"),
                     "timeout_s": case.timeout_s,
                     "env": case.env,
+                    "topology": platform.topology.describe(),
                     "skip_reason": _skip_reason(platform, subject, prop, params),
                 })
     ids = [c["id"] for c in checks]

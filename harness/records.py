@@ -61,6 +61,7 @@ def base_record(check: dict, run_id: str, rerun: str) -> dict:
         "family": check["family"],
         "property": check["property"],
         "params": check["params"],
+        "topology": check.get("topology"),
         "expect": check["expect"],
         "held": None,
         "mismatched": None,

@@ -29,15 +29,29 @@ class Platform:
     ranks: int  # the largest world size this run may launch
     gpu_name: str | None = None
     capability: tuple[int, int] | None = None
+    gpus: int = 0  # GPUs the ranks use
+    emulated_hosts: bool = False  # several NCCL ranks per GPU, one emulated host each
+
+    @property
+    def topology(self):
+        from harness.emulation import Topology
+
+        if self.device != "cuda":
+            return Topology("cpu-gloo", self.ranks, 0)
+        kind = "emulated-hosts" if self.emulated_hosts else "gpus"
+        return Topology(kind, self.ranks, self.gpus or self.ranks, 1, self.gpu_name)
 
 
 @dataclass(frozen=True)
 class OrderModel:
     """How a collective subject accumulates, as a function of all ranks' inputs.
 
-    `predict(inputs [world_size, N] flat, sizes [elements per destination])` returns the
-    per-destination outputs. `exact` says the model is known to reproduce the backend bit
-    for bit (a measured count that differs from its prediction is then a failure).
+    `predict(inputs [world_size, N] flat, sizes [elements per destination], nccl)` returns
+    the per-destination outputs; `nccl` (a harness.nccl_models.NcclContext, None on gloo)
+    tells what NCCL logged for the call, and a model raises
+    harness.nccl_models.NoPrediction when it cannot say. `exact` says the model is known to
+    reproduce the backend bit for bit (a measured count that differs from its prediction is
+    then a failure).
     """
 
     name: str

@@ -24,6 +24,11 @@ def decide(
         return "unexpected", f"order model predicted {predicted:,} mismatched, measured {mismatched:,}"
     if vacuous_reason:
         return "vacuous", f"could not fail: {vacuous_reason}"
+    if expect == "model":  # the exact order model decides whether it holds
+        if predicted is None or not prediction_exact:
+            return "unexpected", f"expect = model needs an exact order-model prediction and none was made ({counts})"
+        verdict = "holds" if held else "violated"
+        return "ok", f"{verdict} as the order model predicts: {counts}, predicted {predicted:,}"
     if expect == "holds":
         return ("ok", f"holds: {counts}") if held else ("unexpected", f"expected to hold, but {counts}")
     if expect == "violated":

@@ -19,7 +19,8 @@ from harness.verdict import FAILING, decide
 DETAIL_KEYS = ("first_mismatches", "ulp_histogram", "mismatch_map", "max_abs_index", "max_ulp_index",
                "order_model", "order_model_exact", "order_sensitive", "explained", "scale_mismatched", "calc_diff",
                "router_flips", "tokens")
-MEASURED_KEYS = ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference", "tolerance")
+MEASURED_KEYS = ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference", "tolerance",
+                 "nccl_calls")
 
 
 def new_run_id() -> str:
@@ -27,10 +28,12 @@ def new_run_id() -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
-def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str]) -> str:
+def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False) -> str:
     cmd = ["ep-harness", "verify", "--suite", suite, "--check", check_id]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
+    if emulate_hosts:
+        cmd += ["--emulate-hosts"]
     for p in plugins:
         cmd += ["--plugin", p]
     return shlex.join(cmd)
@@ -51,6 +54,9 @@ def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> d
         if m.get(key) is not None:
             rec[key] = m[key]
     rec["detail"] = {k: m[k] for k in DETAIL_KEYS if m.get(k) is not None}
+    if m.get("error"):  # measured, but not under the conditions pinned (e.g. another NCCL algorithm)
+        rec.update(status="error", reason=m["error"])
+        return rec
     rec["status"], rec["reason"] = decide(
         check["expect"], m["held"], m["mismatched"], m["total"], vacuous_reason=m.get("vacuous_reason"),
         predicted=m.get("predicted_mismatched"), prediction_exact=bool(m.get("order_model_exact")),
@@ -59,6 +65,24 @@ def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> d
     if m.get("note"):
         rec["reason"] += f"; {m['note']}"
     return rec
+
+
+def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
+    """What the TP reductions under test went through, with the evidence: torch.distributed on
+    the backend, no engine custom all-reduce, no symmetric-memory all-reduce."""
+    symmetric = []
+    if backend == "nccl":
+        from harness.nccl_log import parse
+
+        for log in sorted(run_dir.glob("jobs/*/nccl-rank0-*.log")):
+            symmetric += [c.describe() for c in parse(log.read_text(errors="replace")).calls if c.symmetric]
+    return {
+        "via": f"torch.distributed on {backend}",
+        "engine_custom_all_reduce": "off: no engine is loaded; the custom_all_reduce subject is a control, not a TP path",
+        "symmetric_memory_all_reduce": (f"ON: NCCL ran symmetric kernels ({', '.join(symmetric[:3])})" if symmetric else
+                                        "off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1" +
+                                        ("; NCCL logged no [Symmetric] kernel" if backend == "nccl" else "")),
+    }
 
 
 def point_latest(out_root: Path, run_dir: Path) -> None:
@@ -72,18 +96,22 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
 
 def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
-           render: bool = True, quiet: bool = False, per_check_launch: bool = False) -> tuple[int, Path]:
+           render: bool = True, quiet: bool = False, per_check_launch: bool = False,
+           emulate_hosts: bool = False) -> tuple[int, Path]:
     suite_path = resolve_suite_path(suite)
     loaded = load_suite(suite_path)
     plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
     registry.load_all(plugins)
-    platform = detect(gpus, cpu_ranks)
+    platform = detect(gpus, cpu_ranks, emulate_hosts)
     checks = expand(loaded, platform, selection)
     run_id = new_run_id()
     run_dir = out_root / run_id
     fingerprint = run_fingerprint(platform, list(command))
     fingerprint["suite"] = str(suite_path)
+    fingerprint["topology"] = platform.topology.to_dict()
     fingerprint["ranks"] = {}
+    if not quiet:
+        print(f"# topology: {platform.topology.describe()}", flush=True)
 
     outcomes: dict[str, Outcome] = {}
     for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, per_check_launch)):
@@ -92,12 +120,16 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         if not quiet:
             print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)", flush=True)
         outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                os.environ.get("EP_HARNESS_TORCHRUN_ARGS")))
+                                os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts))
         for f in sorted(job_dir.glob("ranks-*.json")):
             fingerprint["ranks"][f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
+        for f in sorted(job_dir.glob("nccl-topology-*.json")):
+            fingerprint.setdefault("nccl_topology", {})[f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
         fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
+    fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
 
-    records = [finalize(c, outcomes.get(c["id"]), run_id, rerun_command(str(suite_path), c["id"], gpus, plugins))
+    records = [finalize(c, outcomes.get(c["id"]), run_id,
+                        rerun_command(str(suite_path), c["id"], gpus, plugins, platform.emulated_hosts))
                for c in checks]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)

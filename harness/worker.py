@@ -44,17 +44,22 @@ def main(argv: list[str]) -> int:
 
     torch.use_deterministic_algorithms(True)
     registry.load_all(job["plugins"])
+    timeout = timedelta(seconds=job["collective_timeout_s"])
     if job["backend"] == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = _nccl_device(job, job_dir, rank, world_size, local_rank, start)
+        torch.cuda.set_device(device)
+        # Eager communicator creation: NCCL logs its rings and trees before the first check.
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(job["backend"], timeout=timedelta(seconds=job["collective_timeout_s"]))
+        dist.init_process_group(job["backend"], timeout=timeout)
     ctx = RankContext(rank=rank, world_size=world_size, backend=job["backend"], device=device,
-                      group=dist.group.WORLD)
+                      group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
     fingerprints = ctx.gather(rank_fingerprint())
     if rank == 0:
         write_json(job_dir / f"ranks-{start}.json", fingerprints)
+    if job["backend"] == "nccl":
+        _read_nccl_topology(ctx, job_dir, start)
 
     checks = job["checks"]
     for index in range(start, len(checks)):
@@ -78,8 +83,42 @@ def main(argv: list[str]) -> int:
             })
     _progress(job_dir, rank, len(checks))
     dist.barrier()
+    if job["backend"] == "nccl":
+        # NCCL teardown after a CUDA-graph capture can hang (seen with emulated hosts); every
+        # result is on disk already, so the rank leaves without it.
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
     return 0
+
+
+def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
+    """This rank's GPU; as an emulated host when the launch has more ranks than GPUs."""
+    import torch
+
+    from harness.emulation import device_index, emulated_host_env
+
+    os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
+    visible = torch.cuda.device_count()
+    if job.get("emulate_hosts") and world_size > visible:
+        os.environ.update(emulated_host_env(rank))  # read by NCCL when the communicator is made
+        return torch.device("cuda", device_index(rank, visible))
+    return torch.device("cuda", local_rank)
+
+
+def _read_nccl_topology(ctx, job_dir: Path, start: int) -> None:
+    """Every rank parses its own NCCL log (no shared filesystem needed); rank 0 merges them
+    into the communicator's topology that the order models use, and follows its own log."""
+    from harness import nccl_log
+
+    own = Path(os.environ["NCCL_DEBUG_FILE"])
+    mine = nccl_log.parse(own.read_text(errors="replace")) if own.exists() else nccl_log.RankLog()
+    mine.calls = []
+    logs = ctx.gather(mine)
+    if ctx.rank == 0:
+        ctx.nccl_topology = nccl_log.merge(logs)
+        ctx.nccl_log = nccl_log.LogTail(own)
+        write_json(job_dir / f"nccl-topology-{start}.json", ctx.nccl_topology.summary())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ Models (all take `inputs` [world_size, N] flat, one row per rank):
   world_size * chunk_elems elements, so an element's order depends on its offset and on N.
 * `tree_chain_all_reduce`: single-node NCCL tree, a chain; the leaf is added first and
   the root last, identically for every element.
+* `nccl_tree_all_reduce`: NCCL's tree all-reduce over any trees (one per channel, as NCCL
+  logs them; across nodes a double binary tree), with NCCL's split of the message over
+  channels (`nccl_channel_split`): an element's order is its channel's tree.
+* `reference.nccl_pat.pat_reduce_scatter`: NCCL's PAT reduce-scatter (one rank per node).
 * `gloo_ring_all_reduce`: gloo's ring; chunk c (2 segments per rank) is summed
   x[c-1], x[c-2], ..., x[c] (descending), so the order depends on the element's offset.
 * `chain_fold`: a fixed, explicit order for every element (the deterministic folds).
@@ -118,6 +122,75 @@ def tree_chain_all_reduce(inputs: torch.Tensor, chain: list[int] | None = None) 
     """
     chain = _check(inputs, chain)
     return chain_fold(inputs, list(reversed(chain)))
+
+
+def nccl_channel_split(count: int, element_size: int, traffic_per_byte: int, comm_channels: int,
+                       max_threads: int, thread_threshold: int) -> list[int]:
+    """Elements per channel (channels 0, 1, ...) of one collective alone in its plan.
+
+    NCCL (src/enqueue.cc, 2.28) first lowers the channel count for small messages
+    (`while nBytes < nc * nthreads * threadThreshold: nc--`), then cuts the message into
+    8 KiB-of-traffic cells and deals them out as one "lo" channel, equal "mid" channels and
+    a "hi" channel (`scheduleCollTasksToPlan`). traffic_per_byte: 2 for all-reduce, W for
+    reduce-scatter and all-gather.
+    """
+    min_traffic = 16 << 10
+    nbytes = count * element_size
+    nc = comm_channels
+    while nbytes < nc * max_threads * thread_threshold and nc >= 2:
+        nc -= 1
+    traffic = max(min_traffic, nbytes * traffic_per_byte)
+    per_channel = max(min_traffic, traffic // nc)
+    cell_size = -(-(-(-min_traffic // traffic_per_byte)) // 16) * 16
+    per_cell = cell_size // element_size
+    cells = -(-nbytes // cell_size)
+    cell_traffic = cell_size * traffic_per_byte
+    cells_per_channel = min(cells, -(-per_channel // cell_traffic))
+    lo = cells if comm_channels == 1 else min(cells, -(-per_channel // cell_traffic))
+    mid = (cells - lo) // cells_per_channel if cells_per_channel else 0
+    hi = (cells - lo) % cells_per_channel if cells_per_channel else 0
+    used = (lo != 0) + mid + (hi != 0)
+    if comm_channels < used:  # more cells than channels: spread the rest over the others
+        mid = comm_channels - 2
+        cells_per_channel = (cells - lo) // (mid + 1)
+        hi = cells_per_channel + (cells - lo) % (mid + 1)
+    if hi == 0 and mid != 0:
+        hi, mid = cells_per_channel, mid - 1
+    counts = [lo * per_cell] + [cells_per_channel * per_cell] * mid + ([hi * per_cell] if hi else [])
+    counts[-1] -= cells * per_cell - count  # the last cell is partial
+    return counts
+
+
+def nccl_tree_all_reduce(inputs: torch.Tensor, channel_trees: list[dict[int, tuple[list[int], int]]],
+                         channel_counts: list[int]) -> torch.Tensor:
+    """Output of NCCL's tree all-reduce (identical on every rank); inputs [world_size, N].
+
+    channel_trees[c][rank] = (down, up): rank's children in order and its parent (-1 at the
+    root), as NCCL_DEBUG=INFO prints them ("Trees [c] d0/d1/d2->rank->up"). Every node adds
+    its children's partial sums to its own input in `down` order, rounding after each add
+    (src/device/all_reduce.h runTreeSplit; the root finalises and broadcasts its bits).
+    channel_counts: elements per channel, from `nccl_channel_split`.
+    """
+    if sum(channel_counts) != inputs.shape[1]:
+        raise ValueError(f"channel counts {channel_counts} do not add up to {inputs.shape[1]} elements")
+    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    pieces, offset = [], 0
+    for channel, count in enumerate(channel_counts):
+        tree = channel_trees[channel % len(channel_trees)]
+        part = inputs[:, offset:offset + count]
+
+        def subtree(rank: int) -> torch.Tensor:
+            acc = part[rank]
+            for child in tree[rank][0]:
+                acc = (acc.to(wide) + subtree(child).to(wide)).to(inputs.dtype)
+            return acc
+
+        roots = [r for r, (_, up) in tree.items() if up == -1]
+        if len(roots) != 1 or sorted(tree) != list(range(inputs.shape[0])):
+            raise ValueError(f"channel {channel}: not one tree over every rank ({tree})")
+        pieces.append(subtree(roots[0]))
+        offset += count
+    return torch.cat(pieces)
 
 
 def chain_fold(inputs: torch.Tensor, order: list[int]) -> torch.Tensor:

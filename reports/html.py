@@ -67,6 +67,14 @@ def _environment(env: dict) -> str:
     rows = "".join(f"<tr><th>{esc(k)}</th><td><code>{esc(env.get(k))}</code></td></tr>" for k in keys if k in env)
     libs = ", ".join(f"{k} {v}" for k, v in sorted(env.get("libraries", {}).items()))
     rows += f"<tr><th>libraries</th><td>{esc(libs)}</td></tr>"
+    for key, value in sorted((env.get("tp_reduction") or {}).items()):
+        rows += f"<tr><th>TP reduction: {esc(key)}</th><td>{esc(value)}</td></tr>"
+    for job, topo in sorted((env.get("nccl_topology") or {}).items()):
+        rings = {tuple(r) for r in topo.get("rings", {}).values()}
+        rows += (f"<tr><th>NCCL {esc(job)}</th><td>NCCL {esc(topo.get('version'))}: {esc(topo.get('nranks'))} ranks, "
+                 f"{esc(topo.get('nnodes'))} nodes, {esc(topo.get('local_ranks'))} local rank(s), transports "
+                 f"{esc(', '.join(topo.get('transports', [])))}, {esc(topo.get('coll_channels'))} channels, "
+                 f"rings {esc(sorted(rings))}, trees on {len(topo.get('trees', {}))} channels</td></tr>")
     pinned = env.get("pinned_env", {})
     first = next(iter(pinned.values()), {})
     rows += "<tr><th>pinned variables</th><td><code>" + esc(" ".join(f"{k}={v}" for k, v in sorted(first.items()))) \
@@ -218,6 +226,7 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
             f"<style>{CSS}</style></head><body>"
             f"<h1>ep-harness run {esc(run.run_id)}</h1>"
             f"<div class='verdict {verdict}'>{verdict}</div><div class='banner'>{banner}</div>"
+            f"<p>Topology: <strong>{esc((env.get('topology') or {}).get('describe'))}</strong></p>"
             f"<p>Command: <code>{esc(env.get('command'))}</code></p>"
             f"<h2>Environment</h2>{_environment(env)}{body}"
             f"<script>{FILTER_JS}</script><script type='application/json' id='counts'>"

@@ -27,6 +27,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     lines = [
         f"# ep-harness run {records[0]['run_id'] if records else '(empty)'}  suite {env.get('suite', DASH)}  "
         f"backend {env.get('backend', DASH)}  torch {env.get('torch', DASH)}  nccl {env.get('nccl') or DASH}",
+        f"# topology: {(env.get('topology') or {}).get('describe', DASH)}",
         f"# command: {env.get('command', DASH)}",
         "#",
         "# " + _row([name for name, _ in COLUMNS]),

@@ -28,6 +28,8 @@ from harness.bits import unit_roundoff
 from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
 from harness.graphs import replay_in_graph
+from harness.nccl_log import pin_violations
+from harness.nccl_models import NcclContext, NoPrediction
 from reference import orders
 from reference.collectives import reduce_scatter as reference_reduce_scatter
 from reference.collectives import shard_offsets
@@ -118,7 +120,8 @@ def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
 
 
 def _run_layout(subject, ctx: RankContext, p, dtype, layout: Layout, graph: bool):
-    """Execute one call on this rank; return (probe copies it owns, its output, input mutated?)."""
+    """Execute one call on this rank; return (probe copies it owns, its output, input
+    mutated?, the NCCL calls rank 0 logged during it)."""
     inp = rank_input(p, dtype, ctx.rank, layout).to(ctx.device)
     pristine = inp.clone()
     out = inp.new_empty((layout.sizes[ctx.rank], inp.shape[1]))
@@ -126,17 +129,19 @@ def _run_layout(subject, ctx: RankContext, p, dtype, layout: Layout, graph: bool
     def call(o, i):
         subject.reduce_scatter(o, i, list(layout.sizes), ctx.group)
 
+    mark = ctx.nccl_mark()
     if graph:
         replay_in_graph(call, out, inp)
     else:
         call(out, inp)
+    calls = ctx.nccl_calls_since(mark)
     mutated = not torch.equal(inp.view(torch.uint8), pristine.view(torch.uint8))
     mine = {}
     for copy, row in enumerate(layout.probes):
         dest, local = layout.owner(row)
         if dest == ctx.rank:
             mine[copy] = out[local].cpu()
-    return mine, out.cpu(), mutated
+    return mine, out.cpu(), mutated, calls
 
 
 def _labels(layout: Layout) -> list[str]:
@@ -156,22 +161,36 @@ def execute(check: dict, subject, ctx: RankContext) -> dict:
     if prop == "graph-invariance":  # first eager, then the same calls in a CUDA graph
         runs = runs + [Layout(r.sizes, r.probes, f"graph {r.label}") for r in runs]
 
-    local_copies, local_outputs, mutated = [], [], False
+    local_copies, local_outputs, mutated, calls = [], [], False, []
     for i, layout in enumerate(runs):
         use_graph = graph and (prop != "graph-invariance" or i >= len(runs) // 2)
-        mine, out, was_mutated = _run_layout(subject, ctx, p, dtype, layout, use_graph)
+        mine, out, was_mutated, logged = _run_layout(subject, ctx, p, dtype, layout, use_graph)
         local_copies.append(mine)
         local_outputs.append(out)
         mutated |= was_mutated
+        calls.append(logged)
     gathered = ctx.gather((local_copies, local_outputs if prop == "reference" else None, mutated))
 
     result = None
     if ctx.rank == 0:
-        result = _measure(check, subject, ctx, p, dtype, prop, runs, gathered)
+        result = _measure(check, subject, ctx, p, dtype, prop, runs, gathered, calls)
+        result.update(_nccl_record(ctx, calls))
     return ctx.share_from_rank0(result)
 
 
-def _measure(check, subject, ctx, p, dtype, prop, runs, gathered) -> dict:
+def _nccl_record(ctx: RankContext, calls: list[list]) -> dict:
+    """What NCCL ran for the subject's calls, and an error when it is not what was pinned."""
+    if ctx.backend != "nccl":
+        return {}
+    flat = [c for per_run in calls for c in per_run]
+    out = {"nccl_calls": list(dict.fromkeys(c.describe() for c in flat))[:12]}
+    violations = pin_violations(flat, ctx.nccl_algo)
+    if violations:
+        out["error"] = "; ".join(dict.fromkeys(violations))
+    return out
+
+
+def _measure(check, subject, ctx, p, dtype, prop, runs, gathered, calls) -> dict:
     world_size = ctx.world_size
     mutated_ranks = [r for r, (_, _, m) in enumerate(gathered) if m]
     extra = f"subject modified its input on ranks {mutated_ranks}" if mutated_ranks else None
@@ -190,18 +209,13 @@ def _measure(check, subject, ctx, p, dtype, prop, runs, gathered) -> dict:
 
     # The prediction comes from the inputs alone: every rank's input is regenerated here.
     model = subject.order_model(ctx.backend)
-    predicted = None
+    predicted, no_prediction = None, None
     if model is not None:
-        pred_rows = []
-        for layout in runs:
-            x = all_inputs(p, dtype, world_size, layout)
-            hidden = x.shape[-1]
-            outs = model.predict(x.reshape(world_size, -1), [s * hidden for s in layout.sizes])
-            for row in layout.probes:
-                dest, local = layout.owner(row)
-                pred_rows.append(outs[dest].view(-1, hidden)[local])
-        pred_rows = torch.stack(pred_rows)
-        predicted = compare_bitwise(pred_rows, _expected(prop, pred_rows, runs)).mismatched
+        try:
+            pred_rows = torch.stack(_predicted_probes(model, ctx, p, dtype, runs, calls))
+            predicted = compare_bitwise(pred_rows, _expected(prop, pred_rows, runs)).mismatched
+        except NoPrediction as exc:
+            no_prediction = f"no order-model prediction: {exc}"
 
     probe = torch.stack([
         gen.values((p["hidden"],), dtype, p["seed"], "probe", r, data=p["data"]) for r in range(world_size)
@@ -217,12 +231,28 @@ def _measure(check, subject, ctx, p, dtype, prop, runs, gathered) -> dict:
         **mismatch.to_dict(),
         "held": mismatch.mismatched == 0,
         "predicted_mismatched": predicted,
+        "note": no_prediction,
         "order_model": None if model is None else model.name,
-        "order_model_exact": None if model is None else model.exact,
+        "order_model_exact": None if model is None or predicted is None else model.exact,
         "order_sensitive": sensitive,
         "vacuous_reason": vacuous,
         "extra_failure": extra,
     }
+
+
+def _predicted_probes(model, ctx: RankContext, p, dtype, runs, calls) -> list[torch.Tensor]:
+    """The probe copies the order model predicts, from every rank's regenerated input and
+    (on NCCL) the algorithm NCCL logged for each call."""
+    rows = []
+    for layout, logged in zip(runs, calls):
+        x = all_inputs(p, dtype, ctx.world_size, layout)
+        hidden = x.shape[-1]
+        nccl = NcclContext(ctx.nccl_topology, logged) if ctx.backend == "nccl" else None
+        outs = model.predict(x.reshape(ctx.world_size, -1), [s * hidden for s in layout.sizes], nccl)
+        for row in layout.probes:
+            dest, local = layout.owner(row)
+            rows.append(outs[dest].view(-1, hidden)[local])
+    return rows
 
 
 def _expected(prop, observed, runs):

@@ -2,6 +2,7 @@
 from harness.subjects.collective import (  # noqa: F401
     all_gather_fold,
     all_reduce_slice,
+    custom_all_reduce,
     all_to_all_fold,
     reduce_scatter_native,
     reduce_scatterv_native,

@@ -6,7 +6,7 @@ from harness.subjects.collective.common import fold_descending, offsets
 from reference import orders
 
 
-def _model(x, sizes):
+def _model(x, sizes, nccl=None):
     folded = orders.chain_fold(x, list(range(x.shape[0] - 1, -1, -1)))
     return [folded[o:o + s] for o, s in zip(offsets(sizes), sizes)]
 

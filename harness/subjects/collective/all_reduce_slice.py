@@ -1,11 +1,15 @@
 """All-reduce a copy of the input, then keep this rank's slice (SGLang's deterministic path).
 
 Invariant only when the all-reduce order is the same for every element: NCCL tree with
-identical trees on all channels. gloo's all-reduce is a ring whose order follows the
-element's offset, so on gloo this path is expected to fail the invariance checks.
+identical trees on all channels (one NVLink node: a chain). Across nodes NCCL's double
+binary tree puts different trees on even and odd channels, and the channel an element
+lands in depends on its offset and the message size, so there the tree model decides.
+gloo's all-reduce is a ring whose order follows the element's offset, so on gloo this path
+is expected to fail the invariance checks.
 """
 import torch.distributed as dist
 
+from harness import nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import offsets, per_destination
 from reference import orders
@@ -31,11 +35,9 @@ class AllReduceSlice:
         if backend == "gloo":
             return OrderModel(
                 "gloo ring all-reduce + slice",
-                lambda x, sizes: per_destination(orders.gloo_ring_all_reduce(x), sizes),
+                lambda x, sizes, nccl=None: per_destination(orders.gloo_ring_all_reduce(x), sizes),
                 exact=True,
             )
-        return OrderModel(
-            "NCCL tree (chain 0..W-1) all-reduce + slice",
-            lambda x, sizes: per_destination(orders.tree_chain_all_reduce(x), sizes),
-            exact=False,
-        )
+        return OrderModel("NCCL all-reduce as logged (tree model over the logged trees) + slice",
+                          lambda x, sizes, nccl: per_destination(nccl_models.all_reduce(x, nccl)[0], sizes),
+                          exact=True)

@@ -6,18 +6,23 @@ import torch
 from reference.collectives import shard_offsets as offsets
 
 
-def fold_descending(parts: torch.Tensor) -> torch.Tensor:
-    """Sum parts [world_size, ...] as ((p[W-1] + p[W-2]) + ...) + p[0], rounding each hop.
+def fold_in_order(parts: torch.Tensor, order) -> torch.Tensor:
+    """Sum parts [world_size, ...] as ((p[o0] + p[o1]) + ...) + p[o_last], rounding each hop.
 
-    This is the single-node NCCL tree order with the chain 0 -> 1 -> ... -> W-1 (root 0),
-    so a fold is bit-compatible with a pinned tree all-reduce. float32 adds rounded to
-    bf16/fp16 equal native adds in those formats.
+    float32 adds rounded to bf16/fp16 equal native adds in those formats.
     """
+    order = list(order)
     wide = torch.float64 if parts.dtype == torch.float64 else torch.float32
-    acc = parts[-1].to(wide).to(parts.dtype)
-    for r in range(parts.shape[0] - 2, -1, -1):
+    acc = parts[order[0]].to(wide).to(parts.dtype)
+    for r in order[1:]:
         acc = (acc.to(wide) + parts[r].to(wide)).to(parts.dtype)
     return acc
+
+
+def fold_descending(parts: torch.Tensor) -> torch.Tensor:
+    """((p[W-1] + p[W-2]) + ...) + p[0]: the single-node NCCL tree order with the chain
+    0 -> 1 -> ... -> W-1 (root 0), so a fold is bit-compatible with a pinned tree all-reduce."""
+    return fold_in_order(parts, range(parts.shape[0] - 1, -1, -1))
 
 
 def per_destination(flat_total: torch.Tensor, sizes_elems: list[int]) -> list[torch.Tensor]:

@@ -1,10 +1,13 @@
 """torch.distributed.reduce_scatter_tensor: the backend's own reduce-scatter (the control).
 
-NCCL sums the chunk that ends on rank d starting at d's ring successor, so a token's bits
-depend on its destination rank. gloo implements it as a ring all-reduce plus a slice.
+NCCL's ring sums the chunk that ends on rank d starting at d's ring successor, and PAT (its
+choice for small messages at one rank per node) sums along a tree rooted at d: either way
+a token's bits depend on its destination rank. gloo implements it as a ring all-reduce plus
+a slice.
 """
 import torch.distributed as dist
 
+from harness import nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import per_destination
 from reference import orders
@@ -28,11 +31,8 @@ class NativeReduceScatter:
         if backend == "gloo":
             return OrderModel(
                 "gloo ring all-reduce + slice",
-                lambda x, sizes: per_destination(orders.gloo_ring_all_reduce(x), sizes),
+                lambda x, sizes, nccl=None: per_destination(orders.gloo_ring_all_reduce(x), sizes),
                 exact=True,
             )
-        return OrderModel(
-            "NCCL ring reduce-scatter, ring 0..W-1",
-            lambda x, sizes: orders.nccl_ring_reduce_scatter(x, sizes),
-            exact=False,
-        )
+        return OrderModel("NCCL reduce-scatter as logged (ring or PAT model)",
+                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True)

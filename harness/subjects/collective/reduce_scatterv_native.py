@@ -6,12 +6,13 @@ destination, each a ring chain that ends at the destination.
 import torch
 import torch.distributed as dist
 
+from harness import nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import offsets
 from reference import orders
 
 
-def _per_shard_gloo(x, sizes):
+def _per_shard_gloo(x, sizes, nccl=None):
     return [
         orders.gloo_ring_all_reduce(x[:, o:o + s]) if s else x.new_empty(0)
         for o, s in zip(offsets(sizes), sizes)
@@ -34,8 +35,5 @@ class NativeReduceScatterV:
     def order_model(self, backend):
         if backend == "gloo":
             return OrderModel("gloo ring all-reduce per shard", _per_shard_gloo, exact=True)
-        return OrderModel(
-            "NCCL ring reduce per destination, ring 0..W-1",
-            lambda x, sizes: orders.nccl_ring_reduce_scatter(x, sizes),
-            exact=False,
-        )
+        return OrderModel("NCCL reduce per destination as logged (ring model)",
+                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True)

@@ -1,0 +1,167 @@
+"""The NCCL log parser and the NCCL order models against real NCCL, on the CPU.
+
+The fixtures in tests/fixtures/nccl-2.28.9-emulated-hosts/ were recorded once on the lent
+H200 by `ci/nccl_record.py` (NCCL 2.28.9, torch 2.11.0+cu130; 3, 4 and 8 ranks sharing the
+GPU as emulated hosts, one node per rank, NET/Socket): per configuration and world size,
+every rank's NCCL_DEBUG=INFO log cut to the lines the parser reads, and a SHA-256 of every
+rank's output for reduce_scatter_tensor and all_reduce on inputs that `ci/nccl_record.py`
+regenerates from the seed. A model passes only if it reproduces every output element of
+every rank bit for bit, with the algorithm taken from NCCL's own log line for that call.
+"""
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import nccl_log
+from harness.inputs import dtype_of
+from harness.nccl_models import NcclContext, NoPrediction, all_reduce, reduce_scatter
+from reference import nccl_pat, orders
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
+import nccl_record as recorder  # noqa: E402  (the recorder defines the inputs it used)
+
+
+def topology(config: str, world_size: int) -> nccl_log.Topology:
+    return nccl_log.read_ranks(sorted((FIXTURES / f"{config}-w{world_size}").glob("rank*.log")))
+
+
+def rank0_calls(config: str, world_size: int, function: str) -> list[nccl_log.Call]:
+    text = (FIXTURES / f"{config}-w{world_size}" / "rank0.log").read_text()
+    return [c for c in nccl_log.parse(text).calls if c.function == function]
+
+
+def recorded(config: str, world_size: int) -> dict:
+    return json.loads((FIXTURES / f"{config}-w{world_size}" / "hashes.json").read_text())
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def rs_points(config):
+    """(key, dtype, rows) in the order the recorder issued its reduce-scatters."""
+    return [(f"rs/{name}/rows{rows}", name, rows) for name in recorder.DTYPES for rows in recorder.RS_ROWS
+            if config != "free" or rows == recorder.RS_ROWS[0]]
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_log_shows_one_node_per_rank_over_sockets(world_size):
+    topo = topology("pins", world_size)
+    assert (topo.version, topo.nranks, topo.nnodes, topo.local_ranks) == ("2.28.9", world_size, world_size, 1)
+    assert topo.transports == ["NET/Socket"]
+    assert topo.coll_channels == 8 and topo.ring() == list(range(world_size))
+    # Multi-node double binary tree: even and odd channels carry different trees.
+    trees = topo.channel_trees()
+    assert len(trees) == 8 and trees[0] == trees[2] != trees[1] == trees[3]
+    assert all(sorted(t) == list(range(world_size)) for t in trees)
+
+
+@pytest.mark.parametrize("config", ["pins", "rsring"])
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
+    topo, hashes = topology(config, world_size), recorded(config, world_size)
+    calls = rank0_calls(config, world_size, "ReduceScatter")
+    points = rs_points(config)
+    assert len(calls) == len(points)
+    algorithms = set()
+    for (key, name, rows), call in zip(points, calls):
+        dtype = dtype_of(name)
+        x = torch.stack([recorder.rs_input(dtype, world_size, rows, r) for r in range(world_size)])
+        outs, _ = reduce_scatter(x.reshape(world_size, -1), [rows * recorder.HIDDEN] * world_size,
+                                 NcclContext(topo, [call]))
+        assert [digest(o) for o in outs] == hashes[key], f"{key}: {call.describe()}"
+        algorithms.add(call.algorithm)
+    # With the harness's pins NCCL picks PAT for the small messages; pinned ring means ring.
+    assert algorithms == ({"PAT", "RING"} if config == "pins" else {"RING"})
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_tree_all_reduce_model_reproduces_every_bit_of_nccl(world_size):
+    topo, hashes = topology("pins", world_size), recorded("pins", world_size)
+    calls = rank0_calls("pins", world_size, "AllReduce")  # then the recorder's closing barrier
+    points = [(name, nbytes) for name in recorder.DTYPES for nbytes in recorder.AR_BYTES]
+    assert [c.nbytes for c in calls[:len(points)]] == [nbytes for _, nbytes in points]
+    channels = set()
+    for (name, nbytes), call in zip(points, calls):
+        dtype = dtype_of(name)
+        n = nbytes // dtype.itemsize
+        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
+        out, _ = all_reduce(x, NcclContext(topo, [call]))
+        assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, call.describe()
+        channels.add(call.channels)
+    assert channels == {(0, 0), (0, 1), (0, 7)}  # the split changes with the message size
+
+
+def test_the_logged_algorithm_matters():
+    """The PAT model matches NCCL's small reduce-scatter; the ring model, which NCCL did
+    not run, misses thousands of elements (the recorded outputs themselves, world size 4)."""
+    out = torch.load(FIXTURES / "outputs-w4-bfloat16.pt")
+    got = out["pins/rs/bfloat16/rows2"].view(torch.bfloat16).reshape(4, -1)
+    x = torch.stack([recorder.rs_input(torch.bfloat16, 4, 2, r) for r in range(4)]).reshape(4, -1)
+    sizes = [2 * recorder.HIDDEN] * 4
+    pat = torch.stack(nccl_pat.pat_reduce_scatter(x, sizes))
+    ring = torch.stack(orders.nccl_ring_reduce_scatter(x, sizes))
+    assert int((pat.view(torch.int16) != got.view(torch.int16)).sum()) == 0
+    assert int((ring.view(torch.int16) != got.view(torch.int16)).sum()) > 1000
+    ringed = out["rsring/rs/bfloat16/rows2"].view(torch.bfloat16).reshape(4, -1)
+    assert torch.equal(ring.view(torch.int16), ringed.view(torch.int16))
+
+
+def rotate(tree, by: int, world_size: int):
+    if isinstance(tree, int):
+        return (tree + by) % world_size
+    return rotate(tree[0], by, world_size), rotate(tree[1], by, world_size)
+
+
+def test_pat_trees_rotate_with_the_destination():
+    for world_size in (2, 3, 4, 5, 6, 7, 8, 16):
+        trees = nccl_pat.sum_trees(world_size)  # also asserts every rank is summed once
+        assert all(trees[d] == rotate(trees[0], d, world_size) for d in range(world_size))
+    # World size 4, destination 0: x3 + ((x1 + x2) + x0), unlike the ring's ((x1 + x2) + x3) + x0.
+    assert nccl_pat.sum_trees(4)[0] == (3, ((1, 2), 0))
+
+
+def test_pat_schedule_does_not_depend_on_aggregation():
+    for world_size in (3, 4, 8):
+        base = nccl_pat.pat_sum_trees(world_size)
+        for agg in (2, 4, 8):
+            for parallel in (1, 16):
+                assert nccl_pat.pat_sum_trees(world_size, agg, parallel) == base
+
+
+def test_channel_split_by_hand():
+    # Tree/Simple: 512 threads, threshold 64 B/thread, 8 channels: < 256 KiB lowers the count.
+    assert orders.nccl_channel_split(2048, 2, 2, 8, 512, 64) == [2048]  # 4 KiB: one channel
+    assert orders.nccl_channel_split(32768, 2, 2, 8, 512, 64) == [16384, 16384]  # 64 KiB: two
+    assert orders.nccl_channel_split(524288, 2, 2, 8, 512, 64) == [65536] * 8  # 1 MiB: eight
+    assert orders.nccl_channel_split(1000, 4, 2, 8, 512, 64) == [1000]  # a partial cell
+
+
+def test_pins_are_read_per_function_and_checked_against_the_log():
+    assert nccl_log.pinned_algorithms("allreduce:tree") == {"AllReduce": {"TREE"}}
+    assert nccl_log.pinned_algorithms("allreduce:tree;reducescatter:ring") == {
+        "AllReduce": {"TREE"}, "ReduceScatter": {"RING"}}
+    assert nccl_log.pinned_algorithms("Ring")["ReduceScatter"] == {"RING"}
+    assert nccl_log.pinned_algorithms("^NVLS") == {}
+    pat = rank0_calls("pins", 4, "ReduceScatter")[0]
+    assert pat.algorithm == "PAT"
+    [violation] = nccl_log.pin_violations([pat], "allreduce:tree;reducescatter:ring")
+    assert "pins ReduceScatter to RING" in violation and "PAT" in violation
+    assert nccl_log.pin_violations([pat], "allreduce:tree") == []
+
+
+def test_no_prediction_names_what_nccl_ran():
+    topo = topology("pins", 4)
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    ring_ar = nccl_log.Call("AllReduce", 16, "RING", "SIMPLE", (0, 0))
+    with pytest.raises(NoPrediction, match="AllReduce 16 B: RING"):
+        all_reduce(x, NcclContext(topo, [ring_ar]))
+    with pytest.raises(NoPrediction, match="no ReduceScatter/Reduce call"):
+        reduce_scatter(x, [2] * 4, NcclContext(topo, []))
+    with pytest.raises(NoPrediction, match="no NCCL log"):
+        reduce_scatter(x, [2] * 4, None)
