@@ -175,7 +175,7 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, nccl_version() or ())) or None,
         "driver": gpu_driver() if platform.device == "cuda" else None,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(platform.ranks)] if platform.device == "cuda" else [],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(platform.gpus or platform.ranks)] if platform.device == "cuda" else [],
         "backend": platform.backend,
         "max_ranks": platform.ranks,
         "libraries": library_versions(),
