@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SUITE ?= smoke
+NIGHTLY_SUITE ?= nightly
 GPUS ?=
 PYTEST_WORKERS ?= 2
 # Reuse the system torch where one is installed (the GPU images); elsewhere install the CPU
@@ -32,7 +33,7 @@ bench: install
 	$(PY) -m harness.bench
 
 nightly: install
-	$(VENV)/bin/ep-harness nightly $(GPU_FLAG)
+	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG)
 
 baseline: install
 	$(VENV)/bin/ep-harness baseline update reports/out/latest

@@ -103,6 +103,20 @@ def test_pinned_env_never_enables_multicast():
     assert env["NCCL_ALGO"] == "reducescatter:ring"
     assert env["NCCL_MIN_NCHANNELS"] == env["NCCL_MAX_NCHANNELS"]
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    # NCCL's own log is how the harness knows which algorithm ran: always on, TUNING included.
+    quiet = pinned_env(GPU4, {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "NET"})
+    assert quiet["NCCL_DEBUG"] == "INFO" and quiet["NCCL_DEBUG_SUBSYS"] == "NET,INIT,GRAPH,TUNING,ENV"
+    assert "NCCL_DEBUG" not in pinned_env(CPU4, {})
+
+
+def test_emulated_hosts_are_a_topology_of_their_own(tmp_path):
+    emulated = Platform(backend="nccl", device="cuda", ranks=8, gpu_name="NVIDIA H200", gpus=1, emulated_hosts=True)
+    assert emulated.topology.key() == "emulated-hosts-8-on-1"
+    assert "not an NVLink node" in emulated.topology.describe()
+    assert GPU4.topology.kind == "gpus" and CPU4.topology.kind == "cpu-gloo"
+    checks = expand(load_suite(write(tmp_path, GOOD)), emulated)
+    assert {c["topology"] for c in checks} == {emulated.topology.describe()}
+    assert all(c["skip_reason"] is None for c in checks if c["params"]["world_size"] <= 8)
 
 
 def test_gpu_only_cases_are_skipped_on_the_cpu(tmp_path):

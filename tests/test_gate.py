@@ -71,6 +71,9 @@ def test_missing_baseline_names_the_fix(tmp_path):
 def test_platform_keys():
     assert platform_key(ENV) == "cpu-gloo-4"
     assert platform_key({"gpus": ["NVIDIA H200"] * 4}) == "nvidia-h200-x4"
+    emulated = {"gpus": ["NVIDIA H200"], "topology": {"kind": "emulated-hosts", "ranks": 8, "gpus": 1}}
+    assert platform_key(emulated) == "nvidia-h200-x1-emulated-hosts-8"  # never mixed with real GPUs
+    assert (REPO / "ci" / "baselines" / f"{platform_key(emulated)}.jsonl").exists()
 
 
 def test_history_and_trends(tmp_path):
@@ -96,6 +99,7 @@ def test_workflow_is_safe_and_thin():
     assert wf["permissions"] == {"contents": "read"}
     job = wf["jobs"]["nightly"]
     assert job["strategy"]["matrix"]["gpus"] == [1, 4, 8]
+    assert {"gpus": 1, "emulate": "1", "suite": "h200-emulated"} in job["strategy"]["matrix"]["include"]
     assert job["runs-on"][0] == "self-hosted"
     runs = [s["run"] for s in job["steps"] if "run" in s]
     assert runs and all(r.strip().startswith("make ") for r in runs)

@@ -86,6 +86,7 @@ def test_faulty_ranks_become_error_records(tmp_path):
     (["--suite", "tests/cases/does-not-exist.toml"], "not found"),
     (["--gpus", "4"], "GPUS=4 but this machine has 0 visible GPUs"),
     (["--suite", "smoke", "--check", "no/such/check"], "matches no check"),
+    (["--gpus", "4", "--emulate-hosts"], "--emulate-hosts (EMULATE_HOSTS=1) runs NCCL ranks on a GPU, but no GPU"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     proc = run_cli("verify", *args, "--out", str(tmp_path))
@@ -105,6 +106,25 @@ def test_malformed_and_unknown_subject_files(tmp_path):
     proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "malformed TOML" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_records_name_their_topology_and_the_tp_reduction(smoke_run):
+    _, run_dir = smoke_run
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["topology"]["kind"] == "cpu-gloo" and env["topology"]["ranks"] == 4
+    assert env["tp_reduction"]["via"] == "torch.distributed on gloo"
+    assert env["tp_reduction"]["engine_custom_all_reduce"].startswith("off")
+    assert all(r["topology"] == "cpu-gloo: 4 gloo ranks on the CPU" for r in records(run_dir))
+
+
+@pytest.mark.slow
+def test_custom_all_reduce_violates_size_invariance_as_predicted(smoke_run):
+    _, run_dir = smoke_run
+    for dtype in ("bfloat16", "float32"):
+        r = find(records(run_dir), "custom-ar-sizes", "size-invariance", dtype, 4)
+        assert (r["status"], r["held"]) == ("ok", False), r["reason"]
+        assert r["mismatched"] > 0 and r["mismatched"] == r["predicted_mismatched"]
 
 
 def test_make_verify_with_more_gpus_than_present():
