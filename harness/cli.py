@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import MODULE to register extra subjects (repeatable)")
     v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     v.add_argument("--no-report", action="store_true", help="write records only")
+    v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
+                   help="rerun checks of an earlier run from their records alone (with --check to pick)")
 
     r = sub.add_parser("report", help="render a run directory (terminal table + report.html)")
     r.add_argument("run_dir", type=Path)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
-                             render=not args.no_report, emulate_hosts=args.emulate_hosts)
+                             render=not args.no_report, emulate_hosts=args.emulate_hosts,
+                             from_record=args.from_record)
             return code
         if args.command == "report":
             from reports.render import render_run
@@ -128,5 +131,5 @@ def _list(args) -> int:
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
     for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate_hosts)):
-        print(c["id"] + (f"  [skip: {c['skip_reason']}]" if c["skip_reason"] else ""))
+        print(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))
     return 0

@@ -118,21 +118,3 @@ def compare_bitwise(
         })
     result.first_mismatch = result.first_mismatches[0]
     return result
-
-
-def within_bound(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, tolerance: dict,
-                 valid: torch.Tensor | None = None) -> dict:
-    """Elements whose |got - exact| exceeds their own bound (float64, same shapes), counted
-    over `valid` elements only; error_vs_reference is max |err| / bound (1.0 = at the bound)."""
-    err = (got.to(torch.float64) - exact).abs()
-    valid = torch.ones_like(err, dtype=torch.bool) if valid is None else valid
-    over = (err > bound) & valid
-    zero = torch.zeros_like(err)
-    return {
-        "mismatched": int(over.sum()), "total": int(valid.sum()), "held": not bool(over.any()),
-        "max_abs": json_float(float(torch.where(valid, err, zero).max())),
-        "error_vs_reference": json_float(float(torch.where(valid, err / bound.clamp_min(1e-300), zero).max())),
-        "tolerance": {**tolerance, "allowed": 1.0, "metric": "max |err| / bound"},
-        "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": None,
-    }
-

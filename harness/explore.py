@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.check import Check, single_check
 from harness.errors import HarnessError
 from harness.records import append_line, read_jsonl, write_json
 
@@ -34,7 +35,6 @@ def strategy(family: str):
                 "routing": st.sampled_from(["uniform", "zipf", "empty", "one-rank"]),
                 "seed": st.integers(0, 10_000),
                 "batch_sizes": st.lists(st.integers(1, 32), min_size=2, max_size=4, unique=True),
-                "dtype": st.just("bfloat16"),
             }),
         })
     if family == "collective":
@@ -62,11 +62,9 @@ def strategy(family: str):
     raise HarnessError(f"explore has no search space for {family} subjects; families: dispatch, collective, gemm")
 
 
-def as_check(subject, example: dict, world_size: int, backend: str) -> dict:
-    params = {**example["params"], "world_size": world_size, "backend": backend}
-    return {"id": f"explore/{subject.name}/{example['property']}", "case": "explore", "subject": subject.name,
-            "family": subject.family, "property": example["property"], "params": params, "expect": "holds",
-            "timeout_s": 120, "env": {}, "skip_reason": None}
+def as_check(subject, example: dict, world_size: int, backend: str) -> Check:
+    return single_check(subject, example["property"], {**example["params"], "world_size": world_size}, backend,
+                        f"explore/{subject.name}/{example['property']}")
 
 
 def snippet(subject_name: str, example: dict, n: int, world_size: int) -> str:
@@ -137,7 +135,7 @@ def worker(job_dir: Path) -> int:
 
     from harness import subject as registry
     from harness.context import RankContext
-    from harness.families import EXECUTORS
+    from harness.families import execute
 
     job = json.loads((job_dir / "job.json").read_text())
     registry.load_all(job["plugins"])
@@ -155,7 +153,7 @@ def worker(job_dir: Path) -> int:
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return None
-        return EXECUTORS[subject.family](as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
+        return execute(as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
 
     if rank != 0:
         while evaluate(None) is not None:
@@ -174,7 +172,7 @@ def worker(job_dir: Path) -> int:
             return False
         count += 1
         m = evaluate(example)
-        return m["held"] is False and not m.get("vacuous_reason")
+        return m.held is False and not m.vacuous_reason
 
     for example in job["known"]:  # replay known counterexamples first
         if violates(example):
@@ -190,8 +188,8 @@ def worker(job_dir: Path) -> int:
     summary = None
     if found is not None:
         m = evaluate(found)
-        summary = (f"{found['property']}: {m['mismatched']:,} / {m['total']:,} differ "
-                   f"(first at {m['first_mismatch']['row']})" if m.get("first_mismatch") else found["property"])
+        summary = (f"{found['property']}: {m.mismatched:,} / {m.total:,} differ "
+                   f"(first at {m.first_mismatch['row']})" if m.first_mismatch else found["property"])
     evaluate(None)
     write_json(job_dir / "result.json", {"found": found is not None, "example": found, "examples": count,
                                           "seconds": time.time() - began, "summary": summary,

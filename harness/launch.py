@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.measurement import Measurement
 from harness.records import read_jsonl, write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +30,7 @@ class Outcome:
     """What became of one check in a launch: a measurement or an error."""
 
     seconds: float
-    measured: dict | None = None
+    measured: Measurement | None = None
     error: str | None = None
     details: dict = field(default_factory=dict)
 
@@ -102,9 +103,9 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
     """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
     NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py)."""
     job_dir.mkdir(parents=True, exist_ok=True)
-    longest = max(c["timeout_s"] for c in checks)
+    longest = max(c.timeout_s for c in checks)
     write_json(job_dir / "job.json", {
-        "backend": backend, "plugins": plugins, "checks": checks, "emulate_hosts": emulate_hosts,
+        "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "emulate_hosts": emulate_hosts,
         # Collective timeouts sit above the launcher's: the launcher must see a hang first.
         "collective_timeout_s": longest + 60,
     })
@@ -131,10 +132,10 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                     details = {"stacks": _dump_stacks(job_dir, world_size), "log": _log_tail(log_path)}
                     break
                 for s in running:
-                    if time.time() - s["since"] > checks[s["index"]]["timeout_s"]:
+                    if time.time() - s["since"] > checks[s["index"]].timeout_s:
                         failed_at = min(x["index"] for x in running)
                         stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
-                        error = (f"timed out after {checks[failed_at]['timeout_s']:.0f} s "
+                        error = (f"timed out after {checks[failed_at].timeout_s:.0f} s "
                                  f"(ranks {stuck} still inside the check); stack dumps attached")
                         details = {"stacks": _dump_stacks(job_dir, world_size)}
                         break
@@ -144,8 +145,9 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
             _kill(proc, job_dir)
 
         for line in read_jsonl(job_dir / "records.jsonl"):
-            if line["index"] >= start and checks[line["index"]]["id"] not in outcomes:
-                outcomes[checks[line["index"]]["id"]] = Outcome(line["seconds"], measured=line["measured"])
+            if line["index"] >= start and checks[line["index"]].id not in outcomes:
+                outcomes[checks[line["index"]].id] = Outcome(line["seconds"],
+                                                                measured=Measurement.from_json(line["measured"]))
         if error is None and proc.returncode != 0:
             errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
                             key=lambda e: e["time"])
@@ -168,16 +170,16 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         if not any(_ranks_state(job_dir, world_size)):  # failed before any check: all would
             reason = f"the {world_size}-rank launch failed before its first check ({error})"
             for c in checks[start:]:
-                outcomes.setdefault(c["id"], Outcome(seconds, error=reason, details={"log": _log_tail(log_path)}))
+                outcomes.setdefault(c.id, Outcome(seconds, error=reason, details={"log": _log_tail(log_path)}))
             break
         if failed_at is None or failed_at >= len(checks):
             failed_at = start
-        outcomes[checks[failed_at]["id"]] = Outcome(seconds, error=error, details=details)
+        outcomes[checks[failed_at].id] = Outcome(seconds, error=error, details=details)
         start = failed_at + 1
-        while start < len(checks) and checks[start]["id"] in outcomes:
+        while start < len(checks) and checks[start].id in outcomes:
             start += 1
         attempt += 1
     for c in checks:  # a job that ended early leaves no check unaccounted for
-        outcomes.setdefault(c["id"], Outcome(0.0, error="the launch ended before this check ran",
+        outcomes.setdefault(c.id, Outcome(0.0, error="the launch ended before this check ran",
                                              details={"log": _log_tail(job_dir / f"torchrun-{attempt}.log")}))
     return outcomes

@@ -87,12 +87,21 @@ def placements(prop: str, p: dict, world: int) -> list[Placement]:
     raise ValueError(f"no placements for {prop!r}")
 
 
-def probe_copies(runs: list[Placement], gathered: list) -> tuple[torch.Tensor, list[str]]:
-    """Stack the probe's output copies, in placement order, from every rank's gathered
+def placement_runs(prop: str, p: dict, world: int) -> list:
+    """The placements as driver runs: each probe copy is placed by (tokens per rank, its rank
+    and position, the fillers' seed) and held by its rank."""
+    from harness.families.driver import Copy, Run
+
+    return [Run(pl.label, tuple(Copy((pl.tokens, r, pos, pl.filler_seed), r) for r, pos in pl.probes), pl)
+            for pl in placements(prop, p, world)]
+
+
+def probe_copies(runs: list, gathered: list) -> tuple[torch.Tensor, list[str]]:
+    """Stack the probe's output copies, in run order, from every rank's gathered
     {copy: row} dicts (gathered[rank][0][run])."""
     observed, labels = [], []
     for i, run in enumerate(runs):
-        for c, (r, pos) in enumerate(run.probes):
+        for c, (r, pos) in enumerate(run.spec.probes):
             observed.append(gathered[r][0][i][c])
             labels.append(f"{run.label}: rank {r} token {pos}")
     return torch.stack(observed), labels

@@ -4,11 +4,14 @@ from __future__ import annotations
 import fnmatch
 import itertools
 
+from dataclasses import asdict, replace
+
+from harness import params
 from harness import subject as registry
 from harness.cases import Suite
+from harness.check import Check
 from harness.errors import HarnessError
 from harness.families import PROPERTIES
-from harness.inputs import DTYPES
 from harness.subject import Platform
 
 
@@ -19,7 +22,7 @@ def check_id(case: str, prop: str, point: dict) -> str:
     return "/".join(parts)
 
 
-def _skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | None:
+def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | None:
     world_size = params.get("world_size", 1)
     if world_size > platform.ranks:
         where = (f"GPUS={platform.ranks}" if platform.device == "cuda"
@@ -32,7 +35,7 @@ def _skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | 
     return subject.unavailable(platform, params)
 
 
-def expand(suite: Suite, platform: Platform, selection: list[str] | None = None) -> list[dict]:
+def expand(suite: Suite, platform: Platform, selection: list[str] | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`."""
     checks = []
     for case in suite.cases:
@@ -44,51 +47,38 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None)
                     f"{suite.path}: case {case.name!r}: property {prop!r} is not defined for "
                     f"{subject.family} subjects; known: {', '.join(known)}"
                 )
-        for dtype in case.grid.get("dtype", []) + [case.params.get("dtype")]:
-            if dtype is not None and dtype not in DTYPES:
-                raise HarnessError(f"{suite.path}: case {case.name!r}: unknown dtype {dtype!r}; "
-                                   f"known: {', '.join(DTYPES)}")
-        for ws in case.grid.get("world_size", []) + [case.params.get("world_size")]:
-            if ws is not None and (not isinstance(ws, int) or ws < 1):
-                raise HarnessError(f"{suite.path}: case {case.name!r}: world_size {ws!r} is not a positive integer")
         keys = list(case.grid)
+        where = f"{suite.path}: case {case.name!r}"
         for prop in case.properties:
             for values in itertools.product(*(case.grid[k] for k in keys)):
                 point = dict(zip(keys, values))
-                params = {"world_size": 1, **case.params, **point, "backend": platform.backend}
-                cid = check_id(case.name, prop, point)
-                checks.append({
-                    "id": cid,
-                    "suite": str(suite.path),
-                    "case": case.name,
-                    "subject": subject.name,
-                    "family": subject.family,
-                    "property": prop,
-                    "params": params,
-                    "expect": case.expect.get(platform.backend, "holds"),
-                    "timeout_s": case.timeout_s,
-                    "env": case.env,
-                    "topology": platform.topology.describe(),
-                    "skip_reason": _skip_reason(platform, subject, prop, params),
-                })
-    ids = [c["id"] for c in checks]
+                typed = params.build(subject.family, {**case.params, **point}, subject, where, frozenset(keys))
+                typed = replace(typed, backend=platform.backend)
+                checks.append(Check(
+                    id=check_id(case.name, prop, point), suite=str(suite.path), case=case.name,
+                    subject=subject.name, family=subject.family, property=prop, params=typed,
+                    expect=case.expect.get(platform.backend, "holds"), timeout_s=case.timeout_s, env=case.env,
+                    topology=platform.topology.describe(),
+                    skip_reason=skip_reason(platform, subject, prop, asdict(typed)),
+                ))
+    ids = [c.id for c in checks]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:
         raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
     if selection:
-        checks = [c for c in checks if any(fnmatch.fnmatchcase(c["id"], pat) for pat in selection)]
+        checks = [c for c in checks if any(fnmatch.fnmatchcase(c.id, pat) for pat in selection)]
         if not checks:
             raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}; "
                                f"list them with `ep-harness list --suite {suite.path}`")
     return checks
 
 
-def jobs(checks: list[dict], per_check: bool = False) -> list[tuple[int, dict, list[dict]]]:
+def jobs(checks: list[Check], per_check: bool = False) -> list[tuple[int, dict, list[Check]]]:
     """Group runnable checks into launches: one per (world size, environment), plan order
     kept. `per_check` gives every check a launch of its own (only to measure what grouping saves)."""
     groups: dict[tuple, list[dict]] = {}
     for c in checks:
-        if c["skip_reason"] is None:
-            key = (c["params"]["world_size"], tuple(sorted(c["env"].items())), c["id"] if per_check else None)
+        if c.skip_reason is None:
+            key = (c.world_size, tuple(sorted(c.env.items())), c.id if per_check else None)
             groups.setdefault(key, []).append(c)
     return [(ws, dict(env), cs) for (ws, env, _), cs in groups.items()]

@@ -144,10 +144,10 @@ class CheckItem(pytest.Item):
         from harness.records import read_jsonl
         from harness.verify import verify
 
-        if self.check["skip_reason"]:
-            pytest.skip(self.check["skip_reason"])
+        if self.check.skip_reason:
+            pytest.skip(self.check.skip_reason)
         with tempfile.TemporaryDirectory() as tmp:
-            _, run_dir = verify(self.suite, gpus=self.gpus, selection=[self.check["id"]], out_root=Path(tmp),
+            _, run_dir = verify(self.suite, gpus=self.gpus, selection=[self.check.id], out_root=Path(tmp),
                                 render=False, quiet=True)
             record = read_jsonl(run_dir / "results.jsonl")[0]
         if record["status"] == "vacuous":
@@ -158,7 +158,7 @@ class CheckItem(pytest.Item):
             raise AssertionError(f"{record['status']}: {record['reason']}\n\n{mismatch_text(record)}")
 
     def reportinfo(self):
-        return self.suite, None, self.check["id"]
+        return self.suite, None, self.check.id
 
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, AssertionError):
@@ -180,4 +180,4 @@ def pytest_collection_modifyitems(session, config, items):
     registry.load_all(loaded.plugins)
     gpus = config.getoption("--ep-gpus")
     for check in expand(loaded, detect(gpus)):
-        items.append(CheckItem.from_parent(session, name=check["id"], check=check, suite=str(path), gpus=gpus))
+        items.append(CheckItem.from_parent(session, name=check.id, check=check, suite=str(path), gpus=gpus))

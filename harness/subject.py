@@ -8,6 +8,7 @@ each; third-party packages add theirs through the entry-point group
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -103,15 +104,55 @@ class QuantSubject(Subject, Protocol):
         """x [rows, cols] bf16 -> (float8_e4m3fn [rows, cols], float32 scales [rows, cols // 128])."""
 
 
+class MoeLayerSubject(Subject, Protocol):
+    def forward(self, partials, weights: dict, params: dict, group):
+        """partials [T, H] (this rank's TP partial sums) -> (output [T, H], chosen experts [T, k])."""
+
+
+PROTOCOLS = {"collective": CollectiveSubject, "gemm": GemmSubject, "quant": QuantSubject,
+             "dispatch": DispatchSubject, "moe_layer": MoeLayerSubject}
+
 _REGISTRY: dict[str, Subject] = {}
 _loaded = False
 
 
+def _contract_problems(subject, protocol) -> list[str]:
+    """What `subject` lacks of its family's Protocol: members, and the arity of each method."""
+    problems = []
+    for klass in protocol.__mro__:
+        if klass in (Protocol, object) or not getattr(klass, "_is_protocol", False):
+            continue
+        for name in [*getattr(klass, "__annotations__", {}), *vars(klass)]:
+            if name.startswith("_") or name in ("name", "family", "summary") and hasattr(subject, name):
+                continue
+            wanted = vars(klass).get(name)
+            if not hasattr(subject, name):
+                problems.append(f"missing {name!r}")
+            elif callable(wanted):
+                need = len(inspect.signature(wanted).parameters) - 1  # without self
+                try:
+                    params = inspect.signature(getattr(subject, name)).parameters.values()
+                except (TypeError, ValueError):
+                    continue
+                positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+                if not any(p.kind == p.VAR_POSITIONAL for p in params) and len(positional) != need:
+                    problems.append(f"{name}() takes {len(positional)} argument(s), the contract passes {need}")
+    return list(dict.fromkeys(problems))
+
+
 def register(cls):
-    """Class decorator: instantiate and register a subject under its `name`."""
+    """Class decorator: instantiate, check against its family's Protocol, and register a
+    subject under its `name` (the way pluggy validates hook implementations)."""
     subject = cls()
+    for attr in ("name", "family", "summary"):
+        if not isinstance(getattr(subject, attr, None), str):
+            raise ValueError(f"subject class {cls.__name__} needs a string `{attr}`")
     if subject.family not in FAMILIES:
         raise ValueError(f"subject {subject.name!r} has unknown family {subject.family!r}; known: {FAMILIES}")
+    problems = _contract_problems(subject, PROTOCOLS[subject.family])
+    if problems:
+        raise ValueError(f"subject {subject.name!r} does not implement the {subject.family} contract "
+                         f"({PROTOCOLS[subject.family].__name__} in harness/subject.py): {'; '.join(problems)}")
     if subject.name in _REGISTRY and type(_REGISTRY[subject.name]) is not cls:
         raise ValueError(f"two subjects are named {subject.name!r}")
     _REGISTRY[subject.name] = subject

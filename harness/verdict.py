@@ -2,37 +2,32 @@
 the launcher and the planner)."""
 from __future__ import annotations
 
+from harness.measurement import Measurement
+
 STATUSES = ("ok", "unexpected", "vacuous", "error", "skipped")
 FAILING = ("unexpected", "error")
 
 
-def decide(
-    expect: str,
-    held: bool,
-    mismatched: int,
-    total: int,
-    vacuous_reason: str | None = None,
-    predicted: int | None = None,
-    prediction_exact: bool = False,
-    extra_failure: str | None = None,
-) -> tuple[str, str]:
-    """Return (status, reason) for one check."""
-    counts = f"{mismatched:,} / {total:,} differ"
-    if extra_failure:
-        return "unexpected", extra_failure
-    if prediction_exact and predicted is not None and predicted != mismatched:
-        return "unexpected", f"order model predicted {predicted:,} mismatched, measured {mismatched:,}"
-    if vacuous_reason:
-        return "vacuous", f"could not fail: {vacuous_reason}"
+def decide(check, m: Measurement) -> tuple[str, str]:
+    """Return (status, reason) for a Check from its expectation and its measurement."""
+    expect = check.expect
+    counts = f"{m.mismatched:,} / {m.total:,} differ"
+    if m.extra_failure:
+        return "unexpected", m.extra_failure
+    exact = bool(m.order_model_exact) and m.predicted_mismatched is not None
+    if exact and m.predicted_mismatched != m.mismatched:
+        return "unexpected", f"order model predicted {m.predicted_mismatched:,} mismatched, measured {m.mismatched:,}"
+    if m.vacuous_reason:
+        return "vacuous", f"could not fail: {m.vacuous_reason}"
     if expect == "model":  # the exact order model decides whether it holds
-        if predicted is None or not prediction_exact:
+        if not exact:
             return "unexpected", f"expect = model needs an exact order-model prediction and none was made ({counts})"
-        verdict = "holds" if held else "violated"
-        return "ok", f"{verdict} as the order model predicts: {counts}, predicted {predicted:,}"
+        verdict = "holds" if m.held else "violated"
+        return "ok", f"{verdict} as the order model predicts: {counts}, predicted {m.predicted_mismatched:,}"
     if expect == "holds":
-        return ("ok", f"holds: {counts}") if held else ("unexpected", f"expected to hold, but {counts}")
+        return ("ok", f"holds: {counts}") if m.held else ("unexpected", f"expected to hold, but {counts}")
     if expect == "violated":
-        return ("ok", f"control shows the violation: {counts}") if not held else (
+        return ("ok", f"control shows the violation: {counts}") if not m.held else (
             "unexpected", f"control expected to show a violation, but {counts}"
         )
     raise ValueError(f"unknown expectation {expect!r}")

@@ -2,25 +2,24 @@
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import json
 import os
 import secrets
 import shlex
+from dataclasses import asdict, replace
 from pathlib import Path
 
+from harness import params
 from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path
+from harness.check import Check
+from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
 from harness.launch import Outcome, run_job
-from harness.plan import expand, jobs
-from harness.records import base_record, write_json, write_jsonl
+from harness.plan import expand, jobs, skip_reason
+from harness.records import base_record, read_jsonl, write_json, write_jsonl
 from harness.verdict import FAILING, decide
-
-DETAIL_KEYS = ("first_mismatches", "ulp_histogram", "mismatch_map", "max_abs_index", "max_ulp_index",
-               "order_model", "order_model_exact", "order_sensitive", "explained", "scale_mismatched", "calc_diff",
-               "router_flips", "tokens")
-MEASURED_KEYS = ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference", "tolerance",
-                 "nccl_calls")
 
 
 def new_run_id() -> str:
@@ -28,8 +27,9 @@ def new_run_id() -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
-def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False) -> str:
-    cmd = ["ep-harness", "verify", "--suite", suite, "--check", check_id]
+def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
+                  from_record: bool = False) -> str:
+    cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", check_id]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
     if emulate_hosts:
@@ -41,30 +41,44 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
 
 def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> dict:
     rec = base_record(check, run_id, rerun)
-    if check["skip_reason"]:
-        rec.update(status="skipped", reason=check["skip_reason"])
+    if check.skip_reason:
+        rec.update(status="skipped", reason=check.skip_reason)
         return rec
     rec["seconds"] = outcome.seconds
     if outcome.error:
         rec.update(status="error", reason=outcome.error, detail=outcome.details)
         return rec
     m = outcome.measured
-    rec.update(held=m["held"], mismatched=m["mismatched"], total=m["total"])
-    for key in MEASURED_KEYS:
-        if m.get(key) is not None:
-            rec[key] = m[key]
-    rec["detail"] = {k: m[k] for k in DETAIL_KEYS if m.get(k) is not None}
-    if m.get("error"):  # measured, but not under the conditions pinned (e.g. another NCCL algorithm)
-        rec.update(status="error", reason=m["error"])
+    rec.update(m.to_record())
+    if m.error:  # measured, but not under the conditions pinned (e.g. another NCCL algorithm)
+        rec.update(status="error", reason=m.error)
         return rec
-    rec["status"], rec["reason"] = decide(
-        check["expect"], m["held"], m["mismatched"], m["total"], vacuous_reason=m.get("vacuous_reason"),
-        predicted=m.get("predicted_mismatched"), prediction_exact=bool(m.get("order_model_exact")),
-        extra_failure=m.get("extra_failure"),
-    )
-    if m.get("note"):
-        rec["reason"] += f"; {m['note']}"
+    rec["status"], rec["reason"] = decide(check, m)
+    if m.note:
+        rec["reason"] += f"; {m.note}"
     return rec
+
+
+def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
+    """The checks of a results.jsonl, rebuilt from their records (params validated again)."""
+    try:
+        records = read_jsonl(path)
+    except (OSError, ValueError) as exc:
+        raise HarnessError(f"{path}: cannot read records ({exc}); pass a run's results.jsonl") from None
+    chosen = [r for r in records if not selection or any(fnmatch.fnmatchcase(r["check"], pat) for pat in selection)]
+    if not chosen:
+        raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
+    checks = []
+    for r in chosen:
+        subject = registry.get(r["subject"])
+        raw = {k: v for k, v in r["params"].items() if k != "backend"}
+        typed = replace(params.build(r["family"], raw, subject, f"{path}: {r['check']}"), backend=platform.backend)
+        checks.append(Check(id=r["check"], suite=str(path), case=r["case"], subject=r["subject"], family=r["family"],
+                            property=r["property"], params=typed, expect=r["expect"],
+                            timeout_s=r.get("timeout_s", 120.0), env=r.get("launch_env", {}),
+                            topology=platform.topology.describe(),
+                            skip_reason=skip_reason(platform, subject, r["property"], asdict(typed))))
+    return checks
 
 
 def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
@@ -97,13 +111,21 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
 def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
            render: bool = True, quiet: bool = False, per_check_launch: bool = False,
-           emulate_hosts: bool = False) -> tuple[int, Path]:
-    suite_path = resolve_suite_path(suite)
-    loaded = load_suite(suite_path)
-    plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
-    registry.load_all(plugins)
-    platform = detect(gpus, cpu_ranks, emulate_hosts)
-    checks = expand(loaded, platform, selection)
+           emulate_hosts: bool = False, from_record: Path | None = None) -> tuple[int, Path]:
+    """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
+    records alone: every effective parameter is in the record."""
+    if from_record is not None:
+        suite_path = from_record
+        registry.load_all(plugins)
+        platform = detect(gpus, cpu_ranks, emulate_hosts)
+        checks = checks_from_records(from_record, platform, selection)
+    else:
+        suite_path = resolve_suite_path(suite)
+        loaded = load_suite(suite_path)
+        plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
+        registry.load_all(plugins)
+        platform = detect(gpus, cpu_ranks, emulate_hosts)
+        checks = expand(loaded, platform, selection)
     run_id = new_run_id()
     run_dir = out_root / run_id
     fingerprint = run_fingerprint(platform, list(command))
@@ -128,8 +150,9 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
 
-    records = [finalize(c, outcomes.get(c["id"]), run_id,
-                        rerun_command(str(suite_path), c["id"], gpus, plugins, platform.emulated_hosts))
+    records = [finalize(c, outcomes.get(c.id), run_id,
+                        rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts,
+                                      from_record is not None))
                for c in checks]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)

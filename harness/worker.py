@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
     from harness import subject as registry
     from harness.context import RankContext
     from harness.environment import rank_fingerprint
-    from harness.families import EXECUTORS
+    from harness.check import Check
+    from harness.families import execute
 
     torch.use_deterministic_algorithms(True)
     registry.load_all(job["plugins"])
@@ -63,22 +64,22 @@ def main(argv: list[str]) -> int:
 
     checks = job["checks"]
     for index in range(start, len(checks)):
-        check = checks[index]
+        check = Check.from_json(checks[index])
         _progress(job_dir, rank, index)
         began = time.perf_counter()
         try:
-            subject = registry.get(check["subject"])
-            measured = EXECUTORS[check["family"]](check, subject, ctx)
+            subject = registry.get(check.subject)
+            measured = execute(check, subject, ctx).to_json()
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
             write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
-                "index": index, "check": check["id"], "rank": rank, "time": time.time(),
+                "index": index, "check": check.id, "rank": rank, "time": time.time(),
                 "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
             }))
             stacks.flush()
             os._exit(3)
         if rank == 0:
             append_line(job_dir / "records.jsonl", {
-                "index": index, "check": check["id"], "seconds": round(time.perf_counter() - began, 4),
+                "index": index, "check": check.id, "seconds": round(time.perf_counter() - began, 4),
                 "measured": measured,
             })
     _progress(job_dir, rank, len(checks))

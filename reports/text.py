@@ -28,7 +28,8 @@ def mismatch_text(rec: dict) -> str:
     mismatched, total = rec.get("mismatched"), rec.get("total")
     if mismatched is None:
         return rec.get("reason") or "no measurement"
-    bitwise = rec.get("property") != "reference"
+    # The comparison kind decides the words: bitwise equality, or closeness within a bound.
+    bitwise = rec.get("comparison", "bounded" if rec.get("tolerance") else "bitwise") == "bitwise"
     lines = [f"Tensor-likes are {'not equal' if bitwise else 'not close'}!" if mismatched
              else f"Tensor-likes are {'equal' if bitwise else 'close'}.", ""]
     lines.append(f"Mismatched elements: {mismatched} / {total} ({100.0 * mismatched / max(total, 1):.1f}%)")
@@ -50,7 +51,7 @@ def mismatch_text(rec: dict) -> str:
         )
     if rec.get("tolerance"):
         tol = rec["tolerance"]
-        lines.append(f"Error vs float64 reference: {fmt_float(rec.get('error_vs_reference'))} "
+        lines.append(f"Error vs reference (max |err| / bound): {fmt_float(rec.get('error_vs_reference'))} "
                      f"(up to {fmt_float(tol.get('allowed'))} allowed: {tol.get('rule')})")
     if rec.get("predicted_mismatched") is not None:
         lines.append(f"Order model ({detail.get('order_model', '?')}) predicted: {rec['predicted_mismatched']}")

@@ -38,38 +38,38 @@ def write(tmp_path, text, name="suite.toml"):
 def test_grid_expands_and_skips_with_reasons(tmp_path):
     checks = expand(load_suite(write(tmp_path, GOOD)), CPU4)
     assert len(checks) == 2 * 2 * 3
-    skipped = [c for c in checks if c["skip_reason"]]
-    assert {c["params"]["world_size"] for c in skipped} == {8}
-    assert skipped[0]["skip_reason"] == "needs 8 ranks; this run has 4 (the CPU default of 4 gloo ranks)"
-    assert checks[0]["id"] == "rs/rank-invariance/dtype=bfloat16/world_size=3"
+    skipped = [c for c in checks if c.skip_reason]
+    assert {c.world_size for c in skipped} == {8}
+    assert skipped[0].skip_reason == "needs 8 ranks; this run has 4 (the CPU default of 4 gloo ranks)"
+    assert checks[0].id == "rs/rank-invariance/dtype=bfloat16/world_size=3"
     assert [ws for ws, _, _ in jobs(checks)] == [3, 4]
 
 
 def test_expectation_follows_the_backend(tmp_path):
     text = GOOD.replace('{ gloo = "violated", nccl = "violated" }', '{ gloo = "violated", nccl = "holds" }')
     suite = load_suite(write(tmp_path, text))
-    assert {c["expect"] for c in expand(suite, CPU4)} == {"violated"}
-    assert {c["expect"] for c in expand(suite, GPU4)} == {"holds"}
+    assert {c.expect for c in expand(suite, CPU4)} == {"violated"}
+    assert {c.expect for c in expand(suite, GPU4)} == {"holds"}
 
 
 def test_graph_mode_needs_a_gpu(tmp_path):
     text = GOOD.replace('properties = ["rank-invariance", "batch-invariance"]', 'properties = ["graph-invariance"]')
     checks = expand(load_suite(write(tmp_path, text.replace("reduce_scatter_native", "all_gather_fold"))), CPU4)
-    assert {c["skip_reason"] for c in checks if c["params"]["world_size"] < 8} == {"CUDA graphs need a GPU"}
+    assert {c.skip_reason for c in checks if c.world_size < 8} == {"CUDA graphs need a GPU"}
 
 
 def test_uneven_shards_are_refused_by_the_even_only_subject(tmp_path):
     text = GOOD + '[case.params]\nshards = "uneven"\n'
     checks = expand(load_suite(write(tmp_path, text)), CPU4)
-    assert "uneven shards are reduce_scatterv_native" in checks[0]["skip_reason"]
+    assert "uneven shards are reduce_scatterv_native" in checks[0].skip_reason
 
 
 @pytest.mark.parametrize("text, message", [
     ("[[case]\nname='x'", "malformed TOML"),
     (GOOD.replace('subject = "reduce_scatter_native"', 'subject = "nope"'), "unknown subject 'nope'"),
     (GOOD.replace('"rank-invariance", ', '"rank-invariant", '), "property 'rank-invariant' is not defined"),
-    (GOOD.replace('"bfloat16", ', '"bf16", '), "unknown dtype 'bf16'"),
-    (GOOD.replace("world_size = [3, 4, 8]", "world_size = [0]"), "world_size 0 is not a positive integer"),
+    (GOOD.replace('"bfloat16", ', '"bf16", '), "dtype = 'bf16'; choose one of bfloat16, float16, float32"),
+    (GOOD.replace("world_size = [3, 4, 8]", "world_size = [0]"), "world_size = 0: values below 1 are impossible"),
     (GOOD.replace('name = "rs"', 'name = "rs"\ncolour = "red"'), "unknown key(s) colour"),
     (GOOD.replace('expect = { gloo = "violated", nccl = "violated" }', 'expect = "maybe"'), "expect gloo = 'maybe'"),
     (GOOD.replace("[case.grid]", 'env = { NCCL_NVLS_ENABLE = "1" }\n[case.grid]'), "NCCL_NVLS_ENABLE=1 is refused"),
@@ -115,13 +115,13 @@ def test_emulated_hosts_are_a_topology_of_their_own(tmp_path):
     assert "not an NVLink node" in emulated.topology.describe()
     assert GPU4.topology.kind == "gpus" and CPU4.topology.kind == "cpu-gloo"
     checks = expand(load_suite(write(tmp_path, GOOD)), emulated)
-    assert {c["topology"] for c in checks} == {emulated.topology.describe()}
-    assert all(c["skip_reason"] is None for c in checks if c["params"]["world_size"] <= 8)
+    assert {c.topology for c in checks} == {emulated.topology.describe()}
+    assert all(c.skip_reason is None for c in checks if c.world_size <= 8)
 
 
 def test_gpu_only_cases_are_skipped_on_the_cpu(tmp_path):
     text = GOOD + "[case.params]\ngpu_only = true\n"
     suite = load_suite(write(tmp_path, text))
-    assert {c["skip_reason"] for c in expand(suite, CPU4) if c["params"]["world_size"] < 8} == \
+    assert {c.skip_reason for c in expand(suite, CPU4) if c.world_size < 8} == \
         {"sized for GPUs (gpu_only = true in the case file)"}
-    assert all(c["skip_reason"] is None for c in expand(suite, GPU4) if c["params"]["world_size"] <= 4)
+    assert all(c.skip_reason is None for c in expand(suite, GPU4) if c.world_size <= 4)

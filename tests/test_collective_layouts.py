@@ -1,9 +1,12 @@
 """Where the probe sits in each collective property's calls."""
-from harness.families.collective import DEFAULTS, layouts
+from dataclasses import asdict
+
+from harness.families.collective import layouts
+from harness.params import CollectiveParams
 
 
 def params(**kw):
-    return {**DEFAULTS, "dtype": "bfloat16", **kw}
+    return asdict(CollectiveParams(dtype="bfloat16", **kw))
 
 
 def test_batch_invariance_probe_moves_between_destinations():

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from harness.context import RankContext
-from harness.families import dispatch as family
+from harness.check import single_check
+from harness.families import execute
 from harness.subjects.dispatch import deepep
 from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype
 from tests import fake_deep_ep
@@ -48,8 +49,7 @@ def fake(monkeypatch):
 
 
 def run_check(subject, prop, ctx, **params):
-    check = {"id": "x", "property": prop, "params": {"world_size": 1, "num_experts": 8, **params}}
-    return family.execute(check, subject, ctx)
+    return execute(single_check(subject, prop, {"num_experts": 8, **params}), subject, ctx)
 
 
 @pytest.mark.parametrize("name", ["deepep_v2", "deepep_v1", "deepep_v1_ll"])
@@ -59,7 +59,7 @@ def test_deepep_wiring_against_the_recording_fake(one_rank, fake, name, quant):
                "deepep_v1_ll": deepep.DeepEPLowLatency}[name]()
     layout = "masked" if name == "deepep_v1_ll" else "contiguous"
     m = run_check(subject, "combine-reference", one_rank, expert_quant=quant, layout=layout)
-    assert m["held"], m
+    assert m.held, m
     kinds = {k: v for k, v in fake}
     dispatched = next(v for k, v in fake if k.endswith("dispatch"))
     if name == "deepep_v2":

@@ -70,7 +70,8 @@ def test_planted_split_k_is_caught_with_the_right_count(tmp_path):
     assert rec["status"] == "unexpected" and rec["held"] is False
     # The same count, computed here from the probe row alone: every run whose expert holds
     # more than SPLIT_K_ROWS rows differs from the first run wherever the two sums round apart.
-    p = {**gemm_family.DEFAULTS, **rec["params"], "layout": "contiguous"}
+    p = rec["params"]  # every effective parameter is in the record
+    assert p["layout"] == "contiguous"
     w, _ = weights(p["seed"], p["groups"], p["n"], p["k"], "bfloat16", p["data"], p["cancel"])
     probe = gemm_family.probe_row(p, torch.bfloat16).unsqueeze(0)
     b = w[p["probe_group"]]

@@ -1,29 +1,40 @@
 """From a measurement to a status: controls, fixes, `expect = model`, and measurements taken
 under conditions other than the ones pinned."""
+from types import SimpleNamespace
+
+from harness.check import single_check
 from harness.launch import Outcome
+from harness.measurement import Measurement
+from harness.subjects.collective.reduce_scatter_native import NativeReduceScatter
 from harness.verdict import decide
 from harness.verify import finalize
 
 
+def measured(mismatched, total, predicted=None, exact=False, vacuous=None, **kw):
+    return Measurement("bitwise", mismatched, total, mismatched == 0, predicted_mismatched=predicted,
+                       order_model_exact=exact, vacuous_reason=vacuous, **kw)
+
+
 def test_model_expectation_follows_an_exact_prediction():
-    assert decide("model", False, 3236, 16384, predicted=3236, prediction_exact=True) == (
+    model = SimpleNamespace(expect="model")
+    assert decide(model, measured(3236, 16384, 3236, True)) == (
         "ok", "violated as the order model predicts: 3,236 / 16,384 differ, predicted 3,236")
-    assert decide("model", True, 0, 8192, predicted=0, prediction_exact=True)[0] == "ok"
+    assert decide(model, measured(0, 8192, 0, True))[0] == "ok"
     # A miss is a failure, and so is an expectation that no exact model backs.
-    assert decide("model", True, 0, 8192, predicted=12, prediction_exact=True)[0] == "unexpected"
-    status, reason = decide("model", True, 0, 8192, predicted=None, prediction_exact=False)
+    assert decide(model, measured(0, 8192, 12, True))[0] == "unexpected"
+    status, reason = decide(model, measured(0, 8192))
     assert status == "unexpected" and "needs an exact order-model prediction" in reason
     # Vacuity still wins over a matching prediction.
-    assert decide("model", True, 0, 8, vacuous_reason="two ranks", predicted=0, prediction_exact=True)[0] == "vacuous"
+    assert decide(model, measured(0, 8, 0, True, vacuous="two ranks"))[0] == "vacuous"
 
 
 def test_a_check_measured_under_another_nccl_algorithm_is_an_error():
-    check = {"id": "c", "case": "c", "subject": "s", "family": "collective", "property": "rank-invariance",
-             "params": {}, "expect": "violated", "skip_reason": None}
-    measured = {"held": False, "mismatched": 10, "total": 100, "predicted_mismatched": 10,
-                "order_model_exact": True, "nccl_calls": ["ReduceScatter 8,192 B: PAT/SIMPLE, channels 0..1"],
-                "error": "NCCL_ALGO=reducescatter:ring pins ReduceScatter to RING, but NCCL ran ReduceScatter "
-                         "8,192 B: PAT/SIMPLE, channels 0..1"}
-    rec = finalize(check, Outcome(1.0, measured=measured), "run", "rerun")
+    check = single_check(NativeReduceScatter(), "rank-invariance", {"dtype": "bfloat16", "world_size": 4},
+                         expect="violated")
+    calls = ["ReduceScatter 8,192 B: PAT/SIMPLE, channels 0..1"]
+    m = measured(10, 100, 10, True, nccl_calls=calls,
+                 error="NCCL_ALGO=reducescatter:ring pins ReduceScatter to RING, but NCCL ran " + calls[0])
+    rec = finalize(check, Outcome(1.0, measured=m), "run", "rerun")
     assert rec["status"] == "error" and "pins ReduceScatter to RING" in rec["reason"]
-    assert rec["nccl_calls"] == measured["nccl_calls"] and rec["mismatched"] == 10
+    assert rec["nccl_calls"] == calls and rec["mismatched"] == 10
+    assert rec["params"]["hidden"] == 2048 and rec["params"]["seed"] == 0  # every effective parameter

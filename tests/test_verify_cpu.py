@@ -127,6 +127,19 @@ def test_custom_all_reduce_violates_size_invariance_as_predicted(smoke_run):
         assert r["mismatched"] > 0 and r["mismatched"] == r["predicted_mismatched"]
 
 
+@pytest.mark.slow
+def test_a_record_alone_reruns_its_check_bit_for_bit(smoke_run, tmp_path):
+    _, run_dir = smoke_run
+    control = find(records(run_dir), "rs-native", "batch-invariance", "float16", 3)
+    proc = run_cli("verify", "--from-record", str(run_dir / "results.jsonl"), "--check", control["check"],
+                   "--gpus", "0", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [again] = records(tmp_path / "latest")
+    for key in ("status", "held", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "params"):
+        assert again[key] == control[key], key
+    assert again["rerun"].startswith("ep-harness verify --from-record ")
+
+
 def test_make_verify_with_more_gpus_than_present():
     proc = subprocess.run(["make", "-s", "verify", "GPUS=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -1,23 +1,17 @@
-"""Per-family executors: how a property's runs are built, executed and compared.
+"""The families and their one driver (driver.py): a family supplies its parameters, its
+runs, what each rank observes and how rank 0 measures it; the driver does the rest.
 
-Each executor maps (check, subject, rank context) to the measured part of a record.
+Adding a family touches this registry only (plus its subjects' Protocol in subject.py and
+its parameter dataclass in params.py).
 """
 from __future__ import annotations
 
-from harness.families import collective, dispatch, gemm, moe_layer, quant
+from harness.families import collective, dispatch, driver, gemm, moe_layer, quant
 
-EXECUTORS = {
-    "collective": collective.execute,
-    "gemm": gemm.execute,
-    "quant": quant.execute,
-    "dispatch": dispatch.execute,
-    "moe_layer": moe_layer.execute,
-}
+FAMILIES = {f.name: f for f in (collective.FAMILY, gemm.FAMILY, quant.FAMILY, dispatch.FAMILY, moe_layer.FAMILY)}
+PROPERTIES = {name: f.properties for name, f in FAMILIES.items()}
 
-PROPERTIES = {
-    "collective": collective.PROPERTIES,
-    "gemm": gemm.PROPERTIES,
-    "quant": quant.PROPERTIES,
-    "dispatch": dispatch.PROPERTIES,
-    "moe_layer": moe_layer.PROPERTIES,
-}
+
+def execute(check: dict, subject, ctx):
+    """Run one check on this rank; every rank returns the same Measurement."""
+    return driver.execute(FAMILIES[check.family], check, subject, ctx)

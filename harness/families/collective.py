@@ -25,11 +25,15 @@ import torch
 
 from harness import inputs as gen
 from harness.bits import unit_roundoff
-from harness.compare import compare_bitwise, json_float
+from harness.compare import compare_bitwise
 from harness.context import RankContext
+from harness.families.driver import Copy, Family, Run
 from harness.graphs import replay_in_graph
+from harness.measurement import Bound, Measurement
 from harness.nccl_log import pin_violations
 from harness.nccl_models import NcclContext, NoPrediction
+from harness.params import CollectiveParams
+from harness.tolerances import gamma
 from reference import orders
 from reference.collectives import reduce_scatter as reference_reduce_scatter
 from reference.collectives import shard_offsets
@@ -38,20 +42,6 @@ PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
     "rank-invariance", "graph-invariance", "size-invariance",
 )
-
-DEFAULTS = {
-    "hidden": 2048,
-    "rows_per_rank": 2,
-    "batch_sizes": [1, 2, 3, 8, 32, 128],
-    "position_rows": 8,
-    "repeats": 3,
-    "shards": "even",
-    "data": "spread",
-    "seed": 0,
-    "mode": "eager",
-    "message_bytes": [4096, 65536, 1 << 20, 16 << 20],
-}
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -119,29 +109,50 @@ def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
     return torch.stack([rank_input(p, dtype, r, layout) for r in range(world_size)])
 
 
-def _run_layout(subject, ctx: RankContext, p, dtype, layout: Layout, graph: bool):
-    """Execute one call on this rank; return (probe copies it owns, its output, input
-    mutated?, the NCCL calls rank 0 logged during it)."""
-    inp = rank_input(p, dtype, ctx.rank, layout).to(ctx.device)
-    pristine = inp.clone()
-    out = inp.new_empty((layout.sizes[ctx.rank], inp.shape[1]))
+def _layout_runs(prop: str, p: dict, world_size: int) -> list[Run]:
+    """The layouts as driver runs; graph-invariance runs each layout eager, then in a graph."""
+    base = layouts(prop, p, world_size)
+    graph = p["mode"] == "graph" or prop == "graph-invariance"
+    plan = [(layout, graph and prop != "graph-invariance") for layout in base]
+    if prop == "graph-invariance":
+        plan += [(Layout(l.sizes, l.probes, f"graph {l.label}"), True) for l in base]
+    out = []
+    for layout, in_graph in plan:
+        copies = tuple(Copy((layout.sizes, row), layout.owner(row)[0]) for row in layout.probes)
+        out.append(Run(layout.label, copies, (layout, in_graph)))
+    return out
 
-    def call(o, i):
-        subject.reduce_scatter(o, i, list(layout.sizes), ctx.group)
 
-    mark = ctx.nccl_mark()
-    if graph:
-        replay_in_graph(call, out, inp)
-    else:
-        call(out, inp)
-    calls = ctx.nccl_calls_since(mark)
-    mutated = not torch.equal(inp.view(torch.uint8), pristine.view(torch.uint8))
-    mine = {}
-    for copy, row in enumerate(layout.probes):
-        dest, local = layout.owner(row)
-        if dest == ctx.rank:
-            mine[copy] = out[local].cpu()
-    return mine, out.cpu(), mutated, calls
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
+    """On every rank: (probe copies it owns per run, its outputs for the reference, whether
+    the subject modified its input, the NCCL calls rank 0 logged per run)."""
+    dtype = gen.dtype_of(p["dtype"])
+    copies, outputs, mutated, calls = [], [], False, []
+    for run in runs:
+        layout, in_graph = run.spec
+        inp = rank_input(p, dtype, ctx.rank, layout).to(ctx.device)
+        pristine = inp.clone()
+        out = inp.new_empty((layout.sizes[ctx.rank], inp.shape[1]))
+
+        def call(o, i):
+            subject.reduce_scatter(o, i, list(layout.sizes), ctx.group)
+
+        mark = ctx.nccl_mark()
+        if in_graph:
+            replay_in_graph(call, out, inp)
+        else:
+            call(out, inp)
+        calls.append(ctx.nccl_calls_since(mark))
+        mutated |= not torch.equal(inp.view(torch.uint8), pristine.view(torch.uint8))
+        mine = {}
+        for copy, row in enumerate(layout.probes):
+            dest, local = layout.owner(row)
+            if dest == ctx.rank:
+                mine[copy] = out[local].cpu()
+        copies.append(mine)
+        if prop == "reference":
+            outputs.append(out.cpu())
+    return copies, outputs, mutated, calls
 
 
 def _labels(layout: Layout) -> list[str]:
@@ -152,99 +163,65 @@ def _labels(layout: Layout) -> list[str]:
     return out
 
 
-def execute(check: dict, subject, ctx: RankContext) -> dict:
-    p = {**DEFAULTS, **check["params"]}
-    prop = check["property"]
-    dtype = gen.dtype_of(p["dtype"])
-    runs = layouts(prop, p, ctx.world_size)
-    graph = p["mode"] == "graph" or prop == "graph-invariance"
-    if prop == "graph-invariance":  # first eager, then the same calls in a CUDA graph
-        runs = runs + [Layout(r.sizes, r.probes, f"graph {r.label}") for r in runs]
-
-    local_copies, local_outputs, mutated, calls = [], [], False, []
-    for i, layout in enumerate(runs):
-        use_graph = graph and (prop != "graph-invariance" or i >= len(runs) // 2)
-        mine, out, was_mutated, logged = _run_layout(subject, ctx, p, dtype, layout, use_graph)
-        local_copies.append(mine)
-        local_outputs.append(out)
-        mutated |= was_mutated
-        calls.append(logged)
-    gathered = ctx.gather((local_copies, local_outputs if prop == "reference" else None, mutated))
-
-    result = None
-    if ctx.rank == 0:
-        result = _measure(check, subject, ctx, p, dtype, prop, runs, gathered, calls)
-        result.update(_nccl_record(ctx, calls))
-    return ctx.share_from_rank0(result)
-
-
-def _nccl_record(ctx: RankContext, calls: list[list]) -> dict:
+def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list]) -> None:
     """What NCCL ran for the subject's calls, and an error when it is not what was pinned."""
     if ctx.backend != "nccl":
-        return {}
+        return
     flat = [c for per_run in calls for c in per_run]
-    out = {"nccl_calls": list(dict.fromkeys(c.describe() for c in flat))[:12]}
+    m.nccl_calls = list(dict.fromkeys(c.describe() for c in flat))[:12]
     violations = pin_violations(flat, ctx.nccl_algo)
     if violations:
-        out["error"] = "; ".join(dict.fromkeys(violations))
-    return out
+        m.error = "; ".join(dict.fromkeys(violations))
 
 
-def _measure(check, subject, ctx, p, dtype, prop, runs, gathered, calls) -> dict:
-    world_size = ctx.world_size
-    mutated_ranks = [r for r, (_, _, m) in enumerate(gathered) if m]
+def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    world_size, prop = ctx.world_size, check.property
+    dtype = gen.dtype_of(p["dtype"])
+    layouts_ = [r.spec[0] for r in runs]
+    calls = gathered[0][3]  # rank 0 reads its own NCCL log
+    mutated_ranks = [r for r, g in enumerate(gathered) if g[2]]
     extra = f"subject modified its input on ranks {mutated_ranks}" if mutated_ranks else None
     if prop == "reference":
-        return _measure_reference(p, dtype, runs[0], [g[1][0] for g in gathered], world_size, extra)
+        m = _measure_reference(p, dtype, layouts_[0], [g[1][0] for g in gathered], world_size)
+        m.extra_failure = extra
+        _nccl_record(ctx, m, calls)
+        return m
 
     observed, labels = [], []
-    for i, layout in enumerate(runs):
+    for i, layout in enumerate(layouts_):
         for copy in range(len(layout.probes)):
             owner = next(r for r in range(world_size) if copy in gathered[r][0][i])
             observed.append(gathered[owner][0][i][copy])
         labels += _labels(layout)
     observed = torch.stack(observed)
-    expected = _expected(prop, observed, runs)
-    mismatch = compare_bitwise(observed, expected, labels)
+    m = Measurement.bitwise(compare_bitwise(observed, _expected(prop, observed, layouts_), labels),
+                            extra_failure=extra)
 
     # The prediction comes from the inputs alone: every rank's input is regenerated here.
     model = subject.order_model(ctx.backend)
-    predicted, no_prediction = None, None
     if model is not None:
         try:
-            pred_rows = torch.stack(_predicted_probes(model, ctx, p, dtype, runs, calls))
-            predicted = compare_bitwise(pred_rows, _expected(prop, pred_rows, runs)).mismatched
+            pred_rows = torch.stack(_predicted_probes(model, ctx, p, dtype, layouts_, calls))
+            m.predicted_mismatched = compare_bitwise(pred_rows, _expected(prop, pred_rows, layouts_)).mismatched
+            m.order_model, m.order_model_exact = model.name, model.exact
         except NoPrediction as exc:
-            no_prediction = f"no order-model prediction: {exc}"
+            m.order_model, m.note = model.name, f"no order-model prediction: {exc}"
 
     probe = torch.stack([
         gen.values((p["hidden"],), dtype, p["seed"], "probe", r, data=p["data"]) for r in range(world_size)
     ])
-    sensitive = int(orders.order_sensitive(probe).sum())
-    vacuous = None
-    if sensitive == 0:
-        vacuous = (f"0 of {p['hidden']:,} probe elements change bits under any reordering of "
-                   f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
-    elif prop == "rank-invariance" and len(runs[0].probes) < 2:
-        vacuous = "the probe lands on only one destination"
-    return {
-        **mismatch.to_dict(),
-        "held": mismatch.mismatched == 0,
-        "predicted_mismatched": predicted,
-        "note": no_prediction,
-        "order_model": None if model is None else model.name,
-        "order_model_exact": None if model is None or predicted is None else model.exact,
-        "order_sensitive": sensitive,
-        "vacuous_reason": vacuous,
-        "extra_failure": extra,
-    }
+    m.sensitivity = int(orders.order_sensitive(probe).sum())
+    m.sensitivity_what = (f"of {p['hidden']:,} probe elements change bits under any reordering of "
+                          f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
+    _nccl_record(ctx, m, calls)
+    return m
 
 
-def _predicted_probes(model, ctx: RankContext, p, dtype, runs, calls) -> list[torch.Tensor]:
+def _predicted_probes(model, ctx: RankContext, p, dtype, layouts_, calls) -> list[torch.Tensor]:
     """The probe copies the order model predicts, from every rank's regenerated input and
     (on NCCL) the algorithm NCCL logged for each call."""
     rows = []
-    for layout, logged in zip(runs, calls):
+    for layout, logged in zip(layouts_, calls):
         x = all_inputs(p, dtype, ctx.world_size, layout)
         hidden = x.shape[-1]
         nccl = NcclContext(ctx.nccl_topology, logged) if ctx.backend == "nccl" else None
@@ -255,37 +232,24 @@ def _predicted_probes(model, ctx: RankContext, p, dtype, runs, calls) -> list[to
     return rows
 
 
-def _expected(prop, observed, runs):
+def _expected(prop, observed, layouts_):
     if prop in ("run-to-run", "graph-invariance"):
-        per_run = len(runs[0].probes)
+        per_run = len(layouts_[0].probes)
         base = observed[:per_run]
         return base.repeat(len(observed) // per_run, 1)
     return observed[0]
 
 
-def _measure_reference(p, dtype, layout, outputs, world_size, extra) -> dict:
+def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
     """Every output element vs the float64 sum: |got - exact| <= gamma_{W-1} * sum |x_r|."""
     x = all_inputs(p, dtype, world_size, layout)
     exact = torch.cat(reference_reduce_scatter(x, list(layout.sizes)))
     magnitude = torch.cat(reference_reduce_scatter(x.abs(), list(layout.sizes)))
     got = torch.cat([o.to(torch.float64) for o in outputs])
-    u = unit_roundoff(dtype)
     hops = world_size - 1
-    gamma = hops * u / (1 - hops * u)
-    err = (got - exact).abs()
-    bound = gamma * magnitude
-    over = err > bound
-    scaled = err / magnitude.clamp_min(torch.finfo(torch.float64).tiny)
-    worst = int(scaled.reshape(-1).argmax())
-    return {
-        "mismatched": int(over.sum()),
-        "total": got.numel(),
-        "held": not bool(over.any()),
-        "max_abs": json_float(float(err.max())),
-        "error_vs_reference": json_float(float(scaled.reshape(-1)[worst])),
-        "tolerance": {"rule": f"|err| <= gamma_{hops} * sum|x_r|", "allowed": gamma, "unit_roundoff": u,
-                      "metric": "max |err| / sum|x_r|"},
-        "vacuous_reason": None,
-        "extra_failure": extra,
-        "predicted_mismatched": None,
-    }
+    g = gamma(hops, unit_roundoff(dtype)) if hops else 0.0
+    rule = Bound(rule=f"|err| <= gamma_{hops} * sum|x_r|", terms={"gamma": g, "unit_roundoff": unit_roundoff(dtype)})
+    return Measurement.within(got, exact, g * magnitude, rule)
+
+
+FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure)

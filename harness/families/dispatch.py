@@ -18,9 +18,12 @@ import itertools
 
 import torch
 
-from harness.compare import compare_bitwise, within_bound
+from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.moe_scenario import placements, probe_copies, rank_tokens
+from harness.families.driver import Family
+from harness.measurement import Bound, Measurement
+from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
+from harness.params import DispatchParams
 from harness.subjects.dispatch.common import Received
 from harness.subjects.dispatch.wire import resolve_wire_dtype
 from harness.tolerances import gamma
@@ -28,12 +31,6 @@ from reference import quant as ref_quant
 
 PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
               "rank-invariance", "others-invariance")
-DEFAULTS = {"tokens": 16, "hidden": 256, "num_experts": 16, "topk": 4, "routing": "uniform",
-            "layout": "contiguous", "alignment": 16, "expert_quant": "bf16", "wire": "auto", "ue8m0": True,
-            "batch_sizes": [1, 3, 16, 64], "repeats": 3, "seed": 0, "data": "spread",
-            "probe_experts": [4, 5, 0, 1]}
-
-
 def expert_scale(e: int) -> float:
     """+-1 for experts 0, 1; +-2^8 for 2, 3; +-2^16 for 4, 5; and so on, repeating."""
     return (-1.0) ** e * 2.0 ** (8 * ((e // 2) % 3))
@@ -59,34 +56,39 @@ def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
     return y.to(torch.bfloat16).view(*received.x.shape)
 
 
-def execute(check: dict, subject, ctx: RankContext) -> dict:
-    p = {**DEFAULTS, **check["params"]}
-    prop = check["property"]
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
+    """On every rank: its probe copies per run, its combined outputs (combine-reference) and
+    the rows it received (reference)."""
     cfg = {**p, "wire": resolve_wire_dtype(p["expert_quant"], p["wire"]),
            "tokens_max": max([p["tokens"], *p["batch_sizes"]])}
     per_rank = p["num_experts"] // ctx.world_size
     copies, mine_dispatch, outputs = [], [], []
-    runs = placements(prop, p, ctx.world_size)
     for run in runs:
-        x, idx, w = rank_tokens(p, run, ctx.rank)
+        x, idx, w = rank_tokens(p, run.spec, ctx.rank)
         x, idx, w = x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
         received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
         out = subject.combine(y, received, w, ctx.group)
-        copies.append({i: out[pos].cpu() for i, (r, pos) in enumerate(run.probes) if r == ctx.rank})
-        outputs.append(out.cpu())
+        copies.append({i: out[pos].cpu() for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
+        if prop == "combine-reference":
+            outputs.append(out.cpu())
         if prop == "reference":
             mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
-    gathered = ctx.gather((copies, outputs if prop == "combine-reference" else None, mine_dispatch))
-    result = None
-    if ctx.rank == 0:
-        if prop == "reference":
-            result = _measure_dispatch(p, cfg, runs[0], [g[2][0] for g in gathered], ctx.world_size)
-        elif prop == "combine-reference":
-            result = _measure_combine(p, runs[0], [g[1][0] for g in gathered], ctx.world_size, per_rank)
-        else:
-            result = _measure_probe(p, prop, runs, gathered, ctx.world_size)
-    return ctx.share_from_rank0(result)
+    return copies, outputs, mine_dispatch
+
+
+def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+    prop, world = check.property, ctx.world_size
+    if prop == "reference":
+        wire = resolve_wire_dtype(p["expert_quant"], p["wire"])
+        return _measure_dispatch(p, wire, runs[0].spec, [g[2][0] for g in gathered], world)
+    if prop == "combine-reference":
+        return _measure_combine(p, runs[0].spec, [g[1][0] for g in gathered], world)
+    observed, labels = probe_copies(runs, gathered)
+    m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    m.sensitivity = order_sensitive(p)
+    m.sensitivity_what = f"probe elements change bits under another order of its {p['topk']} combine terms"
+    return m
 
 
 def _received_rows(received: Received, rank: int, per_rank: int) -> list[tuple]:
@@ -106,7 +108,7 @@ def _received_rows(received: Received, rank: int, per_rank: int) -> list[tuple]:
     return out
 
 
-def _measure_dispatch(p, cfg, run, per_rank_rows, world) -> dict:
+def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
     got = sorted((r for rows in per_rank_rows for r in rows), key=lambda r: r[:4])
     want = []
     for src in range(world):
@@ -118,26 +120,21 @@ def _measure_dispatch(p, cfg, run, per_rank_rows, world) -> dict:
     want.sort(key=lambda r: r[:4])
     if [r[:4] for r in got] != [r[:4] for r in want]:
         missing = len({r[:4] for r in want} - {r[:4] for r in got})
-        return {"mismatched": max(missing, 1), "total": len(want), "held": False, "predicted_mismatched": None,
-                "vacuous_reason": None, "extra_failure": f"{missing} (token, slot) rows were lost or misrouted"}
+        return Measurement("bitwise", max(missing, 1), len(want), False,
+                           extra_failure=f"{missing} (token, slot) rows were lost or misrouted")
     actual = torch.stack([r[4] for r in got])
     if actual.dtype == torch.uint8:
         actual = actual.view(torch.float8_e4m3fn)
     expected = torch.stack([r[4] for r in want])
     labels = [f"expert {r[0]} from rank {r[1]} token {r[2]}" for r in got]
-    if cfg["wire"] == "fp8":
+    if wire == "fp8":
         q, s = ref_quant.quantize_per_token_group(expected, 128, ue8m0=p["ue8m0"])
-        mq = compare_bitwise(actual, q, labels)
-        ms = compare_bitwise(torch.stack([r[5] for r in got]), s)
-        out = mq.to_dict()
-        out.update(mismatched=mq.mismatched + ms.mismatched, total=mq.total + ms.total)
-    else:
-        out = compare_bitwise(actual, expected, labels).to_dict()
-    return {**out, "held": out["mismatched"] == 0, "predicted_mismatched": None, "vacuous_reason": None,
-            "extra_failure": None}
+        values = Measurement.bitwise(compare_bitwise(actual, q, labels))
+        return values.combine(Measurement.bitwise(compare_bitwise(torch.stack([r[5] for r in got]), s)))
+    return Measurement.bitwise(compare_bitwise(actual, expected, labels))
 
 
-def _combine_inputs(p, run, world, per_rank):
+def _combine_inputs(p, run, world):
     """float64 expert outputs per (token, slot) and weights, rebuilt from inputs alone."""
     outs = []
     for src in range(world):
@@ -153,21 +150,23 @@ def _combine_inputs(p, run, world, per_rank):
     return outs
 
 
-def _measure_combine(p, run, outputs, world, per_rank) -> dict:
+def _measure_combine(p, run, outputs, world) -> Measurement:
     got, exact, magnitude = [], [], []
-    for (y, w), out in zip(_combine_inputs(p, run, world, per_rank), outputs):
+    for (y, w), out in zip(_combine_inputs(p, run, world), outputs):
         exact.append((y * w.unsqueeze(-1)).sum(1))
         magnitude.append((y.abs() * w.unsqueeze(-1)).sum(1))
         got.append(out.double())
     got, exact, magnitude = torch.cat(got), torch.cat(exact), torch.cat(magnitude)
     u_out, g = 2.0 ** -8, gamma(p["topk"], 2.0 ** -24)
     bound = u_out * exact.abs() + g * magnitude
-    return within_bound(got, exact, bound, {"rule": "|err| <= 2^-8*|exact| + gamma(k, 2^-24)*sum_j w_j|y_j|"})
+    rule = Bound(rule="|err| <= 2^-8*|exact| + gamma(k, 2^-24)*sum_j w_j|y_j|", terms={"u_out": u_out, "gamma": g})
+    return Measurement.within(got, exact, bound, rule)
+
 
 def order_sensitive(p) -> int:
     """Probe elements whose bf16 combine result changes under some order of its k terms."""
     run = placements("position-invariance", p, 1)[0]
-    y, w64 = _combine_inputs(p, run, 1, p["num_experts"])[0]
+    y, w64 = _combine_inputs(p, run, 1)[0]
     terms = (y[0] * w64[0].unsqueeze(-1)).float()  # [k, H] as float32 products
     first = None
     sensitive = torch.zeros(terms.shape[1], dtype=torch.bool)
@@ -181,14 +180,4 @@ def order_sensitive(p) -> int:
     return int(sensitive.sum())
 
 
-def _measure_probe(p, prop, runs, gathered, world) -> dict:
-    observed, labels = probe_copies(runs, gathered)
-    m = compare_bitwise(observed, observed[0], labels)
-    sensitive = order_sensitive(p)
-    vacuous = None
-    if sensitive == 0:
-        vacuous = f"no probe element changes bits under another order of its {p['topk']} combine terms"
-    elif prop == "rank-invariance" and world < 2:
-        vacuous = "one rank: the probe cannot move"
-    return {**m.to_dict(), "held": m.mismatched == 0, "predicted_mismatched": None, "order_sensitive": sensitive,
-            "vacuous_reason": vacuous, "extra_failure": None}
+FAMILY = Family("dispatch", PROPERTIES, DispatchParams, placement_runs, _observe, _measure)

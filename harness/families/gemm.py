@@ -17,22 +17,17 @@ from __future__ import annotations
 import torch
 
 from harness import inputs as gen
-from harness.compare import compare_bitwise, json_float, within_bound
+from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
+from harness.families.driver import Copy, Family, Run
+from harness.measurement import Bound, Measurement
+from harness.params import GemmParams
 from harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
 from harness.graphs import replay_in_graph
 from harness.tolerances import gemm_bound
 from reference import gemm as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
-
-DEFAULTS = {
-    "n": 256, "k": 512, "groups": 4, "probe_group": 0,
-    "m_values": [1, 3, 17, 128, 1000], "other_loads": [0, 64, 512], "expected_m_values": [1, 64, 1024],
-    "position_m": 256, "repeats": 3, "alignment": 128, "seed": 0, "data": "randn", "cancel": True,
-    "mode": "eager",
-}
-
 
 def out_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "float32" else torch.bfloat16
@@ -101,34 +96,46 @@ def output_for(problem: GemmProblem, n: int, dtype: torch.dtype, device) -> torc
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def execute(check: dict, subject, ctx: RankContext) -> dict:
-    p = {**DEFAULTS, "layout": subject.layouts[0], **check["params"]}
-    prop = check["property"]
-    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
-    probes, labels = [], []
+def _runs(prop: str, p: dict, world_size: int) -> list[Run]:
+    out = []
     for i, run in enumerate(runs_for(prop, p)):
-        problem = make_problem(p, run, w, w_scale)
+        graph = p["mode"] == "graph" or (prop == "graph-invariance" and i == 1)
+        placement = (tuple(run["counts"]), run["pos"], run["expected_m"])
+        out.append(Run(run["label"], (Copy(placement),), {**run, "graph": graph}))
+    return out
+
+
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
+    """The probe row's output per run (every rank computes the same GEMMs); for the
+    reference, the whole output of the one run."""
+    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+    probes = []
+    for run in runs:
+        problem = make_problem(p, run.spec, w, w_scale)
         dev = problem.to(ctx.device)
         out = output_for(dev, p["n"], out_dtype(p["dtype"]), ctx.device)
-        graph = p["mode"] == "graph" or (prop == "graph-invariance" and i == 1)
-        if graph:
+        if run.spec["graph"]:
             replay_in_graph(lambda o, a: subject.run(dev, o), out, dev.a)
         else:
             subject.run(dev, out)
         if prop == "reference":
-            return _measure_reference(p, problem, out.cpu())
-        probes.append(out[dev.row_index(p["probe_group"], run["pos"])])
-        labels.append(run["label"])
-    observed = torch.stack(probes)
-    mismatch = compare_bitwise(observed, observed[0], labels)  # on the device; small results come back
-    sensitive = order_sensitive(p, w, w_scale)
-    vacuous = None
-    if sensitive == 0:
-        vacuous = f"no probe output changes bits when its {p['k']} products are summed in another order"
-    elif prop == "batch-invariance" and len({tuple(r['counts']) for r in runs_for(prop, p)}) < 2:
-        vacuous = "the batch never changed"
-    return {**mismatch.to_dict(), "held": mismatch.mismatched == 0, "predicted_mismatched": None,
-            "order_sensitive": sensitive, "vacuous_reason": vacuous, "extra_failure": None}
+            return out.cpu()
+        probes.append(out[dev.row_index(p["probe_group"], run.spec["pos"])].cpu())
+    return probes
+
+
+def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+    if check.property == "reference":
+        return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])
+    observed = torch.stack(gathered[0])
+    m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    m.sensitivity = order_sensitive(p, w, w_scale)
+    m.sensitivity_what = f"probe outputs change bits when its {p['k']} products are summed in another order"
+    return m
+
+
+FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure)
 
 
 def order_sensitive(p: dict, w, w_scale) -> int:
@@ -165,8 +172,10 @@ def _measure_reference(p: dict, problem: GemmProblem, out: torch.Tensor) -> dict
     tol = gemm_bound(p["dtype"], p["k"])
     bound = tol["u_out"] * exact.abs() + tol["gamma"] * scale
     valid = _valid_mask(problem, exact.shape)
-    return {**within_bound(out, exact, bound, tol, valid),
-            "calc_diff": json_float(_calc_diff(out.to(torch.float64)[valid], exact[valid]))}
+    rule = Bound(rule=tol["rule"], terms={k: v for k, v in tol.items() if k != "rule"})
+    return Measurement.within(out, exact, bound, rule, valid,
+                              detail={"calc_diff": json_float(_calc_diff(out.to(torch.float64)[valid], exact[valid]))})
+
 
 def _valid_mask(problem: GemmProblem, shape) -> torch.Tensor:
     if problem.layout == "dense":

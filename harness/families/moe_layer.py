@@ -14,20 +14,18 @@ from __future__ import annotations
 import torch
 
 from harness import inputs as gen
-from harness.compare import compare_bitwise, within_bound
+from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.moe_scenario import Placement, placements, probe_copies
+from harness.families.driver import Family
+from harness.measurement import Bound, Measurement
+from harness.moe_scenario import Placement, placement_runs, probe_copies
+from harness.params import MoeParams
 from harness.tolerances import MOE
 from reference import moe as ref
 from reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
               "others-invariance")
-DEFAULTS = {"tokens": 8, "hidden": 256, "intermediate": 128, "num_experts": 16, "topk": 4,
-            "layout": "contiguous", "alignment": 16, "batch_sizes": [1, 3, 8, 32], "repeats": 3, "seed": 0,
-            "data": "randn", "routing": "uniform", "cancel": True, "scoring": "softmax"}
-
-
 CANCEL = 2.0 ** 12
 
 
@@ -65,26 +63,27 @@ def partials(p: dict, run: Placement, rank: int, world: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def execute(check: dict, subject, ctx: RankContext) -> dict:
-    p = {**DEFAULTS, **check["params"]}
-    prop = check["property"]
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
+    """On every rank: its probe copies per run, and for the reference its outputs and the
+    experts it chose."""
     weights = {k: v.to(ctx.device) for k, v in layer_weights(p).items()}
-    runs = placements(prop, p, ctx.world_size)
     mine, outs = [], []
     for run in runs:
-        part = partials(p, run, ctx.rank, ctx.world_size).to(ctx.device)
+        part = partials(p, run.spec, ctx.rank, ctx.world_size).to(ctx.device)
         out, idx = subject.forward(part, weights, p, ctx.group)
-        mine.append({c: out[pos].cpu() for c, (r, pos) in enumerate(run.probes) if r == ctx.rank})
-        outs.append((out.cpu(), idx.cpu()))
-    gathered = ctx.gather((mine, outs if prop == "reference" else None))
-    result = None
-    if ctx.rank == 0:
-        result = (_measure_reference(p, runs[0], [g[1][0] for g in gathered], ctx.world_size)
-                  if prop == "reference" else _measure_probe(p, prop, runs, gathered, ctx.world_size))
-    return ctx.share_from_rank0(result)
+        mine.append({c: out[pos].cpu() for c, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
+        if prop == "reference":
+            outs.append((out.cpu(), idx.cpu()))
+    return mine, outs
 
 
-def _measure_reference(p, run, outputs, world) -> dict:
+def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+    if check.property == "reference":
+        return _measure_reference(p, runs[0].spec, [g[1][0] for g in gathered], ctx.world_size)
+    return _measure_probe(p, check.property, runs, gathered, ctx.world_size)
+
+
+def _measure_reference(p, run, outputs, world) -> Measurement:
     w = layer_weights(p)
     exact_x = sum(partials(p, run, r, world).double() for r in range(world))
     logits = (exact_x @ w["router"].double().T)
@@ -95,20 +94,22 @@ def _measure_reference(p, run, outputs, world) -> dict:
     magnitude = _magnitude(exact_x, ref_idx, w, p)
     bound = MOE["u_out"] * ref_out.abs() + MOE["factor"] * MOE["u_out"] * magnitude
     keep = ~flips.unsqueeze(1).expand_as(got)
-    return {**within_bound(got, ref_out, bound, MOE, keep),
-            "router_flips": int(flips.sum()), "tokens": int(flips.numel()),
-            "note": f"{int(flips.sum())} of {flips.numel()} tokens chose other experts than the reference"}
+    rule = Bound(rule=MOE["rule"], terms={"u_out": MOE["u_out"], "factor": MOE["factor"]})
+    return Measurement.within(got, ref_out, bound, rule, keep,
+                              detail={"router_flips": int(flips.sum()), "tokens": int(flips.numel())},
+                              note=f"{int(flips.sum())} of {flips.numel()} tokens chose other experts than the reference")
+
 
 def _magnitude(x, idx, w, p) -> torch.Tensor:
     """sum_j w_j * (|silu(g)*u| @ |W_down|^T): the scale the down projection works at."""
     _, weights = ref.route(x @ w["router"].double().T, p["topk"], p["scoring"])
     out = torch.zeros_like(x)
     inter = p["intermediate"]
-    for t in range(x.shape[0]):
-        for j, e in enumerate(idx[t].tolist()):
-            h = x[t] @ w["gate_up"][e].double().T
-            act = (torch.nn.functional.silu(h[:inter]) * h[inter:]).abs()
-            out[t] += weights[t, j] * (act @ w["down"][e].double().abs().T)
+    for e in idx.unique().tolist():  # one batched product per expert, over the tokens that chose it
+        tokens, slots = (idx == e).nonzero(as_tuple=True)
+        h = x[tokens] @ w["gate_up"][e].double().T
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).abs()
+        out.index_add_(0, tokens, weights[tokens, slots].unsqueeze(1) * (act @ w["down"][e].double().abs().T))
     return out
 
 
@@ -126,19 +127,20 @@ def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
     return count
 
 
-def _measure_probe(p, prop, runs, gathered, world) -> dict:
+def _measure_probe(p, prop, runs, gathered, world) -> Measurement:
     observed, labels = probe_copies(runs, gathered)
-    m = compare_bitwise(observed, observed[0], labels)
-    first = runs[0].probes[0]
-    probe = torch.stack([partials(p, runs[0], r, world)[sum(runs[0].tokens[:first[0]]) + first[1]]
-                         for r in range(world)])
+    m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    first = runs[0].spec
+    r0, pos0 = first.probes[0]
+    probe = torch.stack([partials(p, first, r, world)[sum(first.tokens[:r0]) + pos0] for r in range(world)])
     tp_sensitive = int(order_sensitive(probe).sum()) if world > 2 else 0
-    gemm_sensitive = _gemm_sensitivity(p, probe.double().sum(0).to(torch.bfloat16))
-    sensitive = tp_sensitive + gemm_sensitive
-    vacuous = None
-    if prop == "rank-invariance" and tp_sensitive == 0:
-        vacuous = f"the probe's {world} TP partials sum to the same bits in every order"
-    elif sensitive == 0:
-        vacuous = "neither the TP sum nor the probe's gate-up products change bits in another order"
-    return {**m.to_dict(), "held": m.mismatched == 0, "predicted_mismatched": None, "order_sensitive": sensitive,
-            "vacuous_reason": vacuous, "extra_failure": None}
+    if prop == "rank-invariance":  # only the TP sum's order can depend on the rank
+        m.sensitivity = tp_sensitive
+        m.sensitivity_what = f"of the probe's {p['hidden']} elements change bits when its {world} TP partials are reordered"
+    else:
+        m.sensitivity = tp_sensitive + _gemm_sensitivity(p, probe.double().sum(0).to(torch.bfloat16))
+        m.sensitivity_what = "probe elements change bits under another TP sum order or gate-up K order"
+    return m
+
+
+FAMILY = Family("moe_layer", PROPERTIES, MoeParams, placement_runs, _observe, _measure)

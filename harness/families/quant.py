@@ -11,13 +11,12 @@ import torch
 from harness import inputs as gen
 from harness.compare import compare_bitwise
 from harness.context import RankContext
+from harness.families.driver import Copy, Family, Run
+from harness.measurement import Measurement
+from harness.params import QuantParams
 from reference import quant as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
-DEFAULTS = {"rows": 64, "cols": 2048, "ue8m0": False, "batch_sizes": [1, 7, 64, 1000], "repeats": 3,
-            "seed": 0, "data": "spread"}
-
-
 def reciprocal_scales(x: torch.Tensor) -> torch.Tensor:
     """amax * float32(1 / 448): how a scalar division is often compiled (PyTorch's CUDA
     kernels multiply by the divisor's reciprocal)."""
@@ -50,45 +49,78 @@ def explain(x, scale, q, ref_scale, ref_q) -> dict:
     }
 
 
-def execute(check: dict, subject, ctx: RankContext) -> dict:
-    p = {**DEFAULTS, **check["params"]}
-    prop = check["property"]
-    dtype = gen.dtype_of(p.get("dtype", "bfloat16"))
+def _runs(prop: str, p: dict, world_size: int) -> list[Run]:
+    if prop == "reference":
+        return [Run("reference", (Copy(("reference",)),), p["rows"])]
+    if prop == "batch-invariance":  # the probe is the last row, so it moves as the batch grows
+        return [Run(f"batch {n}", (Copy((n,)),), n) for n in p["batch_sizes"]]
+    return [Run(f"repeat {i}", (Copy((p["rows"],)),), p["rows"]) for i in range(p["repeats"])]
+
+
+def _batch(p: dict, n: int, dtype) -> torch.Tensor:
+    x = gen.values((n, p["cols"]), dtype, p["seed"], "quant-batch", n, data=p["data"])
+    x[-1] = gen.values((p["cols"],), dtype, p["seed"], "quant-probe", data=p["data"])
+    return x
+
+
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
+    """The quantized probe row per run (as bytes: fp8 tensors do not pickle); for the
+    reference, every value and scale of the one run."""
+    dtype = gen.dtype_of(p["dtype"])
     if prop == "reference":
         x = gen.values((p["rows"], p["cols"]), dtype, p["seed"], "quant-input", data=p["data"])
         q, s = subject.quantize(x.to(ctx.device), p["ue8m0"])
-        rq, rs = ref.quantize_per_token_group(x, ue8m0=p["ue8m0"])
-        mq = compare_bitwise(q, rq.to(q.device), [f"row {r}" for r in range(p["rows"])])
-        ms = compare_bitwise(s.float().contiguous(), rs.to(s.device))
-        out = mq.to_dict()
-        out.update(mismatched=mq.mismatched + ms.mismatched, total=mq.total + ms.total,
-                   held=mq.mismatched + ms.mismatched == 0)
-        out["scale_mismatched"] = ms.mismatched
-        causes = explain(x, s.float().cpu(), q.cpu(), rs, rq)
-        out["explained"] = causes
-        unexplained_values = causes["values_differ"] - causes["values_by_scale"] - causes["values_by_double_rounding"]
-        unexplained_scales = causes["scales_differ"] - causes["scales_by_reciprocal"]
-        extra = None
-        if unexplained_values or unexplained_scales:
-            extra = (f"{unexplained_values:,} quantized values and {unexplained_scales:,} scales differ from the "
-                     f"exact reference with no known cause")
-        note = None
-        if causes["values_differ"] or causes["scales_differ"]:
-            note = (f"explained: {causes['values_by_double_rounding']:,} values by double rounding, "
-                    f"{causes['values_by_scale']:,} values by their scale, {causes['scales_by_reciprocal']:,} "
-                    f"scales by reciprocal multiplication")
-        return {**out, "predicted_mismatched": None, "vacuous_reason": None, "extra_failure": extra, "note": note}
+        return q.cpu().view(torch.uint8), s.float().cpu()
+    return [subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p["ue8m0"])[0][-1].cpu().view(torch.uint8)
+            for run in runs]
 
-    probe = gen.values((p["cols"],), dtype, p["seed"], "quant-probe", data=p["data"])
-    sizes = p["batch_sizes"] if prop == "batch-invariance" else [p["rows"]] * p["repeats"]
-    copies, labels = [], []
-    for i, n in enumerate(sizes):
-        x = gen.values((n, p["cols"]), dtype, p["seed"], "quant-batch", n, data=p["data"])
-        x[-1] = probe  # the probe is the last row, so it moves as the batch grows
-        q, _ = subject.quantize(x.to(ctx.device), p["ue8m0"])
-        copies.append(q[-1])
-        labels.append(f"batch {n}" if prop == "batch-invariance" else f"repeat {i}")
-    observed = torch.stack(copies)
-    m = compare_bitwise(observed, observed[0], labels)
-    return {**m.to_dict(), "held": m.mismatched == 0, "predicted_mismatched": None,
-            "vacuous_reason": None, "extra_failure": None}
+
+def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    dtype = gen.dtype_of(p["dtype"])
+    if check.property == "reference":
+        q, s = gathered[0]
+        return _measure_reference(p, q.view(torch.float8_e4m3fn), s, dtype)
+    observed = torch.stack(gathered[0]).view(torch.float8_e4m3fn)
+    m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    m.sensitivity, m.sensitivity_what = scale_path_sensitivity(_batch(p, 1, dtype), p["ue8m0"])
+    return m
+
+
+def scale_path_sensitivity(row: torch.Tensor, ue8m0: bool) -> tuple[int, str]:
+    """Probe values and scales whose bits differ between two quantizers a kernel may be:
+    x / (amax / 448) and x * (1 / (amax * float32(1/448))) in float32. A batch- or
+    run-dependent switch between such paths is what these checks can catch; where the two
+    agree on every bit (UE8M0: power-of-two scales make both exact), nothing can show."""
+    rq, rs = ref.quantize_per_token_group(row, ue8m0=ue8m0)
+    alt_scale = reciprocal_scales(row)
+    if ue8m0:
+        alt_scale = torch.exp2(torch.ceil(torch.log2(alt_scale.double()))).float()
+    inverse = (1.0 / alt_scale).float().repeat_interleave(128, dim=1)
+    alt_q = ref.round_to_e4m3((row.float() * inverse).double())
+    count = int((alt_q.view(torch.int8) != rq.view(torch.int8)).sum()) + \
+        int((alt_scale.view(torch.int32) != rs.view(torch.int32)).sum())
+    return count, (f"of {row.numel():,} probe values and {rs.numel()} scales differ between a dividing and a "
+                   f"reciprocal-multiplying quantizer")
+
+
+def _measure_reference(p: dict, q: torch.Tensor, s: torch.Tensor, dtype) -> Measurement:
+    x = gen.values((p["rows"], p["cols"]), dtype, p["seed"], "quant-input", data=p["data"])
+    rq, rs = ref.quantize_per_token_group(x, ue8m0=p["ue8m0"])
+    mq = compare_bitwise(q, rq, [f"row {r}" for r in range(p["rows"])])
+    ms = compare_bitwise(s.contiguous(), rs)
+    m = Measurement.bitwise(mq).combine(Measurement.bitwise(ms))
+    causes = explain(x, s, q, rs, rq)
+    m.detail = {"scale_mismatched": ms.mismatched, "explained": causes}
+    unexplained_values = causes["values_differ"] - causes["values_by_scale"] - causes["values_by_double_rounding"]
+    unexplained_scales = causes["scales_differ"] - causes["scales_by_reciprocal"]
+    if unexplained_values or unexplained_scales:
+        m.extra_failure = (f"{unexplained_values:,} quantized values and {unexplained_scales:,} scales differ "
+                           f"from the exact reference with no known cause")
+    if causes["values_differ"] or causes["scales_differ"]:
+        m.note = (f"explained: {causes['values_by_double_rounding']:,} values by double rounding, "
+                  f"{causes['values_by_scale']:,} values by their scale, {causes['scales_by_reciprocal']:,} "
+                  f"scales by reciprocal multiplication")
+    return m
+
+
+FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure)

@@ -1,0 +1,50 @@
+"""One point of a case's grid: what to run, with which parameters, expecting what.
+
+Built by the planner (harness/plan.py) with typed, validated parameters; it travels to
+the ranks as JSON (`to_json` / `from_json`) and becomes one record.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from harness.params import FAMILY_PARAMS, CommonParams, build
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    suite: str
+    case: str
+    subject: str
+    family: str
+    property: str
+    params: CommonParams  # the family's dataclass, every effective value (defaults and seed)
+    expect: str  # holds | violated | model
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)  # launch environment overrides
+    topology: str = ""
+    skip_reason: str | None = None
+
+    @property
+    def p(self) -> dict:
+        """The parameters as a plain dict (what families read and records store)."""
+        return asdict(self.params)
+
+    @property
+    def world_size(self) -> int:
+        return self.params.world_size
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "params": self.p}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Check:
+        return cls(**{**d, "params": FAMILY_PARAMS[d["family"]](**d["params"])})
+
+
+def single_check(subject, prop: str, raw_params: dict, backend: str = "gloo", check_id: str | None = None,
+                 expect: str = "holds") -> Check:
+    """A check outside any suite (explore, tests), its parameters validated like a case's."""
+    typed = replace(build(subject.family, raw_params, subject, f"{subject.name} {prop}"), backend=backend)
+    return Check(id=check_id or f"{subject.name}/{prop}", suite="-", case="-", subject=subject.name,
+                 family=subject.family, property=prop, params=typed, expect=expect, timeout_s=120.0)

@@ -1,0 +1,95 @@
+"""The one property driver: what every family shares, written once.
+
+    runs -> every rank executes them -> gather to rank 0 -> the family measures
+         -> vacuity (the same rules for every family) -> one verdict, shared with all ranks
+
+A family (harness/families/<name>.py) supplies only what is its own, as a `Family`:
+
+* `params`: its parameter dataclass (harness/params.py);
+* `runs(prop, p, world_size)`: the runs a property compares, each with the `Copy`s of the
+  probe it yields, in comparison order (where each copy sits: what the vacuity rules read);
+* `observe(subject, ctx, p, prop, runs)`: on every rank, execute the runs and return what
+  this rank saw (picklable: it is gathered to rank 0);
+* `measure(check, subject, ctx, p, runs, gathered)`: on rank 0, a `Measurement`, with
+  `sensitivity` set to how many probe elements some reordering would change.
+
+Vacuity, decided here for every family and property (a check that could not fail is
+`vacuous`, never `ok`):
+
+* fewer than two compared copies, or one run of a property that repeats runs
+  (`repeats = 1`, a one-element sweep);
+* every compared copy from the same placement (`batch_sizes = [8, 8, 8]`, a single token
+  whose "first", "middle" and "last" positions coincide), except for run-to-run and
+  graph-invariance, which repeat one placement by design;
+* rank-invariance with the probe on a single destination;
+* no probe element that any reordering the property could expose would change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from harness.context import RankContext
+from harness.measurement import Measurement
+
+REFERENCE = ("reference", "combine-reference")
+REPEATS = ("run-to-run", "graph-invariance")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One compared copy of the probe: everything that fixes its inputs and position, and
+    the rank that holds it."""
+
+    placement: tuple
+    destination: int = 0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One execution a property compares; `spec` is the family's own description of it."""
+
+    label: str
+    copies: tuple[Copy, ...]
+    spec: Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    properties: tuple[str, ...]
+    params: type
+    runs: Callable[[str, dict, int], list[Run]]
+    observe: Callable
+    measure: Callable
+
+
+def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_what: str | None) -> str | None:
+    """Why a check of `prop` over `runs` could not have failed, or None."""
+    if prop in REFERENCE:
+        return None
+    copies = [c for r in runs for c in r.copies]
+    if len(copies) < 2 or (prop in REPEATS and len(runs) < 2):
+        return f"only one run ({runs[0].label if runs else 'none'}): nothing to compare " \
+               f"(a one-element sweep or repeats = 1)"
+    if prop not in REPEATS and len({c.placement for c in copies}) < 2:
+        return (f"the {len(copies)} compared runs are one and the same placement ({runs[0].label}): "
+                f"nothing moved in the dimension {prop} names")
+    if prop == "rank-invariance" and len({c.destination for c in copies}) < 2:
+        return "the probe lands on only one destination"
+    if sensitivity == 0:
+        return f"0 {sensitivity_what or 'probe elements change bits under any reordering this check could expose'}"
+    return None
+
+
+def execute(family: Family, check: dict, subject, ctx: RankContext) -> Measurement:
+    p, prop = check.p, check.property
+    runs = family.runs(prop, p, ctx.world_size)
+    local = family.observe(subject, ctx, p, prop, runs)
+    gathered = ctx.gather(local)
+    result = None
+    if ctx.rank == 0:
+        result = family.measure(check, subject, ctx, p, runs, gathered)
+        result.vacuous_reason = result.vacuous_reason or vacuity(prop, runs, result.sensitivity,
+                                                                 result.sensitivity_what)
+    return ctx.share_from_rank0(result)  # every rank reaches the same verdict

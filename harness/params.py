@@ -1,0 +1,222 @@
+"""Each family's parameters, declared once with their types, defaults and limits, and
+validated when the plan is built: before any rank starts, and before anything is written.
+
+A case's `[case.params]` and `[case.grid]` keys are the fields of its family's dataclass
+(plus the common ones). An unknown key, a missing required one, a wrong type or an
+impossible value is a one-line `HarnessError` naming the case, the key and the fix. Every
+record stores every value (defaults and seed included), so a check can be rerun from its
+record alone.
+"""
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+from harness.errors import HarnessError
+
+DTYPES_WIRE = ("bfloat16", "float16", "float32")
+DATA_KINDS = ("spread", "randn", "uniform", "integers")
+ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
+
+
+def _opt(default, *, minimum=None, choices=None, nonempty=False):
+    """A field with a default (lists are copied per instance) and its limits."""
+    meta = {"min": minimum, "choices": choices, "nonempty": nonempty}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _required(*, choices=None):
+    return field(metadata={"min": None, "choices": choices, "nonempty": False})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonParams:
+    """Keys every check has. `backend` is set by the planner, not by case files."""
+
+    world_size: int = _opt(1, minimum=1)
+    backend: str = _opt("gloo", choices=("gloo", "nccl"))
+    seed: int = _opt(0, minimum=0)
+    mode: str = _opt("eager", choices=("eager", "graph"))
+    gpu_only: bool = _opt(False)
+
+    def validate(self, subject) -> str | None:
+        """Family-specific limits across fields: a message, or None."""
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(CommonParams):
+    dtype: str = _required(choices=DTYPES_WIRE)
+    hidden: int = _opt(2048, minimum=1)
+    rows_per_rank: int = _opt(2, minimum=1)
+    batch_sizes: list[int] = _opt([1, 2, 3, 8, 32, 128], minimum=1, nonempty=True)
+    position_rows: int = _opt(8, minimum=1)
+    repeats: int = _opt(3, minimum=1)
+    shards: str = _opt("even", choices=("even", "uneven"))
+    data: str = _opt("spread", choices=DATA_KINDS)
+    message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmParams(CommonParams):
+    dtype: str = _required(choices=("bfloat16", "float32", "float8_e4m3fn"))
+    layout: str | None = _opt(None, choices=("contiguous", "masked", "dense"))  # None: the subject's first
+    n: int = _opt(256, minimum=1)
+    k: int = _opt(512, minimum=2)
+    groups: int = _opt(4, minimum=1)
+    probe_group: int = _opt(0, minimum=0)
+    m_values: list[int] = _opt([1, 3, 17, 128, 1000], minimum=1, nonempty=True)
+    other_loads: list[int] = _opt([0, 64, 512], minimum=0, nonempty=True)
+    expected_m_values: list[int] = _opt([1, 64, 1024], minimum=1, nonempty=True)
+    position_m: int = _opt(256, minimum=1)
+    repeats: int = _opt(3, minimum=1)
+    alignment: int = _opt(128, minimum=1)
+    data: str = _opt("randn", choices=DATA_KINDS)
+    cancel: bool = _opt(True)
+
+    def validate(self, subject):
+        if self.probe_group >= self.groups:
+            return f"probe_group = {self.probe_group} but there are only {self.groups} groups (0..{self.groups - 1})"
+        if self.layout not in subject.layouts:
+            return f"layout = {self.layout!r}: {subject.name} takes {', '.join(subject.layouts)}"
+        if self.dtype not in subject.dtypes:
+            return f"dtype = {self.dtype!r}: {subject.name} takes {', '.join(subject.dtypes)}"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantParams(CommonParams):
+    dtype: str = _opt("bfloat16", choices=("bfloat16",))
+    rows: int = _opt(64, minimum=1)
+    cols: int = _opt(2048, minimum=128)
+    ue8m0: bool = _opt(False)
+    batch_sizes: list[int] = _opt([1, 7, 64, 1000], minimum=1, nonempty=True)
+    repeats: int = _opt(3, minimum=1)
+    data: str = _opt("spread", choices=DATA_KINDS)
+
+    def validate(self, subject):
+        return f"cols = {self.cols} is not a multiple of the 128-wide quantization group" if self.cols % 128 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenParams(CommonParams):
+    """What dispatch and the MoE layer share: tokens, experts and routing."""
+
+    tokens: int = _opt(16, minimum=1)
+    hidden: int = _opt(256, minimum=2)
+    num_experts: int = _opt(16, minimum=1)
+    topk: int = _opt(4, minimum=1)
+    routing: str = _opt("uniform", choices=ROUTINGS)
+    layout: str = _opt("contiguous", choices=("contiguous", "masked"))
+    alignment: int = _opt(16, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 16, 64], minimum=1, nonempty=True)
+    repeats: int = _opt(3, minimum=1)
+
+    def validate(self, subject):
+        if self.num_experts % self.world_size:
+            return f"num_experts = {self.num_experts} does not split over world_size = {self.world_size} ranks"
+        if self.topk > self.num_experts:
+            return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchParams(TokenParams):
+    expert_quant: str = _opt("bf16", choices=("bf16", "fp8"))
+    wire: str = _opt("auto", choices=("auto", "bf16", "fp8"))
+    ue8m0: bool = _opt(True)
+    data: str = _opt("spread", choices=DATA_KINDS)
+    probe_experts: list[int] = _opt([4, 5, 0, 1], minimum=0, nonempty=True)
+
+    def validate(self, subject):
+        if self.hidden % 128 and self.expert_quant == "fp8":
+            return f"hidden = {self.hidden} is not a multiple of 128, which FP8 dispatch needs"
+        return super().validate(subject)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeParams(TokenParams):
+    tokens: int = _opt(8, minimum=1)
+    intermediate: int = _opt(128, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 8, 32], minimum=1, nonempty=True)
+    data: str = _opt("randn", choices=DATA_KINDS)
+    cancel: bool = _opt(True)
+    scoring: str = _opt("softmax", choices=("softmax", "sigmoid"))
+    tp_reduce: str = _opt("all_gather_fold")  # stage subjects, by registered name
+    dispatch: str = _opt("torch_a2a_dispatch")
+    gemm: str = _opt("torch_mm")
+
+
+FAMILY_PARAMS: dict[str, type[CommonParams]] = {
+    "collective": CollectiveParams, "gemm": GemmParams, "quant": QuantParams,
+    "dispatch": DispatchParams, "moe_layer": MoeParams,
+}
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _conforms(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return any(_conforms(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _limits(name: str, value, meta: dict) -> str | None:
+    items = value if isinstance(value, list) else [value]
+    if meta.get("nonempty") and isinstance(value, list) and not value:
+        return f"{name} = [] is empty"
+    if meta.get("min") is not None:
+        low = [v for v in items if v is not None and v < meta["min"]]
+        if low:
+            return f"{name} = {value!r}: values below {meta['min']} are impossible"
+    if meta.get("choices") is not None and value is not None and value not in meta["choices"]:
+        return f"{name} = {value!r}; choose one of {', '.join(map(str, meta['choices']))}"
+    return None
+
+
+def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
+    """The typed parameters of one check; `where` prefixes every error ("cases/x.toml: case 'y'")."""
+    cls = FAMILY_PARAMS[family]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)} - {"backend"}
+    for key in raw:
+        if key not in known:
+            table = "[case.grid]" if key in grid_keys else "[case.params]"
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"{family} parameters are: {', '.join(sorted(known))}"
+            raise HarnessError(f"{where}: unknown parameter {key!r} in {table}; {hint}")
+    for f in fields(cls):
+        if f.name not in raw:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise HarnessError(f"{where}: missing required parameter {f.name!r} for {family} subjects; "
+                                   f"add {f.name} = ... to [case.params] or [case.grid]")
+            continue
+        value = raw[f.name]
+        if not _conforms(value, hints[f.name]):
+            raise HarnessError(f"{where}: {f.name} = {value!r} is not of type {_type_name(hints[f.name])}; fix its value")
+        problem = _limits(f.name, value, f.metadata)
+        if problem:
+            raise HarnessError(f"{where}: {problem}")
+    params = cls(**raw)
+    if family == "gemm" and params.layout is None:
+        params = replace(params, layout=subject.layouts[0])
+    problem = params.validate(subject)
+    if problem:
+        raise HarnessError(f"{where}: {problem}")
+    return params
