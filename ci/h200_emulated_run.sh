@@ -3,16 +3,7 @@
 # DeepGEMM wheels, run cases/h200-emulated.toml with 8 NCCL ranks sharing the GPU (world
 # sizes 1, 3, 4, 8), and leave the records, report, terminal table and NCCL logs under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/h200-emulated-out}
-mkdir -p "$OUT"
-# The copied tree has no .git: pass EP_HARNESS_COMMIT=<sha> to record which commit ran.
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 { date -u; nvidia-smi; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())"; \
   python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)"; } > "$OUT/machine.txt" 2>&1
 start=$(date +%s)

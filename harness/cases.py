@@ -75,10 +75,27 @@ def _expectation(path, where, value) -> dict[str, str]:
     return dict(value)
 
 
+def _control_characters(path: Path, where: str, value, field: str) -> None:
+    """Refuse control characters (a newline in a case name could forge an `# OK` line or a
+    CI workflow command in a log) in every string of a case, however deeply nested."""
+    if isinstance(value, str):
+        bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+        if bad is not None:
+            _fail(path, where, f"{field} contains the control character {bad!r}", "write it on one line, in plain text")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _control_characters(path, where, k, f"{field} key")
+            _control_characters(path, where, v, f"{field}.{k}")
+    elif isinstance(value, list):
+        for v in value:
+            _control_characters(path, where, v, field)
+
+
 def _case(path: Path, index: int, raw) -> Case:
     where = f"case #{index + 1}"
     if not isinstance(raw, dict):
         _fail(path, where, "is not a table", "write each case as a [[case]] table")
+    _control_characters(path, where, {k: v for k, v in raw.items() if k != "description"}, "the case")
     name = raw.get("name")
     if isinstance(name, str) and name:
         where = f"case {name!r}"

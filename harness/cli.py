@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import HarnessError
+from harness.gate import NotComparable
 
 
 def _gpus(value: str) -> int | None:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import MODULE to register extra subjects (repeatable)")
     v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     v.add_argument("--no-report", action="store_true", help="write records only")
+    v.add_argument("--allow-empty", action="store_true", help="exit 0 even when every check was skipped")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
 
@@ -78,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):  # a latin-1 or C locale must not crash a report
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "verify":
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
-                             from_record=args.from_record)
+                             from_record=args.from_record, allow_empty=args.allow_empty)
             return code
         if args.command == "report":
             from reports.render import render_run
@@ -116,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
                            emulate_hosts=args.emulate_hosts,
                            command=["ep-harness", *argv])
+    except NotComparable as exc:  # no baseline of this run's fingerprint: neither pass nor regression
+        print(f"ep-harness: {exc}", file=sys.stderr)
+        return 3
     except HarnessError as exc:
         print(f"ep-harness: error: {exc}", file=sys.stderr)
         return 2

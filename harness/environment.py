@@ -18,7 +18,12 @@ from harness.subject import Platform
 CPU_DEFAULT_RANKS = 4
 DETERMINISTIC_CHANNELS = 8
 NCCL_LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
-RECORDED_PREFIXES = ("NCCL_", "TORCH_", "CUBLAS", "CUDA_", "DG_", "DJ_", "EP_", "NVSHMEM_", "OMP_NUM_THREADS")
+# Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
+# nothing else of the environment reaches environment.json, which CI uploads).
+RECORDED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "TORCH_CUDA_ARCH_LIST", "CUBLAS_", "CUDA_VISIBLE_DEVICES",
+                     "CUDA_LAUNCH_BLOCKING", "CUDA_VERSION", "DG_", "NVSHMEM_", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA",
+                     "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT")
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
              "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
 
@@ -48,6 +53,9 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
             f"or EMULATE_HOSTS=1 to run {gpus} NCCL ranks as emulated hosts on the GPUs present"
         )
     if gpus == 0:
+        if cpu_ranks < 1:
+            raise HarnessError(f"--cpu-ranks {cpu_ranks} leaves no rank to run on; use --cpu-ranks 1 or more "
+                               f"(the CPU default is {CPU_DEFAULT_RANKS})")
         return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
     props = torch.cuda.get_device_properties(0)
     emulated = emulate_hosts and gpus > visible
@@ -101,8 +109,11 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def recorded_env() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES)}
+def recorded_env(environ=None) -> dict[str, str]:
+    """The allowlisted variables; the value of any name that looks like a credential is redacted."""
+    environ = os.environ if environ is None else environ
+    return {k: ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else v)
+            for k, v in sorted(environ.items()) if k.startswith(RECORDED_PREFIXES)}
 
 
 def library_versions() -> dict[str, str]:
@@ -179,4 +190,32 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
         "backend": platform.backend,
         "max_ranks": platform.ranks,
         "libraries": library_versions(),
+        "cpu": cpu_fingerprint(),
     }
+
+
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def cpu_fingerprint() -> dict:
+    """What decides a CPU GEMM's bits: the CPU model, its vector ISA, the kernel level torch
+    dispatches to, and the oneDNN ISA cap (ONEDNN_MAX_CPU_ISA changes bits on one machine)."""
+    import torch
+
+    model, flags = pyplatform.processor() or pyplatform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    except OSError:
+        pass
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        capability = None
+    return {"model": model, "isa": sorted(f for f in ISA_FLAGS if f in flags), "torch_capability": capability,
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}

@@ -96,8 +96,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
-    env = {**os.environ, **pinned_env(platform, {}), "PYTHONPATH": os.pathsep.join(
-        filter(None, [os.getcwd(), str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
     with open(job_dir / "torchrun.log", "w") as log:
         proc = subprocess.run(torchrun_command(world_size, job_dir, 0, None, module="harness.explore"), env=env,
                               stdout=log, stderr=subprocess.STDOUT, timeout=budget_s + 600)

@@ -1,14 +1,23 @@
 """The nightly gate: compare a run with the reviewed baseline of its platform, and keep a
 history of every night.
 
-A baseline is a results.jsonl with the bulky detail stripped, one file per platform
-(`ci/baselines/<platform>.jsonl`): GPU model and count, or the CPU default. The gate fails
-on a regression (see reports.analysis.compare_runs: a held check now violated, a new
-unexpected or error, a control whose count moved for the same seeded inputs, a check that
-disappeared) and passes with a notice on improvements.
+A baseline is a results.jsonl with the bulky detail stripped whose first line is the
+bit-relevant fingerprint of the run it came from. A run is compared only with a baseline of
+the same fingerprint: the same backend and topology, the same versions (torch, CUDA, NCCL,
+DeepGEMM), the same GPU model and driver, and, where the CPU computes what is measured
+(gloo), the same CPU model and ISA. One file per fingerprint,
+`ci/baselines/<platform>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
+neither a pass nor a regression: the gate says which baselines exist, which platform the
+run is on, and how to record one (exit code 3).
+
+The gate fails on a regression (reports.analysis.compare_runs: a held check now violated, a
+new unexpected or error, `ok` now skipped, vacuous or error, a control whose count moved
+for the same seeded inputs, a check that disappeared) and passes with a notice on
+improvements.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -20,6 +29,10 @@ from reports.load import load_run
 
 BASELINE_DIR = Path("ci/baselines")
 HISTORY_KEYS = ("check", "subject", "property", "status", "held", "mismatched", "total", "seconds")
+
+
+class NotComparable(HarnessError):
+    """No baseline of this run's fingerprint (exit code 3)."""
 
 
 def platform_key(environment: dict) -> str:
@@ -34,8 +47,43 @@ def platform_key(environment: dict) -> str:
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}"
 
 
+def fingerprint(environment: dict) -> dict:
+    """What decides the bits a run measures (not the date, host name or command)."""
+    libs = environment.get("libraries") or {}
+    topology = environment.get("topology") or {}
+    fp = {
+        "platform": platform_key(environment),
+        "backend": environment.get("backend"),
+        "topology": topology.get("kind"), "ranks": topology.get("ranks", environment.get("max_ranks")),
+        "torch": environment.get("torch"), "cuda": environment.get("cuda"), "nccl": environment.get("nccl"),
+        "deep_gemm": libs.get("sgl-deep-gemm") or libs.get("deep-gemm"),
+        "gpus": environment.get("gpus") or [], "driver": environment.get("driver"),
+    }
+    if environment.get("backend") != "nccl":  # CPU GEMMs and reductions: the CPU decides the bits
+        fp["cpu"] = environment.get("cpu")
+    return fp
+
+
+def fingerprint_hash(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def describe(fp: dict) -> str:
+    cpu = fp.get("cpu") or {}
+    parts = [fp["platform"], f"torch {fp['torch']}"]
+    parts += [f"{k} {fp[k]}" for k in ("cuda", "nccl", "deep_gemm", "driver") if fp.get(k)]
+    if cpu:
+        parts.append(f"CPU {cpu.get('model')} ({cpu.get('torch_capability')}"
+                     + (f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else "")
+                     + ")")
+    return ", ".join(parts)
+
+
 def baseline_path(run_dir: Path, baseline: Path | None) -> Path:
-    return baseline or BASELINE_DIR / f"{platform_key(load_run(run_dir).environment)}.jsonl"
+    if baseline is not None:
+        return baseline
+    fp = fingerprint(load_run(run_dir).environment)
+    return BASELINE_DIR / f"{fp['platform']}-{fingerprint_hash(fp)}.jsonl"
 
 
 def lean(record: dict) -> dict:
@@ -46,20 +94,42 @@ def lean(record: dict) -> dict:
 def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     run = load_run(run_dir)
     target = baseline_path(run_dir, baseline)
-    write_jsonl(target, [lean(r) for r in run.records if r["status"] != "skipped"])
+    header = {"fingerprint": fingerprint(run.environment)}
+    write_jsonl(target, [header, *(lean(r) for r in run.records if r["status"] != "skipped")])
     return target
 
 
-def gate(run_dir: Path, baseline: Path | None = None) -> dict:
-    """Return the gate result (also written to RUN_DIR/gate.json)."""
-    run = load_run(run_dir)
-    path = baseline_path(run_dir, baseline)
-    if not path.exists():
-        raise HarnessError(f"no baseline at {path}; review the run, then `ep-harness baseline update {run_dir}`")
+def read_baseline(path: Path) -> tuple[dict | None, list[dict]]:
     try:
-        previous = read_jsonl(path)
+        lines = read_jsonl(path)
     except json.JSONDecodeError as exc:
         raise HarnessError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}); restore the baseline from git") from None
+    if lines and "fingerprint" in lines[0]:
+        return lines[0]["fingerprint"], lines[1:]
+    return None, lines
+
+
+def _not_comparable(run_dir: Path, fp: dict, path: Path, others: list[Path]) -> NotComparable:
+    record = f"record one for this platform with `ep-harness baseline update {run_dir}` (make baseline)"
+    if not others:
+        return NotComparable(f"not comparable: no baseline at {path} for this run on {describe(fp)}; {record}")
+    theirs = "; ".join(f"{o.name} from {describe(read_baseline(o)[0]) if read_baseline(o)[0] else 'an unknown platform'}"
+                       for o in others[:3])
+    return NotComparable(f"not comparable: baseline {theirs}, this run on {describe(fp)}; {record}")
+
+
+def gate(run_dir: Path, baseline: Path | None = None) -> dict:
+    """Return the gate result (also written to RUN_DIR/gate.json); NotComparable when no
+    baseline of this run's fingerprint exists."""
+    run = load_run(run_dir)
+    fp = fingerprint(run.environment)
+    path = baseline_path(run_dir, baseline)
+    if not path.exists():
+        others = sorted(path.parent.glob(f"{fp['platform']}-*.jsonl")) if baseline is None else []
+        raise _not_comparable(run_dir, fp, path, others)
+    theirs, previous = read_baseline(path)
+    if theirs != fp:
+        raise _not_comparable(run_dir, fp, path, [path])
     changes = compare_runs(run.records, previous)
     regressions = [c for c in changes if c["kind"] == "regression"]
     result = {

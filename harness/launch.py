@@ -62,18 +62,54 @@ def _clear_rank_files(job_dir: Path) -> None:
             p.unlink()
 
 
-def _kill(proc: subprocess.Popen, job_dir: Path) -> None:
-    """Kill torchrun and every worker: torchrun starts each worker in a session of its own."""
+def _kill(proc: subprocess.Popen, job_dir: Path, grace_s: float = 2.0) -> None:
+    """End torchrun, every worker and whatever they spawned: each is killed as a process
+    group (torchrun's own session, and each worker's, which its children share), first
+    with SIGTERM and, after a grace period, SIGKILL."""
+    groups = {proc.pid}
     for pid_file in job_dir.glob("pid-rank*"):
         try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            groups.add(os.getpgid(int(pid_file.read_text())))
         except (OSError, ValueError):
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    groups.discard(os.getpgrp())  # never our own group
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.time() + (grace_s if sig == signal.SIGTERM else 0)
+        while time.time() < deadline and (proc.poll() is None or _alive(groups)):
+            time.sleep(0.05)
     proc.wait()
+
+
+def _alive(groups) -> bool:
+    for group in groups:
+        try:
+            os.killpg(group, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            pass
+    return False
+
+
+class Interrupted(BaseException):
+    """A signal ended the run; `outcomes` holds what the interrupted launch had finished."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.outcomes: dict[str, Outcome] = {}
+
+
+def _collect(job_dir: Path, checks: list, start: int, outcomes: dict) -> None:
+    """The checks of this launch that rank 0 finished and recorded."""
+    for line in read_jsonl(job_dir / "records.jsonl"):
+        if line["index"] >= start and checks[line["index"]].id not in outcomes:
+            outcomes[checks[line["index"]].id] = Outcome(line["seconds"],
+                                                         measured=Measurement.from_json(line["measured"]))
 
 
 def _dump_stacks(job_dir: Path, world_size: int) -> dict[str, str]:
@@ -98,6 +134,26 @@ def _log_tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
+def _watch(proc, job_dir: Path, world_size: int, checks: list, start: int, launched: float, log_path: Path):
+    """Wait for the launch; return (failed_at, error, details) for a start-up failure or a
+    check that outran its timeout (stacks dumped first), or (None, None, {})."""
+    while proc.poll() is None:
+        time.sleep(POLL_S)
+        states = _ranks_state(job_dir, world_size)
+        running = [s for s in states if s and s["index"] < len(checks)]
+        if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
+            return start, f"ranks did not start within {START_TIMEOUT_S:.0f} s", {
+                "stacks": _dump_stacks(job_dir, world_size), "log": _log_tail(log_path)}
+        for s in running:
+            if time.time() - s["since"] > checks[s["index"]].timeout_s:
+                failed_at = min(x["index"] for x in running)
+                stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
+                return failed_at, (f"timed out after {checks[failed_at].timeout_s:.0f} s "
+                                   f"(ranks {stuck} still inside the check); stack dumps attached"), {
+                    "stacks": _dump_stacks(job_dir, world_size)}
+    return None, None, {}
+
+
 def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], env: dict[str, str],
             plugins: list[str], torchrun_args: str | None = None, emulate_hosts: bool = False) -> dict[str, Outcome]:
     """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
@@ -110,7 +166,10 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         "collective_timeout_s": longest + 60,
     })
     child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                 "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+                 # The working directory never goes before the standard library: a json.py
+                 # there must not run inside the ranks (plugins are found at the path's end).
+                 "PYTHONSAFEPATH": "1",
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     outcomes: dict[str, Outcome] = {}
     start, attempt = 0, 0
     while start < len(checks):
@@ -120,34 +179,16 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
             proc = subprocess.Popen(torchrun_command(world_size, job_dir, start, torchrun_args), env=child_env,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         launched = time.time()
-        failed_at, error, details = None, None, {}
         try:
-            while proc.poll() is None:
-                time.sleep(POLL_S)
-                states = _ranks_state(job_dir, world_size)
-                running = [s for s in states if s and s["index"] < len(checks)]
-                if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
-                    failed_at = start
-                    error = f"ranks did not start within {START_TIMEOUT_S:.0f} s"
-                    details = {"stacks": _dump_stacks(job_dir, world_size), "log": _log_tail(log_path)}
-                    break
-                for s in running:
-                    if time.time() - s["since"] > checks[s["index"]].timeout_s:
-                        failed_at = min(x["index"] for x in running)
-                        stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
-                        error = (f"timed out after {checks[failed_at].timeout_s:.0f} s "
-                                 f"(ranks {stuck} still inside the check); stack dumps attached")
-                        details = {"stacks": _dump_stacks(job_dir, world_size)}
-                        break
-                if error:
-                    break
-        finally:
+            failed_at, error, details = _watch(proc, job_dir, world_size, checks, start, launched, log_path)
+        except Interrupted as exc:  # end the processes, then keep what was finished
             _kill(proc, job_dir)
-
-        for line in read_jsonl(job_dir / "records.jsonl"):
-            if line["index"] >= start and checks[line["index"]].id not in outcomes:
-                outcomes[checks[line["index"]].id] = Outcome(line["seconds"],
-                                                                measured=Measurement.from_json(line["measured"]))
+            _collect(job_dir, checks, start, outcomes)
+            exc.outcomes = outcomes
+            raise
+        finally:  # whatever happened, no process of this launch outlives it
+            _kill(proc, job_dir)
+        _collect(job_dir, checks, start, outcomes)
         if error is None and proc.returncode != 0:
             errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
                             key=lambda e: e["time"])

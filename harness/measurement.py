@@ -30,21 +30,14 @@ class Bound:
     terms: dict = field(default_factory=dict)  # u_out, gamma, K, ...
 
 
-@dataclass
-class Measurement:
+@dataclass(kw_only=True)
+class Measurement(Mismatch):
+    """A `Mismatch` (counts, greatest differences, first mismatches, map) plus what the
+    verdict needs: the comparison kind and bound, the prediction, and the vacuity evidence."""
+
     comparison: str
-    mismatched: int
-    total: int
     held: bool
     bound: Bound | None = None
-    max_abs: float | str | None = None
-    max_abs_index: list[int] | None = None
-    max_ulp: int | None = None
-    max_ulp_index: list[int] | None = None
-    first_mismatch: dict | None = None
-    first_mismatches: list[dict] = field(default_factory=list)
-    ulp_histogram: dict[str, int] = field(default_factory=dict)
-    mismatch_map: dict | None = None
     error_vs_reference: float | str | None = None  # bounded only: max |err| / bound
     predicted_mismatched: int | None = None
     order_model: str | None = None

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.errors import HarnessError
-from harness.gate import append_history, gate, render_gate
+from harness.gate import NotComparable, append_history, gate, render_gate
 from harness.verify import verify
 from reports.render import render_run
 
@@ -17,13 +16,17 @@ def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | No
             emulate_hosts: bool = False) -> int:
     code, run_dir = verify(suite, gpus=gpus, out_root=out_root, command=command, render=False,
                            emulate_hosts=emulate_hosts)
+    if code >= 128:  # interrupted: the partial run is rendered, never gated or added to the history
+        render_run(run_dir)
+        return code
     added = append_history(run_dir, history)
     try:
         result = gate(run_dir, baseline)
-    except HarnessError as exc:  # no baseline yet: the run renders, the gate fails with the fix
-        result = None
-        message = f"# gate: FAILED: {exc}"
+    except NotComparable as exc:  # no baseline of this fingerprint: the run renders, exit 3 says why
+        result, message = None, f"# gate: {exc}"
     render_run(run_dir, history=history)
     print(f"# history: {added} rows appended to {history}")
     print(render_gate(result) if result else message)
-    return 0 if code == 0 and result and result["passed"] else 1
+    if result is None:
+        return 3
+    return 0 if code == 0 and result["passed"] else 1

@@ -121,6 +121,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpus(n): needs n GPUs; skipped with the reason when fewer are visible")
+    if not config.getoption("--ep-suite"):
+        return  # a session that uses none of the plugin's options imports nothing and changes nothing
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     gpus = _gpu_count()
     if worker and gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:

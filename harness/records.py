@@ -20,7 +20,7 @@ def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # whatever the locale
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -39,17 +39,21 @@ def write_json(path: Path, obj) -> None:
 
 
 def append_line(path: Path, obj) -> None:
-    """Append one record durably (worker progress; merged atomically by the launcher)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(obj) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one record durably and whole: a single write(2) of the complete line to a
+    file opened with O_APPEND, so concurrent appenders never interleave within a line."""
+    data = (json.dumps(obj) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def base_record(check: dict, run_id: str, rerun: str) -> dict:

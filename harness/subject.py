@@ -160,9 +160,10 @@ def register(cls):
 
 
 def import_plugins(modules: list[str]) -> None:
-    """Import plugin modules by name, resolved from the working directory like `python -m`."""
+    """Import plugin modules by name; the working directory is searched last, so nothing in
+    it can shadow the standard library or the harness's own modules."""
     if modules and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     for module in modules:
         try:
             importlib.import_module(module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.measurement import Measurement
 
-STATUSES = ("ok", "unexpected", "vacuous", "error", "skipped")
+STATUSES = ("ok", "unexpected", "vacuous", "error", "skipped", "interrupted")
 FAILING = ("unexpected", "error")
 
 

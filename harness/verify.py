@@ -1,12 +1,15 @@
 """plan -> launch -> records -> reports -> exit code."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fnmatch
 import json
 import os
+import re
 import secrets
 import shlex
+import signal
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
-from harness.launch import Outcome, run_job
+from harness.launch import Interrupted, Outcome, run_job
 from harness.plan import expand, jobs, skip_reason
 from harness.records import base_record, read_jsonl, write_json, write_jsonl
 from harness.verdict import FAILING, decide
@@ -29,7 +32,9 @@ def new_run_id() -> str:
 
 def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
                   from_record: bool = False) -> str:
-    cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", check_id]
+    # --check takes a glob: brackets, * and ? in an id are matched literally, then shell-quoted.
+    literal = re.sub(r"([\[\]*?])", r"[\1]", check_id)
+    cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
     if emulate_hosts:
@@ -39,10 +44,14 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
     return shlex.join(cmd)
 
 
-def finalize(check: dict, outcome: Outcome | None, run_id: str, rerun: str) -> dict:
+def finalize(check: Check, outcome: Outcome | None, run_id: str, rerun: str,
+             interrupted: BaseException | None = None) -> dict:
     rec = base_record(check, run_id, rerun)
     if check.skip_reason:
         rec.update(status="skipped", reason=check.skip_reason)
+        return rec
+    if outcome is None and interrupted is not None:
+        rec.update(status="interrupted", reason=f"the run was interrupted by {interrupted} before this check finished")
         return rec
     rec["seconds"] = outcome.seconds
     if outcome.error:
@@ -99,6 +108,39 @@ def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def interruptible():
+    """While launches run, SIGINT, SIGTERM and SIGHUP (and `timeout`) raise Interrupted in
+    this thread, once: the launcher then ends every process group, and the run keeps what it
+    finished. Signals that arrive during that clean-up are ignored."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def handler(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def claim_run_dir(out_root: Path) -> tuple[str, Path]:
+    """A new run directory, created exclusively: two runs that draw the same id never merge."""
+    out_root.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        run_id = new_run_id()
+        try:
+            (out_root / run_id).mkdir()
+        except FileExistsError:
+            continue
+        return run_id, out_root / run_id
+    raise HarnessError(f"could not create a new run directory under {out_root}; check that it is writable")
+
+
 def point_latest(out_root: Path, run_dir: Path) -> None:
     link = out_root / "latest"
     tmp = out_root / f".latest-{os.getpid()}"
@@ -111,7 +153,8 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
 def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
            render: bool = True, quiet: bool = False, per_check_launch: bool = False,
-           emulate_hosts: bool = False, from_record: Path | None = None) -> tuple[int, Path]:
+           emulate_hosts: bool = False, from_record: Path | None = None,
+           allow_empty: bool = False) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record."""
     if from_record is not None:
@@ -126,8 +169,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         registry.load_all(plugins)
         platform = detect(gpus, cpu_ranks, emulate_hosts)
         checks = expand(loaded, platform, selection)
-    run_id = new_run_id()
-    run_dir = out_root / run_id
+    run_id, run_dir = claim_run_dir(out_root)
     fingerprint = run_fingerprint(platform, list(command))
     fingerprint["suite"] = str(suite_path)
     fingerprint["topology"] = platform.topology.to_dict()
@@ -136,23 +178,34 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
     outcomes: dict[str, Outcome] = {}
-    for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, per_check_launch)):
-        env = pinned_env(platform, env_overrides)
-        job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
-        if not quiet:
-            print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)", flush=True)
-        outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts))
+    interrupted = None
+    with interruptible():
+        try:
+            for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, per_check_launch)):
+                env = pinned_env(platform, env_overrides)
+                job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
+                fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
+                if not quiet:
+                    print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)",
+                          flush=True)
+                outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
+                                        os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts))
+        except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
+            outcomes.update(exc.outcomes)
+            interrupted = exc
+            print(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)", flush=True)
+    for job_dir in sorted((run_dir / "jobs").glob("*")):
         for f in sorted(job_dir.glob("ranks-*.json")):
             fingerprint["ranks"][f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
         for f in sorted(job_dir.glob("nccl-topology-*.json")):
             fingerprint.setdefault("nccl_topology", {})[f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
-        fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
+    if interrupted is not None:
+        fingerprint["interrupted"] = str(interrupted)
 
     records = [finalize(c, outcomes.get(c.id), run_id,
                         rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts,
-                                      from_record is not None))
+                                      from_record is not None), interrupted)
                for c in checks]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)
@@ -161,5 +214,12 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         from reports.render import render_run
 
         render_run(run_dir, quiet=quiet)
+    if interrupted is not None:
+        return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)
+    if all(r["status"] == "skipped" for r in records) and not allow_empty:
+        if not quiet:  # a run that measured nothing is not a pass
+            print(f"# nothing ran: all {len(records)} checks were skipped (see their reasons above); "
+                  f"pass --allow-empty to accept that", flush=True)
+        return 1, run_dir
     return (1 if failing else 0), run_dir

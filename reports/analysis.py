@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-STATUS_ORDER = ("ok", "unexpected", "vacuous", "error", "skipped")
+STATUS_ORDER = ("ok", "unexpected", "vacuous", "error", "skipped", "interrupted")
 
 
 def counts(records: list[dict]) -> dict[str, int]:
@@ -14,6 +14,15 @@ def counts(records: list[dict]) -> dict[str, int]:
 
 def failed(records: list[dict]) -> bool:
     return any(r["status"] in ("unexpected", "error") for r in records)
+
+
+def verdict(records: list[dict]) -> str:
+    """FAILED, NOTHING RAN (every check skipped, or none selected) or OK."""
+    if any(r["status"] == "interrupted" for r in records):
+        return "INTERRUPTED (partial run)"
+    if failed(records):
+        return "FAILED"
+    return "NOTHING RAN" if all(r["status"] == "skipped" for r in records) else "OK"
 
 
 def point_key(rec: dict) -> str:
@@ -68,6 +77,9 @@ def _classify(old: dict, new: dict) -> dict | None:
                 "before": _count(old), "after": _count(new)}
     if new["status"] in bad and old["status"] not in bad:
         return {"kind": "regression", "what": f"now {new['status']}: {new.get('reason')}",
+                "before": old["status"], "after": new["status"]}
+    if old["status"] == "ok" and new["status"] in ("skipped", "vacuous"):  # it stopped measuring
+        return {"kind": "regression", "what": f"ok before, {new['status']} now: {new.get('reason')}",
                 "before": old["status"], "after": new["status"]}
     if (old["expect"] == "violated" and old.get("mismatched") is not None and new.get("mismatched") is not None
             and old["mismatched"] != new["mismatched"] and old["params"] == new["params"]):

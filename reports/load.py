@@ -28,7 +28,7 @@ def load_run(path: Path) -> Run:
     if not results.exists():
         raise HarnessError(f"{results} not found; pass a run directory written by `ep-harness verify`")
     records = []
-    for lineno, line in enumerate(results.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(results.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -47,7 +47,7 @@ def load_run(path: Path) -> Run:
     environment = {}
     if env_path.exists():
         try:
-            environment = json.loads(env_path.read_text())
+            environment = json.loads(env_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise HarnessError(f"{env_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     return Run(path=path, records=records, environment=environment)

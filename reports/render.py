@@ -19,7 +19,7 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     if not quiet:
         print(terminal.render(run.records, run.environment, changes))
     target = out or (run.path / "report.html")
-    page = render_page(run, changes, str(against) if against else None, extra_sections=trends.section(history))
+    page = render_page(run, changes, str(against) if against else None, trends=trends.context(history))
     write_atomic(Path(target), page)
     if not quiet:
         print(f"# report: {target}")

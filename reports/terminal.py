@@ -2,7 +2,7 @@
 and a final OK / FAILED line."""
 from __future__ import annotations
 
-from reports.analysis import counts, failed, pairs
+from reports.analysis import counts, pairs, verdict
 from reports.text import DASH, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
@@ -70,5 +70,5 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     c = counts(records)
     summary = ", ".join(f"{v} {k}" for k, v in c.items())
     lines.append("#")
-    lines.append(f"# {'FAILED' if failed(records) else 'OK'}: {summary}")
+    lines.append(f"# {verdict(records)}: {summary}")
     return "\n".join(lines)

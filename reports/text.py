@@ -4,13 +4,20 @@ from __future__ import annotations
 DASH = "-"
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def fmt_int(n) -> str:
-    return DASH if n is None else f"{n:,}"
+    """Renderers take records as data: a value of another type is shown as it is, never trusted."""
+    return DASH if n is None else f"{n:,}" if isinstance(n, int) else str(n)
 
 
 def fmt_count(mismatched, total) -> str:
     if mismatched is None or total is None:
         return DASH
+    if not (_number(mismatched) and _number(total)):
+        return f"{mismatched} / {total}"
     pct = 100.0 * mismatched / total if total else 0.0
     return f"{mismatched:,} / {total:,} ({pct:.1f}%)"
 
@@ -18,9 +25,7 @@ def fmt_count(mismatched, total) -> str:
 def fmt_float(x, digits: int = 3) -> str:
     if x is None:
         return DASH
-    if isinstance(x, str):
-        return x
-    return f"{x:.{digits}g}"
+    return f"{x:.{digits}g}" if _number(x) else str(x)
 
 
 def mismatch_text(rec: dict) -> str:
@@ -32,7 +37,7 @@ def mismatch_text(rec: dict) -> str:
     bitwise = rec.get("comparison", "bounded" if rec.get("tolerance") else "bitwise") == "bitwise"
     lines = [f"Tensor-likes are {'not equal' if bitwise else 'not close'}!" if mismatched
              else f"Tensor-likes are {'equal' if bitwise else 'close'}.", ""]
-    lines.append(f"Mismatched elements: {mismatched} / {total} ({100.0 * mismatched / max(total, 1):.1f}%)")
+    lines.append(f"Mismatched elements: {fmt_count(mismatched, total).replace(',', '')}")
     detail = rec.get("detail", {})
     if mismatched and rec.get("max_abs") is not None:
         idx = detail.get("max_abs_index")

@@ -2,8 +2,8 @@
 changed since the previous night, from the history store (one JSON row per check a night)."""
 from __future__ import annotations
 
-import html
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -14,15 +14,15 @@ MAX_LINES = 12
 
 
 def load_history(path: Path) -> pd.DataFrame:
+    """The history's rows; a corrupt line (a night cut short) is skipped with a warning, so
+    one bad night never fails every later one."""
     rows = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                from harness.errors import HarnessError
-
-                raise HarnessError(f"{path}:{lineno}: invalid JSON in the history; remove the broken line") from None
+                print(f"# warning: {path}:{lineno}: skipped a line that is not valid JSON", file=sys.stderr)
     frame = pd.DataFrame(rows)
     if not frame.empty:
         frame["date"] = pd.to_datetime(frame["date"])
@@ -46,29 +46,24 @@ def since_previous(history: pd.DataFrame) -> list[dict]:
     return changed
 
 
-def section(path: Path | None) -> str:
+def context(path: Path | None) -> dict | None:
+    """The trends section's values (the template escapes them), or None without a history."""
     if path is None or not Path(path).exists():
-        return ""
+        return None
     history = load_history(path)
     if history.empty:
-        return "<h2>Trends</h2><p>The history is empty.</p>"
+        return {"nights": 0, "path": str(path), "plotted": "nothing (the history is empty)", "plots": [],
+                "changed": [], "unchanged": "The history is empty."}
     nights = history["run_id"].nunique()
     moving = history.groupby("check")["mismatched"].nunique()
     chosen = moving[moving > 1].index.tolist()[:MAX_LINES] or history.groupby("check")["seconds"].max() \
         .sort_values(ascending=False).index.tolist()[:MAX_LINES]
     subset = history[history["check"].isin(chosen)].sort_values("date")
-    parts = [f"<h2>Trends</h2><p>{nights} run(s) in <code>{html.escape(str(path))}</code>; plotted: "
-             f"{'checks whose mismatch count moved' if moving.max() > 1 else 'the slowest checks'}.</p>"]
+    figures = []
     for value, title in (("mismatched", "mismatched elements per check"), ("seconds", "seconds per check")):
         png = plots.trend_figure(subset, value, title)
         if png:
-            parts.append(f'<img class="plot" alt="{title}" src="data:image/png;base64,{png}">')
-    changed = since_previous(history)
-    if changed:
-        rows = "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{html.escape(c['before'])}</td>"
-                       f"<td>{html.escape(c['after'])}</td></tr>" for c in changed)
-        parts.append(f"<h3>Changed since the previous run</h3><table><tr><th>check</th><th>before</th>"
-                     f"<th>after</th></tr>{rows}</table>")
-    else:
-        parts.append("<p>Nothing changed since the previous run.</p>" if nights > 1 else "<p>First run.</p>")
-    return "".join(parts)
+            figures.append((png, title))
+    return {"nights": nights, "path": str(path), "plots": figures, "changed": since_previous(history),
+            "plotted": "checks whose mismatch count moved" if moving.max() > 1 else "the slowest checks",
+            "unchanged": "Nothing changed since the previous run." if nights > 1 else "First run."}

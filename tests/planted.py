@@ -103,3 +103,20 @@ class ArrivalOrderCombine(TorchAllToAllDispatcher):
         order = torch.sort(hops * k + torch.arange(k), dim=1).indices
         reordered = torch.gather(slots, 1, order.unsqueeze(-1).expand_as(slots))
         return super().fold(reordered, torch.gather(weights, 1, order), group)
+
+
+@register
+class SpawnsAndHangs(AllGatherFold):
+    name = "planted_spawn_and_hang"
+    summary = "all-gather + fold whose ranks start a child process, then never return"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "1000"])  # a process the subject spawned
+        pid_dir = os.environ.get("EP_TEST_CHILD_PIDS")
+        if pid_dir:
+            with open(os.path.join(pid_dir, f"child-{os.getpid()}"), "w") as f:
+                f.write(str(child.pid))
+        while True:
+            time.sleep(1)

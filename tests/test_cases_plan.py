@@ -76,6 +76,9 @@ def test_uneven_shards_are_refused_by_the_even_only_subject(tmp_path):
     (GOOD.replace("dtype = [", "dtype = 3 #"), "grid.dtype = 3 is not a non-empty list"),
     (GOOD + GOOD, "the name is used twice"),
     ("[suite]\nname='x'\n", "no [[case]] tables"),
+    (GOOD.replace('name = "rs"', 'name = "rs\\n# OK: 99 ok"'), "contains the control character '\\n'"),
+    (GOOD.replace("[case.grid]", '[case.params]\nshards = "even\\u001b[31m"\n[case.grid]'),
+     "the case.params.shards contains the control character '\\x1b'"),
 ])
 def test_bad_case_files_name_the_problem(tmp_path, text, message):
     path = write(tmp_path, text)

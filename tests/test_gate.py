@@ -1,19 +1,22 @@
 """The nightly gate, baselines, history, the workflow file, and `pytest --ep-suite`."""
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from harness.errors import HarnessError
-from harness.gate import append_history, gate, platform_key, update_baseline
+from harness.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
+                          platform_key, read_baseline, update_baseline)
 from reports.render import render_run
 from tests.conftest import REPO
 from tests.test_reports import record, write_run
 
+CPU = {"model": "AMD EPYC", "isa": ["avx2", "avx512f"], "torch_capability": "AVX512", "onednn_max_cpu_isa": None}
 ENV = {"command": "test", "backend": "gloo", "max_ranks": 4, "date": "2026-11-29T00:00:00+00:00",
-       "harness_commit": "abc"}
+       "harness_commit": "abc", "torch": "2.13.0+cpu", "cpu": CPU}
 
 
 def baseline_records():
@@ -45,6 +48,9 @@ def test_identical_rerun_passes(tmp_path, baseline):
     (lambda rs: rs[2].update(mismatched=2712), "control", "control's mismatch count changed for the same inputs"),
     (lambda rs: rs.pop(3), "going-away", "disappeared"),
     (lambda rs: rs[1].update(status="error", reason="timed out"), "other", "now error"),
+    (lambda rs: rs[1].update(status="skipped", held=None, mismatched=None, reason="deep_gemm cannot be imported"),
+     "other", "ok before, skipped now"),
+    (lambda rs: rs[1].update(status="vacuous", reason="could not fail: one run"), "other", "ok before, vacuous now"),
 ])
 def test_each_planted_regression_fails_the_gate(tmp_path, baseline, plant, check, what):
     records = baseline_records()
@@ -64,8 +70,36 @@ def test_improvement_passes_with_a_notice(tmp_path):
 
 
 def test_missing_baseline_names_the_fix(tmp_path):
-    with pytest.raises(HarnessError, match="ep-harness baseline update"):
+    with pytest.raises(NotComparable, match="ep-harness baseline update"):
         gate(run_with(tmp_path, "r", baseline_records()), tmp_path / "none.jsonl")
+
+
+@pytest.mark.parametrize("change", [
+    {"cpu": {**CPU, "model": "Intel Xeon", "torch_capability": "AVX2"}},
+    {"cpu": {**CPU, "onednn_max_cpu_isa": "AVX2"}},  # the same machine, another oneDNN ISA
+    {"torch": "2.14.0+cpu"},
+])
+def test_another_platform_is_not_comparable_and_exits_3(tmp_path, baseline, change):
+    run = write_run(tmp_path / "elsewhere", baseline_records(), {**ENV, **change})
+    with pytest.raises(NotComparable) as err:
+        gate(run, baseline)
+    message = str(err.value)
+    assert message.startswith("not comparable: baseline") and "this run on cpu-gloo-4" in message
+    assert "ep-harness baseline update" in message and "\n" not in message
+    proc = subprocess.run([sys.executable, "-m", "harness", "gate", str(run), "--baseline", str(baseline)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "not comparable" in proc.stderr
+    # ... while a GPU run's fingerprint leaves the host CPU out (the GPU computes what is measured)
+    gpu = {**ENV, "backend": "nccl", "gpus": ["NVIDIA H200"]}
+    assert fingerprint({**gpu, **change}).get("cpu") is None
+
+
+def test_baselines_are_kept_per_fingerprint(tmp_path):
+    run = write_run(tmp_path / "run", baseline_records(), ENV)
+    path = baseline_path(run, None)
+    assert path.parent == Path("ci/baselines") and path.name.startswith("cpu-gloo-4-")
+    other = write_run(tmp_path / "other", baseline_records(), {**ENV, "cpu": {**CPU, "model": "Intel Xeon"}})
+    assert baseline_path(other, None) != path
 
 
 def test_platform_keys():
@@ -73,7 +107,19 @@ def test_platform_keys():
     assert platform_key({"gpus": ["NVIDIA H200"] * 4}) == "nvidia-h200-x4"
     emulated = {"gpus": ["NVIDIA H200"], "topology": {"kind": "emulated-hosts", "ranks": 8, "gpus": 1}}
     assert platform_key(emulated) == "nvidia-h200-x1-emulated-hosts-8"  # never mixed with real GPUs
-    assert (REPO / "ci" / "baselines" / f"{platform_key(emulated)}.jsonl").exists()
+    assert list((REPO / "ci" / "baselines").glob(f"{platform_key(emulated)}-*.jsonl"))
+
+
+def test_committed_baselines_match_their_own_runs():
+    """Every committed baseline starts with its fingerprint, is named by it, and is in the
+    typed record format (every measured record says which comparison it made)."""
+    paths = sorted((REPO / "ci" / "baselines").glob("*.jsonl"))
+    assert len(paths) >= 2
+    for path in paths:
+        fp, records = read_baseline(path)
+        assert fp is not None and path.name == f"{fp['platform']}-{fingerprint_hash(fp)}.jsonl"
+        assert records and all(r["params"].get("seed") is not None for r in records)  # every effective parameter
+        assert all("comparison" in r for r in records if r["status"] not in ("error", "skipped"))
 
 
 def test_history_and_trends(tmp_path):
@@ -104,6 +150,10 @@ def test_workflow_is_safe_and_thin():
     runs = [s["run"] for s in job["steps"] if "run" in s]
     assert runs and all(r.strip().startswith("make ") for r in runs)
     assert any("upload-artifact" in s.get("uses", "") for s in job["steps"])
+    uses = [s["uses"] for s in job["steps"] if "uses" in s]
+    assert uses and all(re.fullmatch(r"[\w./-]+@[0-9a-f]{40}", u) for u in uses)  # pinned by commit SHA
+    constraints = REPO / job["env"]["PIP_CONSTRAINT"]
+    assert constraints.exists() and "pandas==" in constraints.read_text()
 
 
 @pytest.mark.slow

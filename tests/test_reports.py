@@ -145,3 +145,56 @@ def test_reports_import_no_torch():
     code = "import sys, reports.render, reports.html; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+SCRIPT = "<script>alert(1)</script>"
+IMG = '<img src=x onerror="alert(2)">'
+
+
+def crafted_run(tmp_path):
+    """A results.jsonl an attacker could write: markup in every string and number field."""
+    evil = record("c", reason=SCRIPT, rerun=IMG, subject=IMG, property=SCRIPT, status="unexpected", held=False,
+                  mismatched=SCRIPT, total=IMG, expect="holds", seconds=SCRIPT, max_abs=SCRIPT, error_vs_reference=IMG, max_ulp=SCRIPT,
+                  tolerance={"allowed": SCRIPT, "rule": IMG}, predicted_mismatched=SCRIPT,
+                  params={"dtype": SCRIPT, "world_size": IMG},
+                  first_mismatch={"index": [0, 1], "row": SCRIPT, "actual": IMG, "expected": SCRIPT,
+                                  "actual_bits": IMG, "expected_bits": SCRIPT, "ulp": SCRIPT},
+                  detail={"first_mismatches": [{"index": [0, 1], "row": SCRIPT, "actual": IMG, "expected": SCRIPT,
+                                                "actual_bits": IMG, "expected_bits": SCRIPT, "ulp": IMG}],
+                          "ulp_histogram": {SCRIPT: 3}, "tracebacks": {"1": SCRIPT}, "log": IMG})
+    evil["check"] = f"c{SCRIPT}"
+    return write_run(tmp_path / "evil", [evil, record("fine")],
+                     {"command": IMG, "topology": {"describe": SCRIPT}, "libraries": {SCRIPT: IMG}})
+
+
+def test_crafted_records_reach_the_page_escaped(tmp_path):
+    run = crafted_run(tmp_path)
+    render_run(run, quiet=True)
+    page = (run / "report.html").read_text()
+    assert "<script>alert" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+@pytest.mark.slow
+def test_crafted_records_in_headless_chromium(tmp_path):
+    exe, missing = browser()
+    if missing:
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    run = crafted_run(tmp_path)
+    render_run(run, quiet=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu", "--no-first-run",
+                                                         "--disable-background-networking"])
+        page = b.new_page()
+        dialogs, requests = [], []
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.on("request", lambda r: requests.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+        page.goto((run / "report.html").resolve().as_uri())
+        page.locator("details summary").first.click()
+        page.wait_for_timeout(300)
+        text = page.inner_text("body")
+        b.close()
+    assert dialogs == [] and requests == []
+    assert SCRIPT in text and IMG in text  # shown literally, as text

@@ -11,7 +11,8 @@ from harness.verify import finalize
 
 
 def measured(mismatched, total, predicted=None, exact=False, vacuous=None, **kw):
-    return Measurement("bitwise", mismatched, total, mismatched == 0, predicted_mismatched=predicted,
+    return Measurement(comparison="bitwise", mismatched=mismatched, total=total, held=mismatched == 0,
+                       predicted_mismatched=predicted,
                        order_model_exact=exact, vacuous_reason=vacuous, **kw)
 
 

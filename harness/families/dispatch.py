@@ -120,7 +120,7 @@ def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
     want.sort(key=lambda r: r[:4])
     if [r[:4] for r in got] != [r[:4] for r in want]:
         missing = len({r[:4] for r in want} - {r[:4] for r in got})
-        return Measurement("bitwise", max(missing, 1), len(want), False,
+        return Measurement(comparison="bitwise", mismatched=max(missing, 1), total=len(want), held=False,
                            extra_failure=f"{missing} (token, slot) rows were lost or misrouted")
     actual = torch.stack([r[4] for r in got])
     if actual.dtype == torch.uint8:

@@ -1,0 +1,13 @@
+# Sourced by the GPU run scripts (no network on the lent machines): multicast kept off,
+# the carried wheels (.whl/, e.g. DeepGEMM) installed into /tmp/site, and the repository
+# on PYTHONPATH. The copied tree has no .git: pass EP_HARNESS_COMMIT=<sha> to record which
+# commit ran.
+OUT=${OUT:-/tmp/gpu-run-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi

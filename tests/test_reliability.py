@@ -1,0 +1,149 @@
+"""Nothing leaked, nothing shadowed: what a run records of the environment, what it lets the
+working directory do, and what the installed pytest plugin costs a session that ignores it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.environment import recorded_env
+from tests.conftest import REPO, run_cli
+
+SMOKE = str(REPO / "cases" / "smoke.toml")
+ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
+
+
+def test_only_allowlisted_variables_are_recorded_and_credentials_are_redacted():
+    env = recorded_env({"NCCL_ALGO": "allreduce:tree", "EP_API_TOKEN": "secret", "HOME": "/root",
+                        "NCCL_IB_KEY": "hunter2", "AWS_SECRET_ACCESS_KEY": "x", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert env == {"NCCL_ALGO": "allreduce:tree", "NCCL_IB_KEY": "<redacted>", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_a_run_neither_leaks_a_token_nor_runs_the_working_directorys_modules(tmp_path):
+    work = tmp_path / "project"
+    work.mkdir()
+    # A module that shadows the standard library, and a `reports` package of the user's own.
+    (work / "json.py").write_text("raise SystemExit('the working directory shadowed the standard library')\n")
+    (work / "reports").mkdir()
+    (work / "reports" / "__init__.py").write_text("raise SystemExit('the user reports package was imported')\n")
+    env = {**os.environ, "EP_API_TOKEN": "secret-value", "NCCL_SOCKET_KEY": "another-secret"}
+    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
+    proc = subprocess.run([exe, "verify", "--suite", SMOKE, "--check", ONE_CHECK, "--gpus", "0",
+                           "--out", str(tmp_path / "out")], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = (tmp_path / "out" / "latest" / "environment.json").read_text()
+    assert "secret-value" not in text and "another-secret" not in text
+    [record] = [json.loads(line) for line in (tmp_path / "out" / "latest" / "results.jsonl").read_text().splitlines()]
+    assert record["status"] == "ok"
+
+
+def test_the_installed_plugin_costs_an_unrelated_session_nothing(tmp_path):
+    (tmp_path / "test_plain.py").write_text(
+        "import os, sys\n"
+        "def test_plain():\n"
+        "    assert 'torch' not in sys.modules\n"
+        "    assert 'CUDA_VISIBLE_DEVICES' not in os.environ or os.environ.get('KEEP') == '1'\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"})
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "1 passed" in proc.stdout
+    # ... while the plugin is loaded in that session (its marker is declared).
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--markers", "-p", "no:cacheprovider"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert "gpus(n)" in listing.stdout
+
+
+def test_bad_input_never_writes_a_partial_run(tmp_path):
+    proc = run_cli("verify", "--suite", SMOKE, "--check", ONE_CHECK, "--cpu-ranks", "0", "--out", str(tmp_path))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--cpu-ranks 0" in proc.stderr and not any(tmp_path.iterdir())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")  # a zombie has ended; only its parent's wait is missing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, code):
+    children = tmp_path / "children"
+    children.mkdir()
+    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
+    proc = subprocess.Popen([exe, "verify", "--suite", str(REPO / "tests" / "cases" / "interrupt.toml"), "--gpus", "0",
+                             "--out", str(tmp_path / "out")], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "EP_TEST_CHILD_PIDS": str(children)})
+    deadline = time.time() + 180
+    while len(list(children.iterdir())) < 3 and time.time() < deadline:  # every rank is inside the hang
+        time.sleep(0.2)
+    spawned = [int(p.read_text()) for p in children.iterdir()]
+    assert len(spawned) == 3, proc.stdout.read() if proc.poll() is not None else "ranks never reached the hang"
+    [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
+    workers = [int(p.read_text()) for p in run_dir.glob("jobs/*/pid-rank*")]
+    sent = time.time()
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, output[-2000:]
+    assert time.time() - sent < 15
+    assert all(_gone(pid) for pid in workers + spawned), [p for p in workers + spawned if not _gone(p)]
+    statuses = {json.loads(line)["case"]: json.loads(line)["status"]
+                for line in (run_dir / "results.jsonl").read_text().splitlines()}
+    assert statuses == {"before": "ok", "hangs": "interrupted", "after": "interrupted"}
+    assert (run_dir / "report.html").exists() and "INTERRUPTED (partial run)" in output
+    assert "interrupted by SIG" in (run_dir / "results.jsonl").read_text()
+
+
+def test_rerun_commands_select_exactly_their_check_whatever_its_id():
+    import fnmatch
+    import shlex
+
+    from harness.verify import rerun_command
+
+    cid = "odd[1]/rank-invariance/a*b?c"
+    argv = shlex.split(rerun_command("suite.toml", cid, None, []))
+    pattern = argv[argv.index("--check") + 1]
+    assert fnmatch.fnmatchcase(cid, pattern)
+    assert not fnmatch.fnmatchcase("odd1/rank-invariance/aXbYc", pattern)
+
+
+def test_a_corrupt_history_line_is_skipped_and_appends_stay_whole(tmp_path, capsys):
+    from harness.records import append_line
+    from reports.trends import load_history
+
+    history = tmp_path / "history.jsonl"
+    row = {"date": "2026-11-29T00:00:00+00:00", "run_id": "r", "check": "c", "status": "ok", "mismatched": 0,
+           "seconds": 1.0}
+    append_line(history, row)
+    with open(history, "a", encoding="utf-8") as f:
+        f.write('{"date": "2026-11-30T00:00:00+00:00", "run_id": "cut sh')  # a night cut short
+    append_line(history, {**row, "run_id": "r2"})
+    frame = load_history(history)
+    assert list(frame["run_id"]) == ["r"]  # the broken line and the one glued to it are skipped
+    assert "skipped a line that is not valid JSON" in capsys.readouterr().err
+
+
+def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
+    from harness import verify
+
+    ids = iter(["same", "same", "other"])
+    monkeypatch.setattr(verify, "new_run_id", lambda: next(ids))
+    first, second = verify.claim_run_dir(tmp_path), verify.claim_run_dir(tmp_path)
+    assert first == ("same", tmp_path / "same") and second == ("other", tmp_path / "other")
+
+
+def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path):
+    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path))
+    assert proc.returncode == 1 and "nothing ran" in proc.stdout and "# NOTHING RAN" in proc.stdout
+    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
+                   "--allow-empty")
+    assert proc.returncode == 0
