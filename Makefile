@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUITE ?= smoke
 NIGHTLY_SUITE ?= nightly
+SUMMARY_MD ?=
+JUNIT_XML ?=
 GPUS ?=
 PYTEST_WORKERS ?= 2
 # Reuse the system torch where one is installed (the GPU images); elsewhere install the CPU
@@ -13,7 +15,7 @@ EMULATE_HOSTS ?=
 # EMULATE_HOSTS=1: GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank.
 GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate-hosts,)
 
-.PHONY: install verify test bench report nightly baseline clean
+.PHONY: install verify test bench report nightly baseline screenshot clean
 
 install: $(VENV)/.installed
 
@@ -33,10 +35,14 @@ bench: install
 	$(PY) -m harness.bench
 
 nightly: install
-	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG)
+	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \
+		$(if $(SUMMARY_MD),--summary-md $(SUMMARY_MD),) $(if $(JUNIT_XML),--junit-xml $(JUNIT_XML),)
 
 baseline: install
 	$(VENV)/bin/ep-harness baseline update reports/out/latest
+
+screenshot: install
+	$(PY) docs/screenshot/take.py docs/report.png
 
 report: install
 	$(VENV)/bin/ep-harness report reports/out/latest

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import sysconfig
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +144,7 @@ def _case(path: Path, index: int, raw) -> Case:
 def load_suite(path: str | Path) -> Suite:
     path = Path(path)
     if not path.exists():
-        known = sorted(p.stem for p in Path("cases").glob("*.toml")) if Path("cases").is_dir() else []
+        known = sorted(known_suites())
         raise HarnessError(f"case file {path} not found; known suites: {', '.join(known) or 'none'}")
     try:
         raw = tomllib.loads(path.read_text())
@@ -169,9 +170,25 @@ def load_suite(path: str | Path) -> Suite:
                  plugins=list(meta.get("plugins", [])), cases=cases)
 
 
+def suite_dirs() -> list[Path]:
+    """Where suites are found by name: ./cases, the checkout's cases/ (editable installs), and
+    share/ep-harness/cases of the environment (where a wheel installs them)."""
+    dirs = [Path("cases"), Path(__file__).resolve().parent.parent / "cases",
+            Path(sysconfig.get_path("data")) / "share" / "ep-harness" / "cases"]
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
+def known_suites() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in suite_dirs():
+        for p in sorted(d.glob("*.toml")):
+            found.setdefault(p.stem, p)
+    return found
+
+
 def resolve_suite_path(name: str) -> Path:
-    """`smoke` -> cases/smoke.toml; a path is used as given."""
+    """A path is used as given; a name (`smoke`) is looked up in suite_dirs()."""
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
         return p
-    return Path("cases") / f"{name}.toml"
+    return known_suites().get(name, Path("cases") / f"{name}.toml")

@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     v.add_argument("--no-report", action="store_true", help="write records only")
     v.add_argument("--allow-empty", action="store_true", help="exit 0 even when every check was skipped")
+    v.add_argument("--seed", type=int, help="re-seed every check of the run (recorded in each record's params)")
+    v.add_argument("--junit-xml", type=Path, metavar="PATH", help="also write JUnit XML, one testcase per check")
+    v.add_argument("--summary-md", type=Path, metavar="PATH",
+                   help="append a Markdown verdict (e.g. to $GITHUB_STEP_SUMMARY)")
+    v.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
 
@@ -43,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", type=Path)
     r.add_argument("--against", type=Path, help="an earlier run to compare with")
     r.add_argument("--out", type=Path, help="where to write the HTML (default RUN_DIR/report.html)")
+    r.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
 
     g = sub.add_parser("gate", help="compare a run with its platform's baseline; non-zero on a regression")
     g.add_argument("run_dir", type=Path)
@@ -57,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--suite", default="nightly")
     n.add_argument("--gpus", type=_gpus, default=None)
     n.add_argument("--emulate-hosts", action="store_true")
+    n.add_argument("--summary-md", type=Path, metavar="PATH", help="append a Markdown verdict with the gate's result")
+    n.add_argument("--junit-xml", type=Path, metavar="PATH")
     n.add_argument("--baseline", type=Path)
     n.add_argument("--history", type=Path, default=Path("reports/out/history.jsonl"))
 
@@ -69,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
 
-    ls = sub.add_parser("list", help="list a suite's checks and what this machine would skip")
-    ls.add_argument("--suite", default="smoke")
+    ls = sub.add_parser("list", help="list the suites and subjects, or a suite's checks and what this machine skips")
+    ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
     ls.add_argument("--gpus", type=_gpus, default=None)
     ls.add_argument("--cpu-ranks", type=int, default=4)
     ls.add_argument("--emulate-hosts", action="store_true")
@@ -91,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
-                             from_record=args.from_record, allow_empty=args.allow_empty)
+                             from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
+                             junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped)
             return code
         if args.command == "report":
             from reports.render import render_run
 
-            return render_run(args.run_dir, against=args.against, out=args.out)
+            return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
         if args.command == "list":
             return _list(args)
         if args.command == "gate":
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             from harness.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
-                           emulate_hosts=args.emulate_hosts,
+                           emulate_hosts=args.emulate_hosts, summary_md=args.summary_md, junit_xml=args.junit_xml,
                            command=["ep-harness", *argv])
     except NotComparable as exc:  # no baseline of this run's fingerprint: neither pass nor regression
         print(f"ep-harness: {exc}", file=sys.stderr)
@@ -132,10 +141,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _list(args) -> int:
     from harness import subject as registry
-    from harness.cases import load_suite, resolve_suite_path
+    from harness.cases import known_suites, load_suite, resolve_suite_path
     from harness.environment import detect
     from harness.plan import expand
 
+    if args.suite is None:
+        print("# suites (--suite NAME, or a path to a TOML file):")
+        for name, path in known_suites().items():
+            print(f"  {name:16}  {load_suite(path).description}")
+        print("# subjects:")
+        for name, subject in sorted(registry.load_all(args.plugin).items()):
+            print(f"  {name:30}  {subject.family:10}  {subject.summary}")
+        return 0
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
     for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate_hosts)):

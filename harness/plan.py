@@ -35,8 +35,9 @@ def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | N
     return subject.unavailable(platform, params)
 
 
-def expand(suite: Suite, platform: Platform, selection: list[str] | None = None) -> list[Check]:
-    """Every check of the suite, in file order; skipped ones carry `skip_reason`."""
+def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
+    """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
+    re-seeds every check (the records keep it)."""
     checks = []
     for case in suite.cases:
         subject = registry.get(case.subject)
@@ -52,7 +53,8 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None)
         for prop in case.properties:
             for values in itertools.product(*(case.grid[k] for k in keys)):
                 point = dict(zip(keys, values))
-                typed = params.build(subject.family, {**case.params, **point}, subject, where, frozenset(keys))
+                raw = {**case.params, **point, **({"seed": seed} if seed is not None else {})}
+                typed = params.build(subject.family, raw, subject, where, frozenset(keys))
                 typed = replace(typed, backend=platform.backend)
                 checks.append(Check(
                     id=check_id(case.name, prop, point), suite=str(suite.path), case=case.name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -22,9 +23,19 @@ import pytest
 
 
 def assert_bitwise_equal(actual, expected, labels=None, what: str = "rank-invariance") -> dict:
-    """Raise AssertionError with the harness's mismatch text unless every bit matches."""
+    """Raise AssertionError with the harness's mismatch text unless every bit matches.
+
+    `expected` is one copy ([...]) compared with every row of `actual` ([n, ...]), or a tensor
+    of actual's shape. A shape or dtype mismatch is an AssertionError too, as in
+    torch.testing.assert_close."""
     from harness.compare import compare_bitwise
     from reports.text import mismatch_text
+
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"The values for attribute 'dtype' do not match: {actual.dtype} != {expected.dtype}.")
+    if tuple(expected.shape) not in (tuple(actual.shape), tuple(actual.shape[1:])):
+        raise AssertionError(f"The values for attribute 'shape' do not match: {tuple(actual.shape)} != "
+                             f"{tuple(expected.shape)}.")
 
     m = compare_bitwise(actual, expected, labels)
     record = {"property": what, "rerun": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], **m.to_dict()}
@@ -52,53 +63,107 @@ def _free_port() -> int:
 
 
 def _rank_main(rank, world_size, port, backend, fn, args, result_dir):
+    import faulthandler
     import pickle
+    import signal
 
     import torch
     import torch.distributed as dist
 
+    stacks = open(Path(result_dir) / f"stack-rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # dumped when the call times out
+    (Path(result_dir) / f"pid-rank{rank}").write_text(str(os.getpid()))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         outcome = ("ok", fn(rank, world_size, *args))
-    except BaseException as exc:  # carried back to the test process and raised there
-        outcome = ("raised", exc, traceback.format_exc())
+    except BaseException as exc:  # carried back to the test process, with where it happened
+        outcome = ("raised", type(exc).__name__, str(exc), traceback.format_exc(), isinstance(exc, AssertionError))
     finally:
         dist.destroy_process_group()
-    with open(Path(result_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(outcome, f)
+    try:
+        data = pickle.dumps(outcome)
+    except Exception as exc:  # an unpicklable return value is the test's error, named
+        data = pickle.dumps(("raised", "TypeError", f"rank {rank}'s return value cannot be sent back: {exc}", "",
+                             False))
+    (Path(result_dir) / f"rank{rank}.pkl").write_bytes(data)
+
+
+class RankFailed(Exception):
+    """A rank of an ep_world call raised; the message names it and carries its traceback."""
+
+
+def _by_reference(fn) -> None:
+    """Spawned ranks import fn by its qualified name: lambdas and closures cannot travel."""
+    qualname = getattr(fn, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname or not hasattr(fn, "__module__"):
+        raise TypeError(f"ep_world cannot send {qualname or fn!r} to spawned ranks: pass a module-level function "
+                        f"and give it its data through run(fn, *args)")
 
 
 class World:
-    def __init__(self, world_size: int):
+    """`world_size` ranks in spawned processes, like torch.multiprocessing.spawn, plus: the
+    failing rank's number and remote traceback, a per-call timeout with every rank's stack,
+    and never a silent change of backend (NCCL needs a GPU per rank, or the test skips)."""
+
+    def __init__(self, world_size: int, backend: str | None = None, timeout_s: float = 300.0, node=None):
         import torch
 
-        self.world_size = world_size
-        self.backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.backend = backend or ("nccl" if gpus else "gloo")
+        if self.backend == "nccl" and gpus < world_size:
+            pytest.skip(f"needs {world_size} GPUs for {world_size} NCCL ranks, found {gpus}")
+        self.world_size, self.timeout_s, self.node = world_size, timeout_s, node
 
     def run(self, fn, *args) -> list:
-        """fn(rank, world_size, *args) on every rank; fn must be importable (module level)."""
+        """fn(rank, world_size, *args) on every rank; returns every rank's result."""
         import pickle
 
         import torch.multiprocessing as mp
 
+        _by_reference(fn)
+        if self.node is not None:
+            self.node.user_properties.append(("ep_world", f"{self.backend} x{self.world_size}"))
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.start_processes(_rank_main, args=(self.world_size, _free_port(), self.backend, fn, args, tmp),
                                      nprocs=self.world_size, join=False, start_method="spawn")
-            while not ctx.join(timeout=120):
-                pass
+            deadline = time.time() + self.timeout_s
+            while not ctx.join(timeout=0.5):
+                if time.time() > deadline:
+                    self._time_out(ctx, Path(tmp))
             outcomes = [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(self.world_size)]
         for rank, outcome in enumerate(outcomes):
             if outcome[0] == "raised":
-                raise outcome[1]
+                _, name, message, remote, is_assertion = outcome
+                where = f"raised on rank {rank} of {self.world_size} ({self.backend}); remote traceback:\n{remote}"
+                if is_assertion:  # keeps the mismatch text first, as pytest shows assertion failures
+                    raise AssertionError(f"{message}\n\n{where}")
+                raise RankFailed(f"rank {rank} raised {name}: {message}\n\n{where}")
         return [o[1] for o in outcomes]
+
+    def _time_out(self, ctx, tmp: Path) -> None:
+        import signal
+
+        for pid_file in tmp.glob("pid-rank*"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGUSR1)
+            except (OSError, ValueError):
+                pass
+        time.sleep(1.0)
+        stacks = "\n".join(f"--- rank {p.stem[len('stack-rank'):]} ---\n{p.read_text()}"
+                           for p in sorted(tmp.glob("stack-rank*.txt")))
+        for process in ctx.processes:
+            process.kill()
+        pytest.fail(f"ep_world({self.world_size}) did not finish within {self.timeout_s:.0f} s; every rank's "
+                    f"stack:\n{stacks}", pytrace=False)
 
 
 @pytest.fixture
-def ep_world():
-    return World
+def ep_world(request):
+    """ep_world(n, backend=None, timeout_s=300) -> World; World.run(fn, *args)."""
+    return lambda world_size, backend=None, timeout_s=300.0: World(world_size, backend, timeout_s, request.node)
 
 
 # --- markers and suite items --------------------------------------------------------
@@ -127,6 +192,15 @@ def pytest_configure(config):
     gpus = _gpu_count()
     if worker and gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker.removeprefix("gw")) % gpus)  # one GPU per worker
+
+
+def pytest_report_teststatus(report, config):
+    """A test that used ep_world says on its report line which backend and how many ranks."""
+    worlds = [value for key, value in getattr(report, "user_properties", ()) if key == "ep_world"]
+    if report.when == "call" and worlds:
+        letter = {"passed": ".", "failed": "F", "skipped": "s"}[report.outcome]
+        return report.outcome, letter, f"{report.outcome.upper()} [{', '.join(dict.fromkeys(worlds))}]"
+    return None
 
 
 def pytest_runtest_setup(item):

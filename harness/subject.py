@@ -1,7 +1,10 @@
 """The contract a subject implements, and the registry that finds subjects by name.
 
 A subject is a small adapter around one production implementation. It knows nothing of
-the properties that check it. Built-in subjects live in `harness/subjects/`, one file
+the properties that check it. Optionally it has `setup(ctx)` and `teardown(ctx)`, called
+once per launch on every rank (before its first check, after the last) with the rank's
+harness.context.RankContext: where an engine creates its own parallel state (e.g. its
+`initialize_model_parallel`) once and reuses it for every check of the launch. Built-in subjects live in `harness/subjects/`, one file
 each; third-party packages add theirs through the entry-point group
 `ep_harness.subjects` (each entry point names a module that registers on import).
 """

@@ -21,7 +21,7 @@ from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
 from harness.launch import Interrupted, Outcome, run_job
 from harness.plan import expand, jobs, skip_reason
-from harness.records import base_record, read_jsonl, write_json, write_jsonl
+from harness.records import base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import FAILING, decide
 
 
@@ -90,6 +90,21 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
     return checks
 
 
+def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
+                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
+    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
+    from reports import ci_outputs
+
+    if junit_xml is not None:
+        write_atomic(Path(junit_xml), ci_outputs.junit_xml(records, run_dir.name))
+    if summary_md is not None:
+        with open(summary_md, "a", encoding="utf-8") as f:  # $GITHUB_STEP_SUMMARY is appended to
+            f.write(ci_outputs.summary_markdown(records, environment, list(regressions)))
+    if os.environ.get("GITHUB_ACTIONS") == "true" and not quiet:
+        for line in ci_outputs.github_annotations(records):
+            print(line, flush=True)
+
+
 def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
     """What the TP reductions under test went through, with the evidence: torch.distributed on
     the backend, no engine custom all-reduce, no symmetric-memory all-reduce."""
@@ -154,7 +169,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
            render: bool = True, quiet: bool = False, per_check_launch: bool = False,
            emulate_hosts: bool = False, from_record: Path | None = None,
-           allow_empty: bool = False) -> tuple[int, Path]:
+           allow_empty: bool = False, seed: int | None = None, junit_xml: Path | None = None,
+           summary_md: Path | None = None, show_skipped: bool = False) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record."""
     if from_record is not None:
@@ -168,7 +184,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
         platform = detect(gpus, cpu_ranks, emulate_hosts)
-        checks = expand(loaded, platform, selection)
+        checks = expand(loaded, platform, selection, seed)
     run_id, run_dir = claim_run_dir(out_root)
     fingerprint = run_fingerprint(platform, list(command))
     fingerprint["suite"] = str(suite_path)
@@ -213,7 +229,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if render:
         from reports.render import render_run
 
-        render_run(run_dir, quiet=quiet)
+        render_run(run_dir, quiet=quiet, show_skipped=show_skipped)
+    write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)

@@ -63,12 +63,17 @@ def main(argv: list[str]) -> int:
         _read_nccl_topology(ctx, job_dir, start)
 
     checks = job["checks"]
+    prepared = {}  # subjects whose setup(ctx) ran in this launch
     for index in range(start, len(checks)):
         check = Check.from_json(checks[index])
         _progress(job_dir, rank, index)
         began = time.perf_counter()
         try:
             subject = registry.get(check.subject)
+            if subject.name not in prepared:  # once per launch per rank, before its first check
+                if hasattr(subject, "setup"):
+                    subject.setup(ctx)
+                prepared[subject.name] = subject
             measured = execute(check, subject, ctx).to_json()
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
             write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
@@ -82,6 +87,9 @@ def main(argv: list[str]) -> int:
                 "index": index, "check": check.id, "seconds": round(time.perf_counter() - began, 4),
                 "measured": measured,
             })
+    for subject in prepared.values():
+        if hasattr(subject, "teardown"):
+            subject.teardown(ctx)
     _progress(job_dir, rank, len(checks))
     dist.barrier()
     if job["backend"] == "nccl":

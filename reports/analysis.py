@@ -16,11 +16,12 @@ def failed(records: list[dict]) -> bool:
     return any(r["status"] in ("unexpected", "error") for r in records)
 
 
-def verdict(records: list[dict]) -> str:
-    """FAILED, NOTHING RAN (every check skipped, or none selected) or OK."""
+def verdict(records: list[dict], changes: list[dict] | None = None) -> str:
+    """FAILED (a check failed, or a regression against the run compared with), NOTHING RAN
+    (every check skipped, or none selected), INTERRUPTED or OK."""
     if any(r["status"] == "interrupted" for r in records):
         return "INTERRUPTED (partial run)"
-    if failed(records):
+    if failed(records) or any(c["kind"] == "regression" for c in changes or ()):
         return "FAILED"
     return "NOTHING RAN" if all(r["status"] == "skipped" for r in records) else "OK"
 

@@ -110,11 +110,20 @@ def _detail(r: dict) -> dict:
             "texts": texts}
 
 
+def _fix(f: dict) -> str:
+    """A fix's count with the evidence that its zero means something."""
+    text = f"{f['subject']}: {fmt_count(f['mismatched'], f['total'])}"
+    sensitive = (f.get("detail") or {}).get("order_sensitive")
+    if sensitive is not None:
+        text += f" ({fmt_int(sensitive)} probe elements would change under reordering)"
+    return text
+
+
 def _pairs(records: list[dict]) -> list[dict]:
     return [{"property": control["property"], "dtype": _text(control["params"].get("dtype")),
              "world_size": _text(control["params"].get("world_size")),
              "control": f"{control['subject']}: {fmt_count(control['mismatched'], control['total'])}",
-             "fixes": [f"{f['subject']}: {fmt_count(f['mismatched'], f['total'])}" for f in fixes]}
+             "fixes": [_fix(f) for f in fixes]}
             for control, fixes in pairs(records)]
 
 
@@ -123,11 +132,13 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
     df = frame(records)
     filters = [(key, label, sorted(df[key].dropna().unique()) if key in df else []) for key, label in FILTERS]
     context = {
-        "run_id": run.run_id, "verdict": verdict(records), "counts": counts(records),
+        "run_id": run.run_id, "verdict": verdict(records, changes), "counts": counts(records),
         "topology": _text((env.get("topology") or {}).get("describe")), "command": _text(env.get("command")),
         "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records,
         "summary_png": plots.summary_figure(df) if records else None, "pairs": _pairs(records),
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,
         "rows": [_row(r) for r in records], "details": [_detail(r) for r in records if _has_detail(r)],
+        "failures": [{"status": r["status"], "check": _text(r["check"]), "reason": _text(r.get("reason"))}
+                     for r in records if r["status"] in ("unexpected", "error", "interrupted")],
     }
     return _TEMPLATES.get_template("report.html.j2").render(context)

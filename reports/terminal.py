@@ -6,69 +6,109 @@ from reports.analysis import counts, pairs, verdict
 from reports.text import DASH, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
-    ("status", 10), ("case", 26), ("property", 19), ("dtype", 8), ("ws", 3),
-    ("mismatched / total (%)", 26), ("predicted", 9), ("maxULP", 7), ("max|diff|", 9), ("sec", 6),
+    ("status", 10), ("case", 22), ("property", 19), ("dtype", 8), ("ws", 3),
+    ("mismatched / total (%)", 24), ("predicted", 9), ("maxULP", 7), ("max|diff|", 9), ("sec", 6), ("point", 0),
 )
+SHOWN = {"dtype", "world_size", "backend"}  # parameters that have a column of their own
 
 
 def _cell(text, width: int, left: bool) -> str:
-    text = str(text)
+    text = _one_line(text)
+    if width == 0:  # the last column takes what it needs
+        return text
     if len(text) > width:
         text = text[:width - 1] + "~"
     return text.ljust(width) if left else text.rjust(width)
 
 
+def _one_line(value) -> str:
+    """A value from a results.jsonl is data: no newline or control character reaches the log."""
+    return "".join(c if c.isprintable() else "?" for c in str(value))
+
+
 def _row(values) -> str:
-    return "  ".join(_cell(v, w, i < 3) for i, (v, (_, w)) in enumerate(zip(values, COLUMNS)))
+    return "  ".join(_cell(v, w, i < 3) for i, (v, (_, w)) in enumerate(zip(values, COLUMNS))).rstrip()
 
 
-def render(records: list[dict], environment: dict, changes: list[dict] | None = None) -> str:
+def varying(records: list[dict]) -> dict[str, list[str]]:
+    """Per case, the parameters whose values differ between its checks (what tells rows apart)."""
+    seen: dict[str, dict[str, set]] = {}
+    for r in records:
+        for k, v in r["params"].items():
+            seen.setdefault(r["case"], {}).setdefault(k, set()).add(repr(v))
+    return {case: sorted(k for k, vs in keys.items() if len(vs) > 1 and k not in SHOWN) for case, keys in seen.items()}
+
+
+def point(r: dict, keys: list[str]) -> str:
+    return " ".join(f"{k}={r['params'][k]}" for k in keys if k in r["params"]) or DASH
+
+
+def skipped_summary(records: list[dict]) -> list[str]:
+    """Skipped checks counted by reason, most common first."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r["status"] == "skipped":
+            reasons[r.get("reason") or "?"] = reasons.get(r.get("reason") or "?", 0) + 1
+    return [f"#   {n:,} x {_one_line(reason)}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1])]
+
+
+def render(records: list[dict], environment: dict, changes: list[dict] | None = None,
+           show_skipped: bool = False) -> str:
     env = environment or {}
     lines = [
         f"# ep-harness run {records[0]['run_id'] if records else '(empty)'}  suite {env.get('suite', DASH)}  "
         f"backend {env.get('backend', DASH)}  torch {env.get('torch', DASH)}  nccl {env.get('nccl') or DASH}",
         f"# topology: {(env.get('topology') or {}).get('describe', DASH)}",
-        f"# command: {env.get('command', DASH)}",
+        f"# command: {_one_line(env.get('command', DASH))}",
         "#",
         "# " + _row([name for name, _ in COLUMNS]),
     ]
+    keys = varying(records)
     for r in records:
+        if r["status"] == "skipped" and not show_skipped:
+            continue
         p = r["params"]
+        seconds = r.get("seconds")
         lines.append("  " + _row([
             r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
             fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
-            fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")), f"{r.get('seconds', 0):.2f}",
+            fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
+            f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds), point(r, keys[r["case"]]),
         ]))
+    skipped = skipped_summary(records)
+    if skipped and not show_skipped:
+        lines.append(f"# skipped (--show-skipped lists them), by reason:")
+        lines += skipped
     problems = [r for r in records if r["status"] in ("unexpected", "error")]
     if problems:
         lines.append("#")
         lines.append("# failures:")
         for r in problems:
-            lines.append(f"#   {r['status']}: {r['check']}: {r['reason']}")
-            lines.append(f"#     rerun: {r['rerun']}")
+            lines.append(f"#   {r['status']}: {_one_line(r['check'])}: {_one_line(r['reason'])}")
+            lines.append(f"#     rerun: {_one_line(r['rerun'])}")
     vac = [r for r in records if r["status"] == "vacuous"]
     if vac:
         lines.append(f"# vacuous (could not fail, not counted as passes): {len(vac)}")
         for r in vac[:5]:
-            lines.append(f"#   {r['check']}: {r['reason']}")
+            lines.append(f"#   {_one_line(r['check'])}: {_one_line(r['reason'])}")
     before_after = pairs(records)
     if before_after:
         lines.append("#")
         lines.append("# before -> after (control -> fix, same inputs):")
         for control, fixes in before_after[:12]:
             fix_txt = "; ".join(f"{f['subject']}: {fmt_count(f['mismatched'], f['total'])}" for f in fixes)
-            lines.append(f"#   {control['property']} {control['params'].get('dtype', '')} "
-                         f"ws={control['params'].get('world_size', '')}: {control['subject']}: "
-                         f"{fmt_count(control['mismatched'], control['total'])} -> {fix_txt}")
+            lines.append(_one_line(f"#   {control['property']} {control['params'].get('dtype', '')} "
+                                   f"ws={control['params'].get('world_size', '')}: {control['subject']}: "
+                                   f"{fmt_count(control['mismatched'], control['total'])} -> {fix_txt}"))
         if len(before_after) > 12:
             lines.append(f"#   ... {len(before_after) - 12} more pairs in report.html")
     if changes:
         lines.append("#")
         lines.append("# changes against the earlier run:")
         for ch in changes:
-            lines.append(f"#   {ch['kind']}: {ch['check']}: {ch['what']} ({ch['before']} -> {ch['after']})")
+            lines.append(_one_line(f"#   {ch['kind']}: {ch['check']}: {ch['what']} ({ch['before']} -> {ch['after']})"))
     c = counts(records)
     summary = ", ".join(f"{v} {k}" for k, v in c.items())
     lines.append("#")
-    lines.append(f"# {verdict(records)}: {summary}")
+    lines.append(f"# {verdict(records, changes)}: {summary}")
     return "\n".join(lines)

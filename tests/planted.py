@@ -120,3 +120,18 @@ class SpawnsAndHangs(AllGatherFold):
                 f.write(str(child.pid))
         while True:
             time.sleep(1)
+
+
+@register
+class CountsItsSetups(AllGatherFold):
+    name = "planted_setup_counter"
+    summary = "all-gather + fold that records how often its per-launch setup ran"
+
+    def setup(self, ctx):
+        self.setups = getattr(self, "setups", 0) + 1
+        self.group_size = dist.get_world_size(ctx.group)  # an engine would build its parallel state here
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        if self.setups != 1 or self.group_size != dist.get_world_size(group):
+            raise RuntimeError(f"setup ran {self.setups} times in this launch")
+        super().reduce_scatter(out, inp, sizes, group)

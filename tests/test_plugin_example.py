@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.pytest_plugin import assert_invariant
+from harness.pytest_plugin import assert_bitwise_equal, assert_invariant
 
 HIDDEN = 1024
 
@@ -53,3 +53,55 @@ def test_native_reduce_scatter_fails_with_the_mismatch_text(ep_world):
 @pytest.mark.gpus(4)
 def test_gpus_marker_skips_with_the_reason():
     assert torch.cuda.device_count() >= 4
+
+
+def raise_on_rank2(rank, world_size):
+    if rank == 2:
+        raise ValueError("planted on rank 2")
+    return rank
+
+
+def hang_on_rank1(rank, world_size):
+    import time
+
+    while rank == 1:
+        time.sleep(0.2)
+    return rank
+
+
+def test_a_failing_rank_is_named_with_its_remote_traceback(ep_world):
+    from harness.pytest_plugin import RankFailed
+
+    with pytest.raises(RankFailed) as err:
+        ep_world(4).run(raise_on_rank2)
+    text = str(err.value)
+    assert text.startswith("rank 2 raised ValueError: planted on rank 2")
+    assert "remote traceback" in text and "in raise_on_rank2" in text
+
+
+def test_a_hung_rank_fails_within_its_timeout_with_every_stack(ep_world):
+    with pytest.raises(pytest.fail.Exception) as err:
+        ep_world(3, timeout_s=8).run(hang_on_rank1)
+    text = str(err.value)
+    assert "did not finish within 8 s" in text and "--- rank 1 ---" in text and "hang_on_rank1" in text
+
+
+def test_closures_are_refused_in_one_line(ep_world):
+    factor = 2
+    with pytest.raises(TypeError, match="pass a module-level function"):
+        ep_world(2).run(lambda rank, world_size: rank * factor)
+
+
+def test_no_silent_change_of_backend(ep_world):
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has 4 GPUs: NCCL is available")
+    with pytest.raises(pytest.skip.Exception, match="needs 4 GPUs for 4 NCCL ranks, found"):
+        ep_world(4, backend="nccl")
+
+
+def test_shape_and_dtype_mismatches_are_assertion_errors():
+    a = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="attribute 'dtype' do not match"):
+        assert_bitwise_equal(a, a[0].float())
+    with pytest.raises(AssertionError, match="attribute 'shape' do not match"):
+        assert_bitwise_equal(a, torch.zeros(3, dtype=torch.bfloat16))

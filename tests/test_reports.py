@@ -2,6 +2,7 @@
 page works in a real browser."""
 import json
 import shutil
+from pathlib import Path
 import subprocess
 import sys
 
@@ -51,9 +52,11 @@ def test_record_missing_required_keys(tmp_path):
 def test_missing_optional_fields_render_as_dash(tmp_path, capsys):
     run = write_run(tmp_path / "run", [record("a", mismatched=None, total=None, held=None, status="skipped",
                                               reason="needs 8 ranks")])
-    render_run(run)
+    render_run(run, show_skipped=True)
     out = capsys.readouterr().out
     assert "skipped" in out and " - " in out
+    render_run(run)  # by default skipped checks are counted by reason
+    assert "#   1 x needs 8 ranks" in capsys.readouterr().out
     assert (run / "report.html").exists()
 
 
@@ -71,8 +74,9 @@ def test_against_marks_exactly_the_planted_regression(tmp_path, capsys):
     old, new = write_run(tmp_path / "old", good), write_run(tmp_path / "new", bad)
     changes = compare_runs(load_run(new).records, load_run(old).records)
     assert [(c["check"], c["kind"]) for c in changes] == [("c3", "regression")]
-    render_run(new, against=old)
+    assert render_run(new, against=old) == 1  # `ep-harness report --against` exits 1 on a regression
     out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-2].startswith("# FAILED")
     assert "regression: c3: held before, violated now (0 / 8,192 -> 17 / 8,192)" in out
     assert "regression" in (new / "report.html").read_text()
 
@@ -122,7 +126,7 @@ def test_report_in_headless_chromium(smoke_run, tmp_path):
         page.goto((run_dir / "report.html").resolve().as_uri())
         rows = page.locator("#summary tbody tr")
         assert rows.count() == len(records)
-        listed = set(page.eval_on_selector_all("#summary tbody tr td:nth-child(2)", "els => els.map(e => e.innerText)"))
+        listed = set(page.eval_on_selector_all("#summary tbody tr td:nth-child(2)", "els => els.map(e => e.textContent)"))
         assert listed == {r["check"] for r in records}
         plots = page.locator("img.plot")
         assert plots.count() >= 1
@@ -135,10 +139,52 @@ def test_report_in_headless_chromium(smoke_run, tmp_path):
             assert img.evaluate("i => i.complete && i.naturalWidth > 0")
             box = img.bounding_box()
             assert box["width"] > 100 and box["height"] > 5
+        page.locator("#all-checks > summary").click()  # the full table starts collapsed
         page.select_option("select[name=status]", "vacuous")  # the filters work
         assert page.locator("#summary tbody tr:visible").count() == sum(r["status"] == "vacuous" for r in records)
         b.close()
     assert problems == []
+
+
+def chromium_page(html_path, viewport):
+    from playwright.sync_api import sync_playwright
+
+    exe, _ = browser()
+    p = sync_playwright().start()
+    b = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+    page = b.new_page(viewport=viewport)
+    page.goto(Path(html_path).resolve().as_uri())
+    return p, b, page
+
+
+@pytest.mark.slow
+def test_the_first_screen_answers_the_reviewer(tmp_path):
+    exe, missing = browser()
+    if missing:
+        pytest.skip(missing)
+    good = [record(f"c{i:02d}", params={"dtype": "bfloat16", "world_size": 4, "seed": i + 1}) for i in range(40)] + [
+        record("ctl", subject="reduce_scatter_native", expect="violated", held=False, mismatched=1439),
+        record("fix", subject="all_gather_fold", detail={"order_sensitive": 825})]
+    bad = json.loads(json.dumps(good))
+    bad[3].update(held=False, mismatched=17, status="unexpected", reason="expected to hold, but 17 differ")
+    old, new = write_run(tmp_path / "old", good), write_run(tmp_path / "new", bad)
+    proc = run_cli("report", str(new), "--against", str(old))
+    assert proc.returncode == 1  # a regression fails `report --against`
+    p, b, page = chromium_page(new / "report.html", {"width": 1400, "height": 900})
+    try:
+        def on_first_screen(selector):
+            box = page.locator(selector).first.bounding_box()
+            return box is not None and box["y"] + box["height"] <= 900
+
+        assert page.inner_text(".verdict") == "FAILED" and on_first_screen(".verdict")
+        assert on_first_screen("#regressions") and on_first_screen("td.regression")
+        assert "c03" in page.inner_text("#regressions + table")
+        assert on_first_screen("#pairs") and on_first_screen("#pairs + table tr:nth-child(2)")  # its first pair
+        assert "825 probe elements would change under reordering" in page.inner_text("#pairs + table")
+        assert not page.locator("#environment table").first.is_visible()  # below, collapsed
+    finally:
+        b.close()
+        p.stop()
 
 
 def test_reports_import_no_torch():

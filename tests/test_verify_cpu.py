@@ -144,3 +144,10 @@ def test_make_verify_with_more_gpus_than_present():
     proc = subprocess.run(["make", "-s", "verify", "GPUS=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "GPUS=4 but this machine has 0 visible GPUs" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_subject_sets_up_once_per_launch(tmp_path):
+    proc = run_cli("verify", "--suite", "tests/cases/setup_hook.toml", "--gpus", "0", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert [r["status"] for r in records(tmp_path / "latest")] == ["ok"] * 3
