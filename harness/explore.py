@@ -80,7 +80,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import torchrun_command
+    from harness.launch import Interrupted, interruptible, kill_launch, torchrun_command
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -99,8 +99,18 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
     with open(job_dir / "torchrun.log", "w") as log:
-        proc = subprocess.run(torchrun_command(world_size, job_dir, 0, None, module="harness.explore"), env=env,
-                              stdout=log, stderr=subprocess.STDOUT, timeout=budget_s + 600)
+        proc = subprocess.Popen(torchrun_command(world_size, job_dir, 0, None, module="harness.explore"), env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with interruptible():
+            proc.wait(timeout=budget_s + 600)
+    except Interrupted as exc:  # the whole launch ends with it (below); nothing was found
+        print(f"# exploration interrupted by {exc}", flush=True)
+        return 128 + exc.signum
+    except subprocess.TimeoutExpired:
+        raise HarnessError(f"the exploration launch outlived its budget + 600 s; log {job_dir}/torchrun.log") from None
+    finally:
+        kill_launch(proc, job_dir)
     result_path = job_dir / "result.json"
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((job_dir / "torchrun.log").read_text().splitlines()[-15:])
@@ -141,6 +151,7 @@ def worker(job_dir: Path) -> int:
     registry.load_all(job["plugins"])
     subject = registry.get(job["subject"])
     rank = int(os.environ["RANK"])
+    (job_dir / f"pid-rank{rank}").write_text(str(os.getpid()))  # so that an interrupted launch ends every rank
     device = torch.device("cpu")
     if job["backend"] == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

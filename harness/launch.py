@@ -7,6 +7,7 @@ no process outlives it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -62,7 +63,7 @@ def _clear_rank_files(job_dir: Path) -> None:
             p.unlink()
 
 
-def _kill(proc: subprocess.Popen, job_dir: Path, grace_s: float = 2.0) -> None:
+def kill_launch(proc: subprocess.Popen, job_dir: Path, grace_s: float = 2.0) -> None:
     """End torchrun, every worker and whatever they spawned: each is killed as a process
     group (torchrun's own session, and each worker's, which its children share), first
     with SIGTERM and, after a grace period, SIGKILL."""
@@ -102,6 +103,26 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.outcomes: dict[str, Outcome] = {}
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While launches run, SIGINT, SIGTERM and SIGHUP (and `timeout`) raise Interrupted in
+    this thread, once: the launcher then ends every process group, and the run keeps what it
+    finished. Signals that arrive during that clean-up are ignored."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def handler(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _collect(job_dir: Path, checks: list, start: int, outcomes: dict) -> None:
@@ -182,12 +203,12 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         try:
             failed_at, error, details = _watch(proc, job_dir, world_size, checks, start, launched, log_path)
         except Interrupted as exc:  # end the processes, then keep what was finished
-            _kill(proc, job_dir)
+            kill_launch(proc, job_dir)
             _collect(job_dir, checks, start, outcomes)
             exc.outcomes = outcomes
             raise
         finally:  # whatever happened, no process of this launch outlives it
-            _kill(proc, job_dir)
+            kill_launch(proc, job_dir)
         _collect(job_dir, checks, start, outcomes)
         if error is None and proc.returncode != 0:
             errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),

@@ -1,7 +1,6 @@
 """plan -> launch -> records -> reports -> exit code."""
 from __future__ import annotations
 
-import contextlib
 import datetime
 import fnmatch
 import json
@@ -9,7 +8,6 @@ import os
 import re
 import secrets
 import shlex
-import signal
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
-from harness.launch import Interrupted, Outcome, run_job
+from harness.launch import Interrupted, Outcome, interruptible, run_job
 from harness.plan import expand, jobs, skip_reason
 from harness.records import base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import FAILING, decide
@@ -121,26 +119,6 @@ def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
                                         "off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1" +
                                         ("; NCCL logged no [Symmetric] kernel" if backend == "nccl" else "")),
     }
-
-
-@contextlib.contextmanager
-def interruptible():
-    """While launches run, SIGINT, SIGTERM and SIGHUP (and `timeout`) raise Interrupted in
-    this thread, once: the launcher then ends every process group, and the run keeps what it
-    finished. Signals that arrive during that clean-up are ignored."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def handler(signum, frame):
-        for s in signals:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def claim_run_dir(out_root: Path) -> tuple[str, Path]:

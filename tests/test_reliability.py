@@ -147,3 +147,31 @@ def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path):
     proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
                    "--allow-empty")
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_an_interrupted_exploration_leaves_no_process(tmp_path):
+    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
+    proc = subprocess.Popen([exe, "explore", "all_gather_fold", "--world-size", "3", "--budget", "120",
+                             "--store", str(tmp_path / "store.jsonl")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("reports/out/explore/*/pid-rank*"))) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    ranks = [int(p.read_text()) for p in tmp_path.glob("reports/out/explore/*/pid-rank*")]
+    assert len(ranks) == 3, proc.communicate(timeout=60)[0][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "exploration interrupted by SIGTERM" in output
+    assert all(_gone(pid) for pid in ranks)
+
+
+def test_a_latin1_terminal_renders_any_record(tmp_path):
+    from tests.test_reports import record, write_run
+
+    run = write_run(tmp_path / "run", [record("a", reason="held → ≤ 2⁻⁸ · ü", status="unexpected", held=False,
+                                              mismatched=1)])
+    proc = subprocess.run([sys.executable, "-m", "harness", "report", str(run)], capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONIOENCODING": "latin-1", "LC_ALL": "C"})
+    assert proc.returncode == 0, proc.stderr.decode("latin-1")[-2000:]
+    assert "\u2264" in (run / "report.html").read_text(encoding="utf-8")  # the page keeps the text, in UTF-8
