@@ -211,15 +211,20 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
             kill_launch(proc, job_dir)
         _collect(job_dir, checks, start, outcomes)
         if error is None and proc.returncode != 0:
+            # A rank's own traceback first; notes of ranks ended by SIGTERM after it last.
             errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
-                            key=lambda e: e["time"])
+                            key=lambda e: (e.get("terminated", False), e["time"]))
             if errors:
                 first = errors[0]
                 failed_at = first["index"]
                 silent = [r for r in range(world_size) if r not in {e["rank"] for e in errors}]
-                error = f"rank {first['rank']} raised {first['error']}"
-                if silent:
-                    error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
+                if first.get("terminated") and silent:
+                    error = (f"rank(s) {silent} exited without a Python traceback; the others were ended by "
+                             f"SIGTERM: it left no traceback (exited or was killed first)")
+                else:
+                    error = f"rank {first['rank']} raised {first['error']}"
+                    if silent:
+                        error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
                 details = {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors}, "silent_ranks": silent}
             else:
                 states = [s for s in _ranks_state(job_dir, world_size) if s]

@@ -25,6 +25,22 @@ def _progress(job_dir: Path, rank: int, index: int) -> None:
     write_atomic(job_dir / f"progress-rank{rank}", json.dumps({"index": index, "since": time.time()}))
 
 
+def _terminated(job_dir: Path, rank: int) -> None:
+    """SIGTERM (torchrun ending the survivors of a failed rank, or the launcher stopping the
+    run): leave a note, so that the rank that failed first is the one without one."""
+    state = {}
+    try:
+        state = json.loads((job_dir / f"progress-rank{rank}").read_text())
+    except (OSError, ValueError):
+        pass
+    if not (job_dir / f"error-rank{rank}.json").exists():
+        write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
+            "index": state.get("index", -1), "check": None, "rank": rank, "time": time.time(), "terminated": True,
+            "error": "SIGTERM: ended while another rank failed or the run was stopped", "traceback": "",
+        }))
+    os._exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
     job_dir, start = Path(argv[0]), int(argv[1])
     job = json.loads((job_dir / "job.json").read_text())
@@ -33,6 +49,7 @@ def main(argv: list[str]) -> int:
     (job_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
     stacks = open(job_dir / f"stack-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(job_dir, rank))
 
     import torch
     import torch.distributed as dist
