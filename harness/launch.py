@@ -155,11 +155,14 @@ def _log_tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def _watch(proc, job_dir: Path, world_size: int, checks: list, start: int, launched: float, log_path: Path):
+def _watch(proc, job_dir: Path, world_size: int, checks: list, start: int, launched: float, log_path: Path,
+           on_poll=None):
     """Wait for the launch; return (failed_at, error, details) for a start-up failure or a
     check that outran its timeout (stacks dumped first), or (None, None, {})."""
     while proc.poll() is None:
         time.sleep(POLL_S)
+        if on_poll is not None:
+            on_poll()
         states = _ranks_state(job_dir, world_size)
         running = [s for s in states if s and s["index"] < len(checks)]
         if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
@@ -175,10 +178,12 @@ def _watch(proc, job_dir: Path, world_size: int, checks: list, start: int, launc
     return None, None, {}
 
 
-def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], env: dict[str, str],
-            plugins: list[str], torchrun_args: str | None = None, emulate_hosts: bool = False) -> dict[str, Outcome]:
+def run_job(job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
+            plugins: list[str], torchrun_args: str | None = None, emulate_hosts: bool = False,
+            on_outcome=None) -> dict[str, Outcome]:
     """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
-    NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py)."""
+    NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py).
+    on_outcome(check, outcome) is called for every check as soon as it is finished."""
     job_dir.mkdir(parents=True, exist_ok=True)
     longest = max(c.timeout_s for c in checks)
     write_json(job_dir / "job.json", {
@@ -192,6 +197,16 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                  "PYTHONSAFEPATH": "1",
                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     outcomes: dict[str, Outcome] = {}
+    reported: set[str] = set()
+
+    def report() -> None:  # hand every newly finished check to the caller, in plan order
+        _collect(job_dir, checks, start, outcomes)
+        for c in checks:
+            if c.id in outcomes and c.id not in reported:
+                reported.add(c.id)
+                if on_outcome is not None:
+                    on_outcome(c, outcomes[c.id])
+
     start, attempt = 0, 0
     while start < len(checks):
         _clear_rank_files(job_dir)
@@ -201,7 +216,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         launched = time.time()
         try:
-            failed_at, error, details = _watch(proc, job_dir, world_size, checks, start, launched, log_path)
+            failed_at, error, details = _watch(proc, job_dir, world_size, checks, start, launched, log_path, report)
         except Interrupted as exc:  # end the processes, then keep what was finished
             kill_launch(proc, job_dir)
             _collect(job_dir, checks, start, outcomes)
@@ -209,7 +224,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
             raise
         finally:  # whatever happened, no process of this launch outlives it
             kill_launch(proc, job_dir)
-        _collect(job_dir, checks, start, outcomes)
+        report()
         if error is None and proc.returncode != 0:
             # A rank's own traceback first; notes of ranks ended by SIGTERM after it last.
             errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
@@ -242,6 +257,7 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
         if failed_at is None or failed_at >= len(checks):
             failed_at = start
         outcomes[checks[failed_at].id] = Outcome(seconds, error=error, details=details)
+        report()
         start = failed_at + 1
         while start < len(checks) and checks[start].id in outcomes:
             start += 1
@@ -249,4 +265,5 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list[dict], en
     for c in checks:  # a job that ended early leaves no check unaccounted for
         outcomes.setdefault(c.id, Outcome(0.0, error="the launch ended before this check ran",
                                              details={"log": _log_tail(job_dir / f"torchrun-{attempt}.log")}))
+    report()
     return outcomes

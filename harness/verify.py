@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import shlex
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
 from harness.launch import Interrupted, Outcome, interruptible, run_job
 from harness.plan import expand, jobs, skip_reason
-from harness.records import base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import FAILING, decide
 
 
@@ -64,6 +65,32 @@ def finalize(check: Check, outcome: Outcome | None, run_id: str, rerun: str,
     if m.note:
         rec["reason"] += f"; {m.note}"
     return rec
+
+
+class Stream:
+    """Each check's row as it finishes, with a running count and the time since the start;
+    each record appended to results.jsonl as it arrives, so an interrupted or killed run
+    keeps what it measured (the final file is then rewritten whole, in plan order)."""
+
+    def __init__(self, run_dir: Path, run_id: str, checks: list[Check], quiet: bool, rerun):
+        from reports import terminal
+
+        self.terminal, self.path, self.run_id, self.quiet, self.rerun = terminal, run_dir / "results.jsonl", run_id, \
+            quiet, rerun
+        self.runnable = sum(c.skip_reason is None for c in checks)
+        self.keys = terminal.varying([{"case": c.case, "params": c.p} for c in checks])
+        self.done, self.began = 0, time.time()
+        if not quiet:
+            print(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}", flush=True)
+
+    def finished(self, check: Check, outcome: Outcome) -> None:
+        record = finalize(check, outcome, self.run_id, self.rerun(check))
+        append_line(self.path, record)
+        self.done += 1
+        if not self.quiet:
+            count = f"[{self.done}/{self.runnable}]"
+            print(f"{count:<10}{time.time() - self.began:7.1f}s {self.terminal.row(record, self.keys[check.case])[2:]}",
+                  flush=True)
 
 
 def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
@@ -171,6 +198,10 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if not quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
+    def rerun(c: Check) -> str:
+        return rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts, from_record is not None)
+
+    stream = Stream(run_dir, run_id, checks, quiet, rerun)
     outcomes: dict[str, Outcome] = {}
     interrupted = None
     with interruptible():
@@ -183,7 +214,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                     print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)",
                           flush=True)
                 outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts))
+                                        os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts,
+                                        on_outcome=stream.finished))
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
             outcomes.update(exc.outcomes)
             interrupted = exc
@@ -197,17 +229,14 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if interrupted is not None:
         fingerprint["interrupted"] = str(interrupted)
 
-    records = [finalize(c, outcomes.get(c.id), run_id,
-                        rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts,
-                                      from_record is not None), interrupted)
-               for c in checks]
+    records = [finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted) for c in checks]
     write_json(run_dir / "environment.json", fingerprint)
-    write_jsonl(run_dir / "results.jsonl", records)
+    write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(out_root, run_dir)
     if render:
         from reports.render import render_run
 
-        render_run(run_dir, quiet=quiet, show_skipped=show_skipped)
+        render_run(run_dir, quiet=quiet, show_skipped=show_skipped, rows=quiet)
     write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir

@@ -11,13 +11,13 @@ from reports.load import load_run
 
 
 def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False,
-               history: Path | None = None, show_skipped: bool = False) -> int:
+               history: Path | None = None, show_skipped: bool = False, rows: bool = True) -> int:
     run = load_run(run_dir)
     changes = None
     if against is not None:
         changes = compare_runs(run.records, load_run(against).records)
     if not quiet:
-        print(terminal.render(run.records, run.environment, changes, show_skipped))
+        print(terminal.render(run.records, run.environment, changes, show_skipped, rows))
     target = out or (run.path / "report.html")
     page = render_page(run, changes, str(against) if against else None, trends=trends.context(history))
     write_atomic(Path(target), page)

@@ -52,8 +52,24 @@ def skipped_summary(records: list[dict]) -> list[str]:
     return [f"#   {n:,} x {_one_line(reason)}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1])]
 
 
+def header() -> str:
+    return "# " + _row([name for name, _ in COLUMNS])
+
+
+def row(r: dict, keys: list[str]) -> str:
+    """One check's line; `keys`: the parameters that tell it apart within its case."""
+    p, seconds = r["params"], r.get("seconds")
+    return "  " + _row([
+        r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
+        fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
+        fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
+        f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds), point(r, keys),
+    ])
+
+
 def render(records: list[dict], environment: dict, changes: list[dict] | None = None,
-           show_skipped: bool = False) -> str:
+           show_skipped: bool = False, rows: bool = True) -> str:
+    """The whole table; rows=False when they were already streamed as the checks finished."""
     env = environment or {}
     lines = [
         f"# ep-harness run {records[0]['run_id'] if records else '(empty)'}  suite {env.get('suite', DASH)}  "
@@ -61,20 +77,13 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
         f"# topology: {(env.get('topology') or {}).get('describe', DASH)}",
         f"# command: {_one_line(env.get('command', DASH))}",
         "#",
-        "# " + _row([name for name, _ in COLUMNS]),
     ]
     keys = varying(records)
-    for r in records:
-        if r["status"] == "skipped" and not show_skipped:
-            continue
-        p = r["params"]
-        seconds = r.get("seconds")
-        lines.append("  " + _row([
-            r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
-            fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
-            fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
-            f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds), point(r, keys[r["case"]]),
-        ]))
+    if rows:
+        lines.append(header())
+        lines += [row(r, keys[r["case"]]) for r in records if r["status"] != "skipped" or show_skipped]
+    elif show_skipped:
+        lines += [row(r, keys[r["case"]]) for r in records if r["status"] == "skipped"]
     skipped = skipped_summary(records)
     if skipped and not show_skipped:
         lines.append(f"# skipped (--show-skipped lists them), by reason:")

@@ -90,6 +90,12 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
     assert len(spawned) == 3, proc.stdout.read() if proc.poll() is not None else "ranks never reached the hang"
     [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
     workers = [int(p.read_text()) for p in run_dir.glob("jobs/*/pid-rank*")]
+    # Streamed: the finished check reaches results.jsonl (within the launcher's next polls) before the run ends.
+    streamed = run_dir / "results.jsonl"
+    deadline = time.time() + 10
+    while not streamed.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert [json.loads(line)["case"] for line in streamed.read_text().splitlines()] == ["before"]
     sent = time.time()
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
@@ -100,6 +106,7 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
                 for line in (run_dir / "results.jsonl").read_text().splitlines()}
     assert statuses == {"before": "ok", "hangs": "interrupted", "after": "interrupted"}
     assert (run_dir / "report.html").exists() and "INTERRUPTED (partial run)" in output
+    assert "\n[1/3] " in output  # its row was printed as it finished, with a running count
     assert "interrupted by SIG" in (run_dir / "results.jsonl").read_text()
 
 
