@@ -148,9 +148,13 @@ def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int)
         return json.loads(out.read_text())
 
 
+BENCHES = ("suite", "report", "compare", "collectives")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bench")
-    parser.add_argument("what", nargs="*", default=["suite", "report"], choices=["suite", "report", "compare", "collectives"])
+    parser.add_argument("what", nargs="*", metavar="WHAT",
+                        help=f"any of {', '.join(BENCHES)} (default: suite report)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--min-kib", type=int, default=64)
     parser.add_argument("--max-mib", type=int, default=16)
@@ -160,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--source", type=Path, default=Path("reports/out/latest"))
     args = parser.parse_args(argv)
+    args.what = args.what or ["suite", "report"]  # argparse rejects a list default with choices
+    unknown = [w for w in args.what if w not in BENCHES]
+    if unknown:
+        parser.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
     results = {}
     if "suite" in args.what:
         results["suite"] = bench_suite(args.repeats, args.suite)
