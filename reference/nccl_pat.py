@@ -245,13 +245,8 @@ def pat_sum_trees(nranks: int, agg_factor_hint: int = 1, parallel: int = MAX_PAR
     """
     slot = 1 << 20  # element slots per step; any size larger than the offsets used
     scheds = [pat_schedule(r, nranks, agg_factor_hint, parallel) for r in range(nranks)]
-    send = {}  # (src, dst) -> _Conn
-    for r in range(nranks):
-        k = 0
-        while (1 << k) < nranks:
-            peer = (r + (1 << k)) % nranks
-            send[(r, k)] = send.get((r, k)) or _Conn(slot)
-            k += 1
+    # (sender, dimension k) -> the connection from the sender to sender + 2^k
+    send = {(r, k): _Conn(slot) for r in range(nranks) for k in range(_log2_up(nranks))}
     output: dict[int, object] = {}
     local_acc = [0] * nranks
     pc = [0] * nranks

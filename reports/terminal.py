@@ -86,7 +86,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
         lines += [row(r, keys[r["case"]]) for r in records if r["status"] == "skipped"]
     skipped = skipped_summary(records)
     if skipped and not show_skipped:
-        lines.append(f"# skipped (--show-skipped lists them), by reason:")
+        lines.append("# skipped (--show-skipped lists them), by reason:")
         lines += skipped
     problems = [r for r in records if r["status"] in ("unexpected", "error")]
     if problems:
