@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.measurement import Measurement
-from harness.records import read_jsonl, write_json
+from harness.records import write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -126,8 +126,15 @@ def interruptible():
 
 
 def _collect(job_dir: Path, checks: list, start: int, outcomes: dict) -> None:
-    """The checks of this launch that rank 0 finished and recorded."""
-    for line in read_jsonl(job_dir / "records.jsonl"):
+    """The checks of this launch that rank 0 finished and recorded (read while the ranks run:
+    a line still being written is left for the next poll)."""
+    path = job_dir / "records.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    for text in lines:
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            break
         if line["index"] >= start and checks[line["index"]].id not in outcomes:
             outcomes[checks[line["index"]].id] = Outcome(line["seconds"],
                                                          measured=Measurement.from_json(line["measured"]))
