@@ -47,12 +47,6 @@ class Topology:
                     f"one NCCL host per rank, NET/Socket (not an NVLink node)")
         return f"gpus: {self.ranks} ranks, one per GPU, {self.gpus} x {self.gpu_name} on {self.nodes} node(s)"
 
-    def key(self) -> str:
-        """Short, file-name-safe form for baselines: cpu-gloo-4, emulated-hosts-8-on-1, gpus-4."""
-        if self.kind == "emulated-hosts":
-            return f"emulated-hosts-{self.ranks}-on-{self.gpus}"
-        return f"{self.kind}-{self.ranks}"
-
     def to_dict(self) -> dict:
         return {"kind": self.kind, "ranks": self.ranks, "gpus": self.gpus, "nodes": self.nodes,
                 "gpu_name": self.gpu_name, "describe": self.describe()}
