@@ -212,7 +212,7 @@ def pytest_runtest_setup(item):
 
 
 class CheckItem(pytest.Item):
-    def __init__(self, *, check: dict, suite: str, gpus, **kwargs):
+    def __init__(self, *, check, suite: str, gpus, **kwargs):  # check: a harness.check.Check
         super().__init__(**kwargs)
         self.check, self.suite, self.gpus = check, suite, gpus
 

@@ -56,7 +56,8 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def base_record(check: dict, run_id: str, rerun: str) -> dict:
+def base_record(check, run_id: str, rerun: str) -> dict:
+    """The record's fields that a harness.check.Check decides, before anything is measured."""
     return {
         "run_id": run_id,
         "check": check.id,

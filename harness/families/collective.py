@@ -174,7 +174,7 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list]) -> None:
         m.error = "; ".join(dict.fromkeys(violations))
 
 
-def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
     world_size, prop = ctx.world_size, check.property
     dtype = gen.dtype_of(p["dtype"])
     layouts_ = [r.spec[0] for r in runs]

@@ -77,7 +77,7 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
     return copies, outputs, mine_dispatch
 
 
-def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
     prop, world = check.property, ctx.world_size
     if prop == "reference":
         wire = resolve_wire_dtype(p["expert_quant"], p["wire"])

@@ -82,7 +82,8 @@ def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_wha
     return None
 
 
-def execute(family: Family, check: dict, subject, ctx: RankContext) -> Measurement:
+def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
+    """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
     p, prop = check.p, check.property
     runs = family.runs(prop, p, ctx.world_size)
     local = family.observe(subject, ctx, p, prop, runs)

@@ -124,7 +124,7 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
     return probes
 
 
-def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
     w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
     if check.property == "reference":
         return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])

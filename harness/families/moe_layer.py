@@ -77,7 +77,7 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
     return mine, outs
 
 
-def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
     if check.property == "reference":
         return _measure_reference(p, runs[0].spec, [g[1][0] for g in gathered], ctx.world_size)
     return _measure_probe(p, check.property, runs, gathered, ctx.world_size)

@@ -75,7 +75,7 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
             for run in runs]
 
 
-def _measure(check: dict, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
     dtype = gen.dtype_of(p["dtype"])
     if check.property == "reference":
         q, s = gathered[0]
