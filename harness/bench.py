@@ -19,25 +19,26 @@ from pathlib import Path
 from harness.records import read_jsonl, write_json, write_jsonl
 
 
-def bench_suite(repeats: int, suite: str) -> dict:
+def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-check")) -> dict:
+    """The suite's wall time under each way of grouping checks into torchrun launches (the
+    per-check mode once: it is by far the slowest)."""
     from harness.verify import verify
 
-    timings = {"grouped": [], "per_check": []}
+    timings: dict[str, list[float]] = {m: [] for m in modes}
     checks = None
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, n in (("grouped", repeats), ("per_check", 1)):
-            for _ in range(n):
+        for mode in modes:
+            for _ in range(1 if mode == "per-check" else repeats):
                 began = time.perf_counter()
-                code, run_dir = verify(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True,
-                                       per_check_launch=mode == "per_check")
+                code, run_dir = verify(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True, launches=mode)
                 timings[mode].append(time.perf_counter() - began)
                 checks = sum(r["status"] != "skipped" for r in read_jsonl(run_dir / "results.jsonl"))
                 if code:
                     raise SystemExit(f"the {mode} run failed; fix the suite before timing it")
-    grouped, per_check = statistics.median(timings["grouped"]), statistics.median(timings["per_check"])
-    return {"suite": suite, "checks_run": checks, "grouped_s": timings["grouped"], "per_check_s": timings["per_check"],
-            "grouped_median_s": round(grouped, 2), "per_check_median_s": round(per_check, 2),
-            "ratio": round(per_check / grouped, 2)}
+    medians = {m: round(statistics.median(t), 2) for m, t in timings.items()}
+    base = medians.get("per-world-size")
+    return {"suite": suite, "checks_run": checks, "seconds": timings, "median_s": medians,
+            "speedup_vs_per_world_size": {m: round(base / v, 2) for m, v in medians.items()} if base else {}}
 
 
 def synthetic_run(base: list[dict], n: int, out: Path) -> Path:
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suite", default="smoke")
+    parser.add_argument("--modes", nargs="+", default=["one", "per-world-size", "per-check"],
+                        help="launch groupings to time for `suite`")
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--source", type=Path, default=Path("reports/out/latest"))
     args = parser.parse_args(argv)
@@ -170,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
     results = {}
     if "suite" in args.what:
-        results["suite"] = bench_suite(args.repeats, args.suite)
+        results["suite"] = bench_suite(args.repeats, args.suite, args.modes)
         s = results["suite"]
-        print(f"suite {s['suite']} ({s['checks_run']} checks): one launch per world size "
-              f"{s['grouped_median_s']} s (median of {len(s['grouped_s'])}), one launch per check "
-              f"{s['per_check_median_s']} s -> {s['ratio']}x")
+        for mode, median in s["median_s"].items():
+            print(f"suite {s['suite']} ({s['checks_run']} checks), {mode} launches: {median} s "
+                  f"(median of {len(s['seconds'][mode])}), {s['speedup_vs_per_world_size'].get(mode, '-')}x the "
+                  f"per-world-size time")
     if "report" in args.what:
         results["report"] = bench_report(args.records, args.repeats, args.source)
         r = results["report"]

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--summary-md", type=Path, metavar="PATH",
                    help="append a Markdown verdict (e.g. to $GITHUB_STEP_SUMMARY)")
     v.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
+    v.add_argument("--launches", choices=["auto", "one", "per-world-size", "per-check"], default="auto",
+                   help="how checks share torchrun launches (auto: one on gloo, one per world size on NCCL)")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
 
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
                              from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
-                             junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped)
+                             junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped,
+                             launches=args.launches)
             return code
         if args.command == "report":
             from reports.render import render_run

@@ -75,12 +75,21 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
     return checks
 
 
-def jobs(checks: list[Check], per_check: bool = False) -> list[tuple[int, dict, list[Check]]]:
-    """Group runnable checks into launches: one per (world size, environment), plan order
-    kept. `per_check` gives every check a launch of its own (only to measure what grouping saves)."""
-    groups: dict[tuple, list[dict]] = {}
+LAUNCHES = ("one", "per-world-size", "per-check")
+
+
+def jobs(checks: list[Check], launches: str = "per-world-size") -> list[tuple[int, dict, list[Check]]]:
+    """Group runnable checks into launches, plan order kept; each launch has the largest world
+    size of its checks. "one": one launch per environment, smaller world sizes on subgroups of
+    ranks 0..w-1 (gloo: the ring and fold orders depend only on the world size, so the bits are
+    those of a launch of their own); "per-world-size": one per (world size, environment);
+    "per-check": one per check (only to measure what grouping saves)."""
+    if launches not in LAUNCHES:
+        raise ValueError(f"launches {launches!r}; known: {', '.join(LAUNCHES)}")
+    groups: dict[tuple, list[Check]] = {}
     for c in checks:
         if c.skip_reason is None:
-            key = (c.world_size, tuple(sorted(c.env.items())), c.id if per_check else None)
+            size = None if launches == "one" else c.world_size
+            key = (size, tuple(sorted(c.env.items())), c.id if launches == "per-check" else None)
             groups.setdefault(key, []).append(c)
-    return [(ws, dict(env), cs) for (ws, env, _), cs in groups.items()]
+    return [(max(c.world_size for c in cs), dict(env), cs) for (_, env, _), cs in groups.items()]

@@ -172,7 +172,7 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
 
 def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
            plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
-           render: bool = True, quiet: bool = False, per_check_launch: bool = False,
+           render: bool = True, quiet: bool = False, launches: str = "auto",
            emulate_hosts: bool = False, from_record: Path | None = None,
            allow_empty: bool = False, seed: int | None = None, junit_xml: Path | None = None,
            summary_md: Path | None = None, show_skipped: bool = False) -> tuple[int, Path]:
@@ -206,7 +206,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     interrupted = None
     with interruptible():
         try:
-            for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, per_check_launch)):
+            grouping = launches if launches != "auto" else ("one" if platform.backend == "gloo" else "per-world-size")
+            for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
                 env = pinned_env(platform, env_overrides)
                 job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
                 fingerprint.setdefault("pinned_env", {})[job_dir.name] = env

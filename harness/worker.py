@@ -80,18 +80,25 @@ def main(argv: list[str]) -> int:
         _read_nccl_topology(ctx, job_dir, start)
 
     checks = job["checks"]
+    contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     for index in range(start, len(checks)):
         check = Check.from_json(checks[index])
         _progress(job_dir, rank, index)
         began = time.perf_counter()
+        check_ctx = contexts[check.world_size]
         try:
+            if check_ctx is None:  # a smaller world size: this rank waits for its subgroup
+                dist.barrier()
+                continue
             subject = registry.get(check.subject)
             if subject.name not in prepared:  # once per launch per rank, before its first check
                 if hasattr(subject, "setup"):
-                    subject.setup(ctx)
+                    subject.setup(check_ctx)
                 prepared[subject.name] = subject
-            measured = execute(check, subject, ctx).to_json()
+            measured = execute(check, subject, check_ctx).to_json()
+            if len(contexts) > 1:
+                dist.barrier()  # every rank leaves the check together, the idle ones included
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
             write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
                 "index": index, "check": check.id, "rank": rank, "time": time.time(),
@@ -116,6 +123,21 @@ def main(argv: list[str]) -> int:
         os._exit(0)
     dist.destroy_process_group()
     return 0
+
+
+def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
+    """One RankContext per world size of the launch's checks: the whole launch, or a subgroup
+    of ranks 0..w-1 (None on the ranks outside it). Every rank creates every subgroup, in the
+    same order, as torch.distributed requires."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    contexts = {ctx.world_size: ctx}
+    for size in sorted(w for w in world_sizes if w < ctx.world_size):
+        group = dist.new_group(list(range(size)))
+        contexts[size] = dataclasses.replace(ctx, world_size=size, group=group) if ctx.rank < size else None
+    return contexts
 
 
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):

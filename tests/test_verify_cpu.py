@@ -151,3 +151,23 @@ def test_a_subject_sets_up_once_per_launch(tmp_path):
     proc = run_cli("verify", "--suite", "tests/cases/setup_hook.toml", "--gpus", "0", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert [r["status"] for r in records(tmp_path / "latest")] == ["ok"] * 3
+
+
+@pytest.mark.slow
+def test_one_launch_gives_the_bits_of_a_launch_per_world_size(tmp_path):
+    """World sizes 2, 3 and 4 in one 4-rank launch (subgroups of ranks 0..w-1) against one
+    launch each: the same status, counts, prediction and first differing bits for every check."""
+    runs = {}
+    for mode in ("one", "per-world-size"):
+        proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--launches", mode, "--check", "rs-native/*",
+                       "--check", "ag-fold/*/dtype=bfloat16/*", "--check", "two-ranks/*", "--check", "fold-reference/*",
+                       "--out", str(tmp_path / mode))
+        assert proc.returncode == 0, proc.stdout[-2000:]
+        launches = [line for line in proc.stdout.splitlines() if line.startswith("# launching")]
+        assert len(launches) == (1 if mode == "one" else 3), launches
+        runs[mode] = {r["check"]: r for r in records(tmp_path / mode / "latest")}
+    keys = ("status", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "max_abs")
+    assert runs["one"].keys() == runs["per-world-size"].keys()
+    for check, r in runs["one"].items():
+        assert [r.get(k) for k in keys] == [runs["per-world-size"][check].get(k) for k in keys], check
+    assert {r["params"]["world_size"] for r in runs["one"].values()} == {2, 3, 4}
