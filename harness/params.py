@@ -10,6 +10,7 @@ record alone.
 from __future__ import annotations
 
 import difflib
+import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
 
@@ -162,7 +163,7 @@ def _type_name(hint) -> str:
 
 def _conforms(value, hint) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+    if origin in (typing.Union, types.UnionType):  # Optional[...] and X | None
         return any(_conforms(value, a) for a in args)
     if hint is type(None):
         return value is None
