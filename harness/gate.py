@@ -113,8 +113,8 @@ def _not_comparable(run_dir: Path, fp: dict, path: Path, others: list[Path]) -> 
     record = f"record one for this platform with `ep-harness baseline update {run_dir}` (make baseline)"
     if not others:
         return NotComparable(f"not comparable: no baseline at {path} for this run on {describe(fp)}; {record}")
-    theirs = "; ".join(f"{o.name} from {describe(read_baseline(o)[0]) if read_baseline(o)[0] else 'an unknown platform'}"
-                       for o in others[:3])
+    prints = [(o.name, read_baseline(o)[0]) for o in others[:3]]
+    theirs = "; ".join(f"{name} from {describe(fp) if fp else 'an unknown platform'}" for name, fp in prints)
     return NotComparable(f"not comparable: baseline {theirs}, this run on {describe(fp)}; {record}")
 
 

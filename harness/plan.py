@@ -35,6 +35,21 @@ def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | N
     return subject.unavailable(platform, params)
 
 
+def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_keys=frozenset(), **fields) -> Check:
+    """One check for this platform: its parameters validated and typed (the backend set), its
+    topology, and why this machine skips it, if it does. `fields`: id, suite, case, expect,
+    timeout_s, env."""
+    typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
+    return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
+                 topology=platform.topology.describe(), skip_reason=skip_reason(platform, subject, prop, asdict(typed)),
+                 **fields)
+
+
+def selected(check_id: str, selection: list[str] | None) -> bool:
+    """Whether --check patterns (globs) pick this check; no patterns pick every check."""
+    return not selection or any(fnmatch.fnmatchcase(check_id, pat) for pat in selection)
+
+
 def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
     re-seeds every check (the records keep it)."""
@@ -54,21 +69,16 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
             for values in itertools.product(*(case.grid[k] for k in keys)):
                 point = dict(zip(keys, values))
                 raw = {**case.params, **point, **({"seed": seed} if seed is not None else {})}
-                typed = params.build(subject.family, raw, subject, where, frozenset(keys))
-                typed = replace(typed, backend=platform.backend)
-                checks.append(Check(
-                    id=check_id(case.name, prop, point), suite=str(suite.path), case=case.name,
-                    subject=subject.name, family=subject.family, property=prop, params=typed,
-                    expect=case.expect.get(platform.backend, "holds"), timeout_s=case.timeout_s, env=case.env,
-                    topology=platform.topology.describe(),
-                    skip_reason=skip_reason(platform, subject, prop, asdict(typed)),
-                ))
+                checks.append(planned(
+                    platform, subject, prop, raw, where, frozenset(keys), id=check_id(case.name, prop, point),
+                    suite=str(suite.path), case=case.name, expect=case.expect.get(platform.backend, "holds"),
+                    timeout_s=case.timeout_s, env=case.env))
     ids = [c.id for c in checks]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:
         raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
     if selection:
-        checks = [c for c in checks if any(fnmatch.fnmatchcase(c.id, pat) for pat in selection)]
+        checks = [c for c in checks if selected(c.id, selection)]
         if not checks:
             raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}; "
                                f"list them with `ep-harness list --suite {suite.path}`")

@@ -228,8 +228,10 @@ class CheckItem(pytest.Item):
             record = read_jsonl(run_dir / "results.jsonl")[0]
         if record["status"] == "vacuous":
             pytest.skip(f"vacuous (not a pass): {record['reason']}")
-        if record["status"] in ("unexpected", "error"):
-            from reports.text import mismatch_text
+        from reports.analysis import FAILING
+        from reports.text import mismatch_text
+
+        if record["status"] in FAILING:
 
             raise AssertionError(f"{record['status']}: {record['reason']}\n\n{mismatch_text(record)}")
 

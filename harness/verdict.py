@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from harness.measurement import Measurement
 
-STATUSES = ("ok", "unexpected", "vacuous", "error", "skipped", "interrupted")
-FAILING = ("unexpected", "error")
-
 
 def decide(check, m: Measurement) -> tuple[str, str]:
     """Return (status, reason) for a Check from its expectation and its measurement."""

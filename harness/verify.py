@@ -2,26 +2,24 @@
 from __future__ import annotations
 
 import datetime
-import fnmatch
 import json
 import os
 import re
 import secrets
 import shlex
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
-from harness import params
 from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
 from harness.launch import Interrupted, Outcome, interruptible, run_job
-from harness.plan import expand, jobs, skip_reason
+from harness.plan import expand, jobs, planned, selected
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
-from harness.verdict import FAILING, decide
+from harness.verdict import decide
+from reports.analysis import FAILING
 
 
 def new_run_id() -> str:
@@ -79,16 +77,16 @@ class Stream:
             quiet, rerun
         self.runnable = sum(c.skip_reason is None for c in checks)
         self.keys = terminal.varying([{"case": c.case, "params": c.p} for c in checks])
-        self.done, self.began = 0, time.time()
+        self.records: dict[str, dict] = {}  # check id -> its record, as streamed
+        self.began = time.time()
         if not quiet:
             print(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}", flush=True)
 
     def finished(self, check: Check, outcome: Outcome) -> None:
-        record = finalize(check, outcome, self.run_id, self.rerun(check))
+        record = self.records[check.id] = finalize(check, outcome, self.run_id, self.rerun(check))
         append_line(self.path, record)
-        self.done += 1
         if not self.quiet:
-            count = f"[{self.done}/{self.runnable}]"
+            count = f"[{len(self.records)}/{self.runnable}]"
             print(f"{count:<10}{time.time() - self.began:7.1f}s {self.terminal.row(record, self.keys[check.case])[2:]}",
                   flush=True)
 
@@ -99,20 +97,14 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
         records = read_jsonl(path)
     except (OSError, ValueError) as exc:
         raise HarnessError(f"{path}: cannot read records ({exc}); pass a run's results.jsonl") from None
-    chosen = [r for r in records if not selection or any(fnmatch.fnmatchcase(r["check"], pat) for pat in selection)]
+    chosen = [r for r in records if selected(r["check"], selection)]
     if not chosen:
         raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
-    checks = []
-    for r in chosen:
-        subject = registry.get(r["subject"])
-        raw = {k: v for k, v in r["params"].items() if k != "backend"}
-        typed = replace(params.build(r["family"], raw, subject, f"{path}: {r['check']}"), backend=platform.backend)
-        checks.append(Check(id=r["check"], suite=str(path), case=r["case"], subject=r["subject"], family=r["family"],
-                            property=r["property"], params=typed, expect=r["expect"],
-                            timeout_s=r.get("timeout_s", 120.0), env=r.get("launch_env", {}),
-                            topology=platform.topology.describe(),
-                            skip_reason=skip_reason(platform, subject, r["property"], asdict(typed))))
-    return checks
+    return [planned(platform, registry.get(r["subject"]), r["property"],
+                    {k: v for k, v in r["params"].items() if k != "backend"}, f"{path}: {r['check']}",
+                    id=r["check"], suite=str(path), case=r["case"], expect=r["expect"],
+                    timeout_s=r.get("timeout_s", 120.0), env=r.get("launch_env", {}))
+            for r in chosen]
 
 
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
@@ -230,7 +222,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if interrupted is not None:
         fingerprint["interrupted"] = str(interrupted)
 
-    records = [finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted) for c in checks]
+    records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
+               for c in checks]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(out_root, run_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+FAILING = ("unexpected", "error")  # the statuses that fail a run (exit code 1)
 STATUS_ORDER = ("ok", "unexpected", "vacuous", "error", "skipped", "interrupted")
 
 
@@ -13,7 +14,7 @@ def counts(records: list[dict]) -> dict[str, int]:
 
 
 def failed(records: list[dict]) -> bool:
-    return any(r["status"] in ("unexpected", "error") for r in records)
+    return any(r["status"] in FAILING for r in records)
 
 
 def verdict(records: list[dict], changes: list[dict] | None = None) -> str:
@@ -64,7 +65,7 @@ def compare_runs(current: list[dict], previous: list[dict]) -> list[dict]:
             changes.append({"check": cid, **change})
     for cid, new in now.items():
         if cid not in before and new["status"] != "skipped":  # baselines keep no skipped checks
-            failing = new["status"] in ("unexpected", "error")
+            failing = new["status"] in FAILING
             changes.append({"check": cid, "kind": "regression" if failing else "new",
                             "what": f"new check, {new['status']}" + (f": {new.get('reason')}" if failing else ""),
                             "before": "-", "after": new["status"]})
@@ -72,7 +73,7 @@ def compare_runs(current: list[dict], previous: list[dict]) -> list[dict]:
 
 
 def _classify(old: dict, new: dict) -> dict | None:
-    bad = ("unexpected", "error")
+    bad = FAILING
     if old["expect"] == "holds" and old.get("held") is True and new.get("held") is False:
         return {"kind": "regression", "what": "held before, violated now",
                 "before": _count(old), "after": _count(new)}

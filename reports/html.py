@@ -12,7 +12,7 @@ import jinja2
 import pandas as pd
 
 from reports import plots
-from reports.analysis import counts, pairs, verdict
+from reports.analysis import FAILING, counts, pairs, verdict
 from reports.text import DASH, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
@@ -72,7 +72,7 @@ def _rank_rows(env: dict) -> list[list[str]]:
 
 
 def _has_detail(r: dict) -> bool:
-    return r["status"] in ("unexpected", "error") or (r["expect"] == "violated" and bool(r.get("mismatched")))
+    return r["status"] in FAILING or (r["expect"] == "violated" and bool(r.get("mismatched")))
 
 
 def _row(r: dict) -> dict:
@@ -103,7 +103,7 @@ def _detail(r: dict) -> dict:
     if d.get("log"):
         texts.append(("launcher log", d["log"]))
     first = [{**m, "index": str(tuple(m["index"]))} for m in (d.get("first_mismatches") or [])[:6]]
-    return {"check": r["check"], "status": r["status"], "open": r["status"] in ("unexpected", "error"),
+    return {"check": r["check"], "status": r["status"], "open": r["status"] in FAILING,
             "reason": _text(r.get("reason")), "text": mismatch_text(r), "rerun": _text(r.get("rerun")),
             "inputs": ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items())), "map": mapping,
             "histogram": [(k, f"{v:,}", int(200 * v / top)) for k, v in hist.items()], "first": first,
@@ -139,6 +139,6 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,
         "rows": [_row(r) for r in records], "details": [_detail(r) for r in records if _has_detail(r)],
         "failures": [{"status": r["status"], "check": _text(r["check"]), "reason": _text(r.get("reason"))}
-                     for r in records if r["status"] in ("unexpected", "error", "interrupted")],
+                     for r in records if r["status"] in (*FAILING, "interrupted")],
     }
     return _TEMPLATES.get_template("report.html.j2").render(context)

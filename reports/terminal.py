@@ -2,7 +2,7 @@
 and a final OK / FAILED line."""
 from __future__ import annotations
 
-from reports.analysis import counts, pairs, verdict
+from reports.analysis import FAILING, counts, pairs, verdict
 from reports.text import DASH, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
@@ -88,7 +88,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     if skipped and not show_skipped:
         lines.append("# skipped (--show-skipped lists them), by reason:")
         lines += skipped
-    problems = [r for r in records if r["status"] in ("unexpected", "error")]
+    problems = [r for r in records if r["status"] in FAILING]
     if problems:
         lines.append("#")
         lines.append("# failures:")
