@@ -1,6 +1,8 @@
 """`make bench`: timings that belong in BENCHMARKS.md, never in tests.
 
     python -m harness.bench suite   # CPU default suite: one launch per world size vs one per check
+    python -m harness.bench startup # a one-test pytest run with the plugin vs `-p no:ep_harness`
+    python -m harness.bench ep-suite  # `pytest --ep-suite` vs `ep-harness verify` on one suite
     python -m harness.bench report  # render a 2,000-record run: seconds and bytes
     python -m harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
     python -m harness.bench collectives  # native reduce-scatter vs the deterministic paths
@@ -39,6 +41,48 @@ def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-c
     base = medians.get("per-world-size")
     return {"suite": suite, "checks_run": checks, "seconds": timings, "median_s": medians,
             "speedup_vs_per_world_size": {m: round(base / v, 2) for m, v in medians.items()} if base else {}}
+
+
+def _median_wall(cmd: list[str], repeats: int, cwd: Path) -> float:
+    import subprocess
+
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+        times.append(time.perf_counter() - began)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-1000:]}")
+    return statistics.median(times)
+
+
+def bench_startup(repeats: int) -> dict:
+    """What the installed plugin costs a pytest session that does not use it: one trivial
+    test, run with the plugin loaded and with `-p no:ep_harness`, alternately."""
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+        base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_one.py"]
+        _median_wall(base, 1, Path(tmp))  # warm the file cache
+        with_plugin = _median_wall(base, repeats, Path(tmp))
+        without = _median_wall([*base, "-p", "no:ep_harness"], repeats, Path(tmp))
+    return {"repeats": repeats, "with_plugin_s": round(with_plugin, 3), "without_plugin_s": round(without, 3),
+            "plugin_cost_s": round(with_plugin - without, 3)}
+
+
+def bench_ep_suite(repeats: int, suite: str) -> dict:
+    """`pytest --ep-suite SUITE` (one item per check, one verify run behind them) against
+    `ep-harness verify --suite SUITE`, on the CPU, alternately."""
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pytest_s = _median_wall([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ep-suite", suite,
+                                 "--ep-gpus", "0", "."], repeats, Path(tmp))
+        verify_s = _median_wall([sys.executable, "-m", "harness", "verify", "--suite", suite, "--gpus", "0",
+                                 "--no-report", "--out", str(Path(tmp) / "out")], repeats, Path(tmp))
+    return {"suite": suite, "repeats": repeats, "pytest_ep_suite_s": round(pytest_s, 2), "verify_s": round(verify_s, 2),
+            "ratio": round(pytest_s / verify_s, 2)}
 
 
 def synthetic_run(base: list[dict], n: int, out: Path) -> Path:
@@ -149,13 +193,13 @@ def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int)
         return json.loads(out.read_text())
 
 
-BENCHES = ("suite", "report", "compare", "collectives")
+BENCHES = ("suite", "startup", "ep-suite", "report", "compare", "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bench")
     parser.add_argument("what", nargs="*", metavar="WHAT",
-                        help=f"any of {', '.join(BENCHES)} (default: suite report)")
+                        help=f"any of {', '.join(BENCHES)} (default: suite startup ep-suite report)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--min-kib", type=int, default=64)
     parser.add_argument("--max-mib", type=int, default=16)
@@ -167,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--source", type=Path, default=Path("reports/out/latest"))
     args = parser.parse_args(argv)
-    args.what = args.what or ["suite", "report"]  # argparse rejects a list default with choices
+    args.what = args.what or ["suite", "startup", "ep-suite", "report"]  # argparse rejects a list default with choices
     unknown = [w for w in args.what if w not in BENCHES]
     if unknown:
         parser.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
@@ -179,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"suite {s['suite']} ({s['checks_run']} checks), {mode} launches: {median} s "
                   f"(median of {len(s['seconds'][mode])}), {s['speedup_vs_per_world_size'].get(mode, '-')}x the "
                   f"per-world-size time")
+    if "startup" in args.what:
+        results["startup"] = u = bench_startup(max(args.repeats, 9))
+        print(f"one-test pytest run: {u['with_plugin_s']} s with the plugin, {u['without_plugin_s']} s with "
+              f"-p no:ep_harness (medians of {u['repeats']}): the plugin costs {u['plugin_cost_s']} s")
+    if "ep-suite" in args.what:
+        results["ep-suite"] = e = bench_ep_suite(args.repeats, args.suite)
+        print(f"pytest --ep-suite {e['suite']}: {e['pytest_ep_suite_s']} s, ep-harness verify: {e['verify_s']} s "
+              f"(medians of {e['repeats']}): {e['ratio']}x")
     if "report" in args.what:
         results["report"] = bench_report(args.records, args.repeats, args.source)
         r = results["report"]

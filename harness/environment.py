@@ -82,6 +82,15 @@ def nccl_algo_for_tree(version: tuple[int, int, int] | None) -> str:
     return "Tree"
 
 
+def deep_gemm_cache_dir() -> str:
+    """Where DeepGEMM keeps its compiled kernels between runs (DG_JIT_CACHE_DIR; CI caches
+    this directory): the user's own setting, or ep-harness's directory under the XDG cache."""
+    if os.environ.get("DG_JIT_CACHE_DIR"):
+        return os.environ["DG_JIT_CACHE_DIR"]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "ep-harness", "deep_gemm")
+
+
 def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
     """The environment every launch runs under (case overrides applied, safety keys forced)."""
     env = {
@@ -97,6 +106,7 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
             "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels,
             "NCCL_MIN_CTAS": channels, "NCCL_MAX_CTAS": channels,
             "NCCL_COLLNET_ENABLE": "0",
+            "DG_JIT_CACHE_DIR": deep_gemm_cache_dir(),
         })
     env.update(overrides)
     if platform.backend == "nccl":

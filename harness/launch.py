@@ -31,6 +31,7 @@ class Outcome:
     """What became of one check in a launch: a measurement or an error."""
 
     seconds: float
+    warm_up_seconds: float | None = None  # untimed first pass of a JIT-compiling subject
     measured: Measurement | None = None
     error: str | None = None
     details: dict = field(default_factory=dict)
@@ -136,7 +137,7 @@ def _collect(job_dir: Path, checks: list, start: int, outcomes: dict) -> None:
         except json.JSONDecodeError:
             break
         if line["index"] >= start and checks[line["index"]].id not in outcomes:
-            outcomes[checks[line["index"]].id] = Outcome(line["seconds"],
+            outcomes[checks[line["index"]].id] = Outcome(line["seconds"], line.get("warm_up_seconds"),
                                                          measured=Measurement.from_json(line["measured"]))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import re
 
 from dataclasses import asdict, replace
 
@@ -43,6 +44,11 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
                  topology=platform.topology.describe(), skip_reason=skip_reason(platform, subject, prop, asdict(typed)),
                  **fields)
+
+
+def literal(check_id: str) -> str:
+    """A --check pattern that matches exactly this id (glob brackets, * and ? escaped)."""
+    return re.sub(r"([\[\]*?])", r"[\1]", check_id)
 
 
 def selected(check_id: str, selection: list[str] | None) -> bool:

@@ -72,6 +72,15 @@ class Subject(Protocol):
     def unavailable(self, platform: Platform, params: dict) -> str | None:
         """Why this subject cannot run here with these params (None when it can)."""
 
+    # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
+    # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
+    # and the warm-up's seconds are recorded apart (harness.families.driver.warm_up).
+
+
+def compiles_kernels(subject, params: dict) -> bool:
+    hook = getattr(subject, "compiles_kernels", None)
+    return bool(hook(params)) if hook is not None else False
+
 
 class CollectiveSubject(Subject, Protocol):
     def reduce_scatter(self, out, inp, sizes: list[int], group) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import secrets
 import shlex
 import time
@@ -16,7 +15,7 @@ from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import detect, pinned_env, run_fingerprint
 from harness.launch import Interrupted, Outcome, interruptible, run_job
-from harness.plan import expand, jobs, planned, selected
+from harness.plan import expand, jobs, literal, planned, selected
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import decide
 from reports.analysis import FAILING
@@ -29,9 +28,7 @@ def new_run_id() -> str:
 
 def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
                   from_record: bool = False) -> str:
-    # --check takes a glob: brackets, * and ? in an id are matched literally, then shell-quoted.
-    literal = re.sub(r"([\[\]*?])", r"[\1]", check_id)
-    cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal]
+    cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal(check_id)]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
     if emulate_hosts:
@@ -51,6 +48,8 @@ def finalize(check: Check, outcome: Outcome | None, run_id: str, rerun: str,
         rec.update(status="interrupted", reason=f"the run was interrupted by {interrupted} before this check finished")
         return rec
     rec["seconds"] = outcome.seconds
+    if outcome.warm_up_seconds is not None:
+        rec["warm_up_seconds"] = outcome.warm_up_seconds
     if outcome.error:
         rec.update(status="error", reason=outcome.error, detail=outcome.details)
         return rec
@@ -89,6 +88,15 @@ class Stream:
             count = f"[{len(self.records)}/{self.runnable}]"
             print(f"{count:<10}{time.time() - self.began:7.1f}s {self.terminal.row(record, self.keys[check.case])[2:]}",
                   flush=True)
+
+
+def timing(records, wall_s: float) -> dict:
+    """Where a run's time went: the launches' wall clock, the checks' own time, and the untimed
+    warm-up of JIT-compiling subjects (what a warm kernel cache saves)."""
+    records = list(records)
+    warmed = [r["warm_up_seconds"] for r in records if r.get("warm_up_seconds") is not None]
+    return {"wall_s": round(wall_s, 2), "check_s": round(sum(float(r.get("seconds") or 0) for r in records), 2),
+            "warm_up_s": round(sum(warmed), 2), "warmed_checks": len(warmed)}
 
 
 def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
@@ -194,6 +202,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         return rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts, from_record is not None)
 
     stream = Stream(run_dir, run_id, checks, quiet, rerun)
+    began = time.time()
     outcomes: dict[str, Outcome] = {}
     interrupted = None
     with interruptible():
@@ -221,6 +230,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
     if interrupted is not None:
         fingerprint["interrupted"] = str(interrupted)
+    fingerprint["timing"] = timing(stream.records.values(), time.time() - began)
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
@@ -232,6 +242,11 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
 
         render_run(run_dir, quiet=quiet, show_skipped=show_skipped, rows=quiet)
     write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
+    if not quiet:
+        t = fingerprint["timing"]
+        print(f"# wall {t['wall_s']} s: {t['check_s']} s in checks" +
+              (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
+               f"cache load, untimed)" if t["warmed_checks"] else ""), flush=True)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)

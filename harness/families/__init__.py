@@ -12,6 +12,10 @@ FAMILIES = {f.name: f for f in (collective.FAMILY, gemm.FAMILY, quant.FAMILY, di
 PROPERTIES = {name: f.properties for name, f in FAMILIES.items()}
 
 
+def warm_up(check, subject, ctx) -> None:
+    driver.warm_up(FAMILIES[check.family], check, subject, ctx)
+
+
 def execute(check, subject, ctx):
     """Run one check on this rank; every rank returns the same Measurement."""
     return driver.execute(FAMILIES[check.family], check, subject, ctx)

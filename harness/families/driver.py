@@ -82,6 +82,12 @@ def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_wha
     return None
 
 
+def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
+    """Every run of the check executed once, untimed and unmeasured: a JIT-compiling subject
+    compiles (or loads from its cache) each kernel the check will time."""
+    family.observe(subject, ctx, check.p, check.property, family.runs(check.property, check.p, ctx.world_size))
+
+
 def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
     p, prop = check.p, check.property

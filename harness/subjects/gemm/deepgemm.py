@@ -72,6 +72,9 @@ class _DeepGemm:
             return f"deep_gemm cannot be imported ({exc}); pip install 'ep-harness[deepgemm]'"
         return None
 
+    def compiles_kernels(self, params):  # DeepGEMM JIT-compiles a kernel per shape on first use
+        return True
+
 
 def _fp8(problem):
     return (problem.a, problem.a_scale), (problem.b, problem.b_scale)

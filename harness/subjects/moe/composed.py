@@ -53,6 +53,11 @@ class ComposedMoE:
                 return f"{stage} stage {subject.name}: {reason}"
         return None
 
+    def compiles_kernels(self, params):
+        from harness.subject import compiles_kernels
+
+        return any(compiles_kernels(s, params) for s in stages(params).values())
+
     def forward(self, partials, weights, params, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
