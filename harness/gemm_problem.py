@@ -7,6 +7,8 @@ expert's segment starting at a multiple of `align`, padding rows zero with group
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +54,14 @@ def aligned_starts(counts: list[int], alignment: int) -> tuple[list[int], int]:
     return starts, total
 
 
+@functools.lru_cache(maxsize=2)
 def weights(seed: int, groups: int, n: int, k: int, dtype: str, data: str,
             cancel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert weights [G, N, K] (and block scales for FP8), fixed by the seed. With `cancel`
-    columns 1 and 1 + K/2 are equal, so the probe's +-large pair cancels exactly."""
+    columns 1 and 1 + K/2 are equal, so the probe's +-large pair cancels exactly.
+
+    Cached (never modified by a caller): every property of a case, its warm-up and its
+    measurement use the same weights, whose float64 generation costs seconds at GPU sizes."""
     base = torch.bfloat16 if dtype == FP8 else gen.dtype_of(dtype)
     w = (gen.values((groups, n, k), base, seed, "weights", data=data).double() * (k ** -0.5)).to(base)
     if cancel:

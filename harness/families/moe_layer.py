@@ -11,6 +11,8 @@ float64 and runs routing, experts and combine in float64 (reference/moe.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness import inputs as gen
@@ -38,11 +40,15 @@ def layer_weights(p: dict) -> dict:
     hidden columns that carry the probe's +-CANCEL pair have equal weights everywhere, so
     the pair cancels exactly in every product but makes the K order visible (as in
     families/gemm.py); the router does not see it at all."""
-    e, h, i = p["num_experts"], p["hidden"], p["intermediate"]
-    seed = p["seed"]
+    return _layer_weights(p["num_experts"], p["hidden"], p["intermediate"], p["seed"], p["cancel"])
+
+
+@functools.lru_cache(maxsize=2)
+def _layer_weights(e: int, h: int, i: int, seed: int, cancel: bool) -> dict:
+    """Cached per process (never modified by a caller): the properties of a case share them."""
     router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
     gate_up = (gen.values((e, 2 * i, h), torch.float64, seed, "gate-up", data="randn") * h ** -0.5).to(torch.bfloat16)
-    if p["cancel"]:
+    if cancel:
         a, b = cancel_columns(h)
         router[:, b], gate_up[:, :, b] = router[:, a], gate_up[:, :, a]
     return {"router": router, "gate_up": gate_up,
