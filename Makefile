@@ -14,6 +14,14 @@ SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 EMULATE_HOSTS ?=
 # EMULATE_HOSTS=1: GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank.
 GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate-hosts,)
+# Several nodes: NNODES=2 NPROC_PER_NODE=8 RDZV=head:29400 NODE_RANK=0 (1 on the other node), or LAUNCHER=slurm.
+NNODES ?=
+NPROC_PER_NODE ?=
+RDZV ?=
+NODE_RANK ?=
+LAUNCHER ?=
+NODE_FLAG := $(if $(NNODES),--nnodes $(NNODES),) $(if $(NPROC_PER_NODE),--nproc-per-node $(NPROC_PER_NODE),) \
+	$(if $(RDZV),--rdzv-endpoint $(RDZV),) $(if $(NODE_RANK),--node-rank $(NODE_RANK),) $(if $(LAUNCHER),--launcher $(LAUNCHER),)
 
 .PHONY: install verify test bench report nightly baseline screenshot clean
 
@@ -26,7 +34,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 verify: install
-	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG)
+	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
 
 test: install
 	$(PY) -m pytest -n $(PYTEST_WORKERS) tests

@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how checks share torchrun launches (auto: one on gloo, one per world size on NCCL)")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
+    m = v.add_argument_group("several nodes (torchrun's c10d rendezvous; world size = NNODES x NPROC_PER_NODE)")
+    m.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    m.add_argument("--nproc-per-node", type=int, default=None, metavar="P", help="ranks per node")
+    m.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="the head node's address (node rank 0 hosts the run's store there); the same on every node")
+    m.add_argument("--node-rank", type=int, default=0,
+                   help="0 on the head (which writes the run directory), 1..NNODES-1 on the others")
+    m.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun",
+                   help="torchrun: one `ep-harness verify` per node; slurm: the head (inside an allocation) "
+                        "starts every node's torchrun with srun")
 
     r = sub.add_parser("report", help="render a run directory (terminal table + report.html)")
     r.add_argument("run_dir", type=Path)
@@ -96,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "verify":
+            from harness.launch import Nodes, follow
             from harness.verify import verify
 
+            nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
+                          args.launcher).validate()
+            if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
+                return follow(nodes, args.out)
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
                              from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
                              junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped,
-                             launches=args.launches)
+                             launches=args.launches, nodes=nodes)
             return code
         if args.command == "report":
             from reports.render import render_run

@@ -40,10 +40,11 @@ class Topology:
     gpu_name: str | None = None
 
     def describe(self) -> str:
+        spread = f", {self.nodes} nodes of {self.ranks // self.nodes} ranks" if self.nodes > 1 else ""
         if self.kind == "cpu-gloo":
-            return f"cpu-gloo: {self.ranks} gloo ranks on the CPU"
+            return f"cpu-gloo: {self.ranks} gloo ranks on the CPU{spread}"
         if self.kind == "emulated-hosts":
-            return (f"emulated-hosts: {self.ranks} ranks on {self.gpus} x {self.gpu_name}, "
+            return (f"emulated-hosts: {self.ranks} ranks on {self.gpus} x {self.gpu_name}{spread}, "
                     f"one NCCL host per rank, NET/Socket (not an NVLink node)")
         return f"gpus: {self.ranks} ranks, one per GPU, {self.gpus} x {self.gpu_name} on {self.nodes} node(s)"
 

@@ -63,6 +63,26 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
                     capability=(props.major, props.minor), gpus=min(gpus, visible), emulated_hosts=emulated)
 
 
+def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (harness.launch.Nodes):
+    the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
+    import dataclasses
+
+    if not nodes.multi:
+        return detect(gpus, cpu_ranks, emulate_hosts)
+    total, per_node = nodes.ranks, nodes.nproc_per_node
+    if gpus not in (None, 0, total):
+        raise HarnessError(f"GPUS={gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
+                           f"drop --gpus, or make it {total} (or 0 for gloo on the CPU)")
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0 or (visible == 0 and not emulate_hosts):
+        return Platform(backend="gloo", device="cpu", ranks=total, nodes=nodes.nnodes)
+    local = detect(per_node, cpu_ranks, emulate_hosts)
+    return dataclasses.replace(local, ranks=total, nodes=nodes.nnodes)
+
+
 def nccl_version() -> tuple[int, int, int] | None:
     import torch
 
@@ -166,9 +186,14 @@ def rank_fingerprint() -> dict:
     """What one rank sees: host, device, versions, and every pinned variable."""
     import torch
 
+    from harness.channel import local_node
+
     info = {
         "host": socket.gethostname(),
+        "node": local_node(),
         "pid": os.getpid(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "env": recorded_env(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
@@ -176,9 +201,38 @@ def rank_fingerprint() -> dict:
         idx = torch.cuda.current_device()
         info["device"] = torch.cuda.get_device_name(idx)
         info["nccl"] = ".".join(map(str, nccl_version() or ()))
+        info["driver"] = gpu_driver()
     else:
         info["device"] = "cpu"
     return info
+
+
+NODE_KEYS = ("host", "torch", "cuda", "nccl", "device", "driver")
+BIT_RELEVANT = ("torch", "cuda", "nccl", "device", "driver")  # what makes two nodes compute differently
+
+
+def nodes_of(ranks: dict[str, list[dict]]) -> dict[str, dict]:
+    """Every node of the run as its ranks saw it (first launch that reported), with its ranks."""
+    nodes: dict[str, dict] = {}
+    for fingerprints in ranks.values():
+        for rank, fp in enumerate(fingerprints or []):
+            node = nodes.setdefault(str(fp.get("node", "0")), {k: fp.get(k) for k in NODE_KEYS} | {"ranks": []})
+            if rank not in node["ranks"]:
+                node["ranks"].append(rank)
+        if nodes:
+            break
+    return dict(sorted(nodes.items()))
+
+
+def node_differences(nodes: dict[str, dict]) -> list[str]:
+    """One line per bit-relevant setting that differs between nodes, e.g. `torch: node 0
+    2.13.0, node 1 2.12.0`: such a run does not measure one stack."""
+    lines = []
+    for key in BIT_RELEVANT:
+        values = {n: info.get(key) for n, info in nodes.items()}
+        if len(set(map(str, values.values()))) > 1:
+            lines.append(f"{key}: " + ", ".join(f"node {n} {v}" for n, v in values.items()))
+    return lines
 
 
 def run_fingerprint(platform: Platform, command: list[str]) -> dict:

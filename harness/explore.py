@@ -80,7 +80,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import Interrupted, interruptible, kill_launch, torchrun_command
+    from harness.launch import Interrupted, Nodes, interruptible, kill_launch, torchrun_command
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -99,7 +99,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
     with open(job_dir / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(torchrun_command(world_size, job_dir, 0, None, module="harness.explore"), env=env,
+        proc = subprocess.Popen(torchrun_command(Nodes(), world_size, job_dir.name, None, module="harness.explore",
+                                                 args=(str(job_dir),)), env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with interruptible():
@@ -110,7 +111,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     except subprocess.TimeoutExpired:
         raise HarnessError(f"the exploration launch outlived its budget + 600 s; log {job_dir}/torchrun.log") from None
     finally:
-        kill_launch(proc, job_dir)
+        kill_launch(proc, _rank_groups(job_dir))
     result_path = job_dir / "result.json"
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join((job_dir / "torchrun.log").read_text().splitlines()[-15:])
@@ -134,6 +135,17 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     print(f"# rerun: ep-harness verify --suite {suite} --check '{check}'"
           + "".join(f" --plugin {p}" for p in plugins))
     return 1
+
+
+def _rank_groups(job_dir: Path) -> set[int]:
+    """The process groups of this node's exploring ranks (each wrote its pid)."""
+    groups = set()
+    for pid_file in job_dir.glob("pid-rank*"):
+        try:
+            groups.add(os.getpgid(int(pid_file.read_text())))
+        except (OSError, ValueError):
+            pass
+    return groups
 
 
 def worker(job_dir: Path) -> int:

@@ -41,10 +41,12 @@ def platform_key(environment: dict) -> str:
     topology = environment.get("topology") or {}
     if gpus:
         name = re.sub(r"[^A-Za-z0-9]+", "-", gpus[0]).strip("-").lower()
+        nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
         if topology.get("kind") == "emulated-hosts":
-            return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}"
-        return f"{name}-x{len(gpus)}"
-    return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}"
+            return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}{nodes}"
+        return f"{name}-x{len(gpus)}{nodes}"
+    nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
+    return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 
 
 def fingerprint(environment: dict) -> dict:
@@ -61,6 +63,8 @@ def fingerprint(environment: dict) -> dict:
     }
     if environment.get("backend") != "nccl":  # CPU GEMMs and reductions: the CPU decides the bits
         fp["cpu"] = environment.get("cpu")
+    if topology.get("nodes", 1) > 1:  # ranks over several nodes: other transports, other orders
+        fp["nodes"] = topology["nodes"]
     return fp
 
 

@@ -1,28 +1,38 @@
-"""Launch one torchrun job per (world size, environment) and watch it.
+"""Launch torchrun jobs on one node or several, and watch them through the run's store.
 
-The launcher wraps torchrun and nothing else. A check that raises on any rank, or does
-not finish within its timeout (stacks are dumped first), is recorded as an error and the
-job is relaunched from the next check, so one bad subject never costs the whole run and
-no process outlives it.
+The launcher wraps torchrun (and, with `--launcher slurm`, srun) and nothing else. The head
+node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
+the rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the
+other nodes' launchers (`follow`) start their agents for each launch the head publishes.
+
+A check that raises on any rank, or does not finish within its timeout (stacks dumped
+first), is recorded as an error and the job is relaunched from the next check, so one bad
+subject never costs the whole run and no process outlives it. A node that dies or never
+arrives makes every check it would have run an error naming it.
 """
 from __future__ import annotations
 
 import contextlib
-import json
+import ctypes
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.channel import Channel, current_run, parse_endpoint, publish_run, run_channel, tcp_store
+from harness.errors import HarnessError
 from harness.measurement import Measurement
-from harness.records import write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
+NODE_TIMEOUT_S = 6.0  # a node launcher silent this long is gone
+NODE_BEAT_S = 0.5
 POLL_S = 0.1
 
 
@@ -37,43 +47,97 @@ class Outcome:
     details: dict = field(default_factory=dict)
 
 
-def torchrun_command(world_size: int, job_dir: Path, start: int, torchrun_args: str | None,
-                     module: str = "harness.worker") -> list[str]:
-    # Past one host, pass torchrun's own rendezvous (--nnodes, --rdzv-endpoint, ...) through
-    # EP_HARNESS_TORCHRUN_ARGS; JOB_DIR must then be on a filesystem every host shares.
-    rendezvous = shlex.split(torchrun_args) if torchrun_args else ["--standalone", "--nnodes", "1"]
-    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
-            "--nproc-per-node", str(world_size), "--max-restarts", "0", "--monitor-interval", "0.1",
-            "-m", module, str(job_dir), str(start)]
+@dataclass(frozen=True)
+class Nodes:
+    """Where a run's ranks live. One node by default (the job's world size on it); several:
+    nnodes x nproc_per_node ranks meeting at the head's `endpoint` (torchrun's c10d
+    rendezvous), started by one launcher per node (`torchrun`) or by srun (`slurm`)."""
+
+    nnodes: int = 1
+    nproc_per_node: int | None = None
+    endpoint: str | None = None
+    node_rank: int = 0
+    launcher: str = "torchrun"
+
+    @property
+    def multi(self) -> bool:
+        return self.nnodes > 1 or self.launcher == "slurm"
+
+    @property
+    def ranks(self) -> int | None:
+        return self.nnodes * self.nproc_per_node if self.nproc_per_node else None
+
+    def validate(self) -> "Nodes":
+        if self.launcher not in ("torchrun", "slurm"):
+            raise HarnessError(f"--launcher {self.launcher!r}: use torchrun or slurm")
+        if self.nnodes < 1 or (self.nproc_per_node is not None and self.nproc_per_node < 1):
+            raise HarnessError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: both must be >= 1")
+        if self.multi and self.nproc_per_node is None:
+            raise HarnessError("a multi-node run needs --nproc-per-node P (ranks per node); world size = NNODES x P")
+        if self.nnodes > 1 and self.launcher == "torchrun" and not self.endpoint:
+            raise HarnessError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the head node, node rank 0, "
+                               f"hosts it; every node passes the same one)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise HarnessError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} for --nnodes {self.nnodes}")
+        if self.endpoint:
+            try:
+                parse_endpoint(self.endpoint)
+            except ValueError as exc:
+                raise HarnessError(f"--rdzv-endpoint: {exc}; e.g. --rdzv-endpoint node0.example:29400") from None
+        return self
 
 
-def _read_json(path: Path):
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux), so a killed
+    launcher never leaves its torchrun agent (whose ranks then follow: harness.worker)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
-def _ranks_state(job_dir: Path, world_size: int) -> list[dict | None]:
-    return [_read_json(job_dir / f"progress-rank{r}") for r in range(world_size)]
+def torchrun_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
+                     module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
+    """torchrun on this node; on several nodes, c10d rendezvous at the head's store, which
+    the agents reach as clients (is_host=false); with Slurm, wrapped in one srun task per node."""
+    extra = shlex.split(os.environ.get("EP_HARNESS_TORCHRUN_ARGS", ""))
+    if nodes.multi:
+        rendezvous = ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                      "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
+    else:
+        rendezvous = ["--standalone", "--nnodes", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *extra, "--nproc-per-node", str(nproc),
+                "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
+    if nodes.launcher == "slurm":
+        return ["srun", f"--nodes={nodes.nnodes}", f"--ntasks={nodes.nnodes}", "--ntasks-per-node=1",
+                "--kill-on-bad-exit=1", "--export=ALL", *torchrun]
+    return torchrun
 
 
-def _clear_rank_files(job_dir: Path) -> None:
-    for pattern in ("progress-rank*", "pid-rank*", "error-rank*.json", "stack-rank*.txt"):
-        for p in job_dir.glob(pattern):
-            p.unlink()
+def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes) -> dict[str, str]:
+    # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
+    node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
+    return {**os.environ, **env, **node, "PYTHONUNBUFFERED": "1",
+            # The working directory never goes before the standard library: a json.py
+            # there must not run inside the ranks (plugins are found at the path's end).
+            "PYTHONSAFEPATH": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            # Ranks build their own process-group store; the rendezvous store stays the run's.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir)}
 
 
-def kill_launch(proc: subprocess.Popen, job_dir: Path, grace_s: float = 2.0) -> None:
-    """End torchrun, every worker and whatever they spawned: each is killed as a process
-    group (torchrun's own session, and each worker's, which its children share), first
-    with SIGTERM and, after a grace period, SIGKILL."""
-    groups = {proc.pid}
-    for pid_file in job_dir.glob("pid-rank*"):
-        try:
-            groups.add(os.getpgid(int(pid_file.read_text())))
-        except (OSError, ValueError):
-            pass
+def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+
+def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None:
+    """End torchrun (or srun), the local ranks and whatever they spawned: each is killed as
+    a process group (torchrun's own session, and each rank's, which its children share),
+    first with SIGTERM and, after a grace period, SIGKILL."""
+    groups = {proc.pid, *groups}
     groups.discard(os.getpgrp())  # never our own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for group in groups:
@@ -126,34 +190,122 @@ def interruptible():
             signal.signal(s, h)
 
 
-def _collect(job_dir: Path, checks: list, start: int, outcomes: dict) -> None:
-    """The checks of this launch that rank 0 finished and recorded (read while the ranks run:
-    a line still being written is left for the next poll)."""
-    path = job_dir / "records.jsonl"
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    for text in lines:
+def _node_beat(channel: Channel, node: int, stop: threading.Event, extra: dict) -> None:
+    while not stop.is_set():
         try:
-            line = json.loads(text)
-        except json.JSONDecodeError:
-            break
-        if line["index"] >= start and checks[line["index"]].id not in outcomes:
-            outcomes[checks[line["index"]].id] = Outcome(line["seconds"], line.get("warm_up_seconds"),
-                                                         measured=Measurement.from_json(line["measured"]))
+            channel.put(f"node/{node}", {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **extra})
+        except Exception:  # the head is gone; the follower's own loop notices
+            return
+        stop.wait(NODE_BEAT_S)
 
 
-def _dump_stacks(job_dir: Path, world_size: int) -> dict[str, str]:
-    for r in range(world_size):
+class Head:
+    """The head node's side of a run: the store, the launches it publishes, and which
+    nodes are alive. Single node: a store on a free loopback port, torchrun --standalone."""
+
+    def __init__(self, nodes: Nodes, run_id: str):
+        self.nodes, self.run_id, self.launches = nodes, run_id, 0
+        if nodes.endpoint:
+            host, port = parse_endpoint(nodes.endpoint)
+        else:
+            host, port = (socket.getfqdn() if nodes.multi else "127.0.0.1"), 0
         try:
-            os.kill(int((job_dir / f"pid-rank{r}").read_text()), signal.SIGUSR1)
-        except (OSError, ValueError):
-            pass
-    time.sleep(1.0)
-    dumps = {}
-    for r in range(world_size):
-        path = job_dir / f"stack-rank{r}.txt"
-        if path.exists() and path.read_text().strip():
-            dumps[str(r)] = path.read_text()
-    return dumps
+            self.store = tcp_store(host, port, is_master=True)
+        except Exception as exc:
+            raise HarnessError(f"cannot host the run's store at {host}:{port} ({exc}); the head node (node rank 0) "
+                               f"must own that address and the port must be free") from None
+        self.endpoint = f"{host}:{self.store.port}"
+        self.channel = run_channel(self.store, run_id)
+        publish_run(self.store, run_id)
+        self.lost: dict[int, str] = {}  # node -> why it is gone
+        self.reported: dict[str, dict] = {}  # launch -> what its rank 0 reported (launch_results)
+
+    def wait_for_nodes(self) -> None:
+        """Every follower must have joined (torchrun launcher, several nodes) before the
+        first launch; one that has not within START_TIMEOUT_S is lost."""
+        if self.nodes.launcher != "torchrun":
+            return
+        deadline = time.time() + START_TIMEOUT_S
+        for node in range(1, self.nodes.nnodes):
+            if self.channel.wait(f"node/{node}", max(0.0, deadline - time.time())) is None:
+                self.lost[node] = (f"node {node} never joined the run at {self.endpoint} within "
+                                   f"{START_TIMEOUT_S:.0f} s (start `ep-harness verify ... --node-rank {node}` there)")
+
+    def silent_nodes(self) -> dict[int, str]:
+        """Followers whose launcher stopped beating: gone with everything they ran."""
+        if self.nodes.launcher != "torchrun":
+            return {}
+        gone = {}
+        for node in range(1, self.nodes.nnodes):
+            beat = self.channel.get(f"node/{node}")
+            if beat is not None and time.time() - beat["time"] > NODE_TIMEOUT_S:
+                gone[node] = (f"node {node} (host {beat['host']}) stopped answering: its launcher has been "
+                              f"silent for {time.time() - beat['time']:.0f} s")
+        return gone
+
+    def publish(self, job: dict, env: dict, nproc: int, job_name: str) -> Channel:
+        k = self.launches
+        self.launches += 1
+        launch = Channel(self.store, self.channel.key(f"launch{k}"))
+        launch.put("job", job)
+        self.channel.put(f"launch/{k}", {"namespace": launch.namespace, "env": env, "nproc": nproc,
+                                         "rdzv_id": f"{self.run_id}-{k}", "job": job_name})
+        return launch
+
+    def follower_exits(self, k: int, timeout_s: float = 30.0) -> None:
+        """Wait until every live follower's agent of launch k has ended (a new rendezvous must
+        not meet an old agent); a follower that does not report is lost."""
+        if self.nodes.launcher != "torchrun":
+            return
+        deadline = time.time() + timeout_s
+        for node in range(1, self.nodes.nnodes):
+            while node not in self.lost and not self.channel.has(f"node/{node}/launch/{k}"):
+                self.lost.update(self.silent_nodes())
+                if time.time() > deadline:
+                    self.lost[node] = f"node {node}'s torchrun agent did not end within {timeout_s:.0f} s"
+                time.sleep(POLL_S)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell the followers the run is over, and keep the store up until they have read it."""
+        self.channel.put(f"launch/{self.launches}", {"done": True})
+        if self.nodes.launcher == "torchrun":
+            for node in range(1, self.nodes.nnodes):
+                if node not in self.lost:
+                    self.channel.wait(f"node/{node}/done", timeout_s)
+
+
+def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
+    """The checks of this launch that rank 0 finished and recorded (read while the ranks run)."""
+    for index in range(start, len(checks)):
+        if checks[index].id in outcomes:
+            continue
+        line = launch.get(f"record/{index}")
+        if line is None:
+            return  # rank 0 records in plan order
+        outcomes[checks[index].id] = Outcome(line["seconds"], line.get("warm_up_seconds"),
+                                             measured=Measurement.from_json(line["measured"]))
+
+
+def _states(launch: Channel, world_size: int) -> list[dict | None]:
+    return [launch.get(f"progress/{r}") for r in range(world_size)]
+
+
+def _local_groups(states, node: int) -> set[int]:
+    groups = set()
+    for s in states:
+        if s and str(s.get("node")) == str(node):
+            try:
+                groups.add(os.getpgid(s["pid"]))
+            except (OSError, KeyError):
+                pass
+    return groups
+
+
+def _dump_stacks(launch: Channel, world_size: int) -> dict[str, str]:
+    """Ask every rank, wherever it runs, for all its threads' stacks (harness.worker.Watcher)."""
+    launch.add("stacks-requested")
+    time.sleep(1.5)
+    return {str(r): launch.get(f"stack/{r}") for r in range(world_size) if launch.get(f"stack/{r}")}
 
 
 def _log_tail(path: Path, lines: int = 25) -> str:
@@ -163,106 +315,133 @@ def _log_tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def _watch(proc, job_dir: Path, world_size: int, checks: list, start: int, launched: float, log_path: Path,
-           on_poll=None):
-    """Wait for the launch; return (failed_at, error, details) for a start-up failure or a
-    check that outran its timeout (stacks dumped first), or (None, None, {})."""
+def _ranks_of(states, node: int) -> list[int]:
+    return [r for r, s in enumerate(states) if s and str(s.get("node")) == str(node)]
+
+
+def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, start: int, launched: float,
+           log_path: Path, on_poll=None):
+    """Wait for the launch; return (failed_at, error, details) for a start-up failure, a lost
+    node, or a check that outran its timeout (stacks dumped first), or (None, None, {})."""
     while proc.poll() is None:
         time.sleep(POLL_S)
         if on_poll is not None:
             on_poll()
-        states = _ranks_state(job_dir, world_size)
-        running = [s for s in states if s and s["index"] < len(checks)]
+        states = _states(launch, world_size)
+        running = [s for s in states if s and start <= s["index"] < len(checks)]
+        gone = head.silent_nodes()
+        if gone:
+            head.lost.update(gone)
+            failed_at = min((s["index"] for s in running), default=start)
+            node, why = next(iter(gone.items()))
+            return failed_at, f"{why}; its ranks {_ranks_of(states, node) or '(unknown)'} ended with it", {}
         if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
             return start, f"ranks did not start within {START_TIMEOUT_S:.0f} s", {
-                "stacks": _dump_stacks(job_dir, world_size), "log": _log_tail(log_path)}
+                "stacks": _dump_stacks(launch, world_size), "log": _log_tail(log_path)}
         for s in running:
             if time.time() - s["since"] > checks[s["index"]].timeout_s:
                 failed_at = min(x["index"] for x in running)
                 stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
                 return failed_at, (f"timed out after {checks[failed_at].timeout_s:.0f} s "
                                    f"(ranks {stuck} still inside the check); stack dumps attached"), {
-                    "stacks": _dump_stacks(job_dir, world_size)}
+                    "stacks": _dump_stacks(launch, world_size)}
     return None, None, {}
 
 
-def run_job(job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
-            plugins: list[str], torchrun_args: str | None = None, emulate_hosts: bool = False,
-            on_outcome=None) -> dict[str, Outcome]:
+def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, log_path: Path, multi: bool):
+    """(failed_at, error, details) of a launch that exited non-zero: a rank's own traceback
+    first, notes of ranks ended by SIGTERM after it last."""
+    errors = sorted(filter(None, (launch.get(f"error/{r}") for r in range(world_size))),
+                    key=lambda e: (e.get("terminated", False), e["time"]))
+    if not errors:
+        states = [s for s in _states(launch, world_size) if s]
+        return (min((s["index"] for s in states), default=start),
+                f"a rank exited with code {returncode} without a Python traceback", {"log": _log_tail(log_path)})
+    first = errors[0]
+    silent = [r for r in range(world_size) if r not in {e["rank"] for e in errors}]
+    if first.get("terminated") and silent:
+        error = (f"rank(s) {silent} exited without a Python traceback; the others were ended by "
+                 f"SIGTERM: it left no traceback (exited or was killed first)")
+    else:
+        where = f" on node {first['node']} ({first['host']})" if multi else ""
+        error = f"rank {first['rank']}{where} raised {first['error']}"
+        if silent:
+            error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
+    return first["index"], error, {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors},
+                                   "silent_ranks": silent}
+
+
+def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
+            plugins: list[str], emulate_hosts: bool = False, on_outcome=None) -> dict[str, Outcome]:
     """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
     NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py).
     on_outcome(check, outcome) is called for every check as soon as it is finished."""
     job_dir.mkdir(parents=True, exist_ok=True)
+    nodes = head.nodes
+    nproc = nodes.nproc_per_node or world_size
     longest = max(c.timeout_s for c in checks)
-    write_json(job_dir / "job.json", {
-        "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "emulate_hosts": emulate_hosts,
-        # Collective timeouts sit above the launcher's: the launcher must see a hang first.
-        "collective_timeout_s": longest + 60,
-    })
-    child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                 # The working directory never goes before the standard library: a json.py
-                 # there must not run inside the ranks (plugins are found at the path's end).
-                 "PYTHONSAFEPATH": "1",
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     outcomes: dict[str, Outcome] = {}
     reported: set[str] = set()
+    launch: Channel | None = None
 
     def report() -> None:  # hand every newly finished check to the caller, in plan order
-        _collect(job_dir, checks, start, outcomes)
+        if launch is not None:
+            _collect(launch, checks, start, outcomes)
         for c in checks:
             if c.id in outcomes and c.id not in reported:
                 reported.add(c.id)
                 if on_outcome is not None:
                     on_outcome(c, outcomes[c.id])
 
+    def lose_the_rest(why: str) -> None:
+        for c in checks[start:]:
+            outcomes.setdefault(c.id, Outcome(0.0, error=f"not run: {why}"))
+
     start, attempt = 0, 0
     while start < len(checks):
-        _clear_rank_files(job_dir)
+        if head.lost:
+            lose_the_rest(next(iter(head.lost.values())))
+            break
+        launch = head.publish({
+            "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "start": start,
+            "emulate_hosts": emulate_hosts,
+            # Collective timeouts sit above the launcher's: the launcher must see a hang first.
+            "collective_timeout_s": longest + 60,
+        }, env, nproc, job_dir.name)
+        k = head.launches - 1
         log_path = job_dir / f"torchrun-{attempt}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(torchrun_command(world_size, job_dir, start, torchrun_args), env=child_env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        launched = time.time()
+        proc = start_launch = None
         try:
-            failed_at, error, details = _watch(proc, job_dir, world_size, checks, start, launched, log_path, report)
+            proc = spawn(torchrun_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint),
+                         child_env(env, head.endpoint, launch.namespace, job_dir, nodes), log_path)
+            start_launch = time.time()
+            failed_at, error, details = _watch(head, proc, launch, world_size, checks, start, start_launch, log_path,
+                                               report)
         except Interrupted as exc:  # end the processes, then keep what was finished
-            kill_launch(proc, job_dir)
-            _collect(job_dir, checks, start, outcomes)
+            _collect(launch, checks, start, outcomes)
             exc.outcomes = outcomes
             raise
-        finally:  # whatever happened, no process of this launch outlives it
-            kill_launch(proc, job_dir)
+        finally:  # whatever happened, no process of this launch outlives it, on any node
+            launch.put("abort", True)
+            if proc is not None:
+                kill_launch(proc, _local_groups(_states(launch, world_size), nodes.node_rank))
+            head.follower_exits(k)
+            head.reported[f"{job_dir.name}/launch{k}"] = launch_results(launch)
         report()
         if error is None and proc.returncode != 0:
-            # A rank's own traceback first; notes of ranks ended by SIGTERM after it last.
-            errors = sorted(filter(None, (_read_json(p) for p in job_dir.glob("error-rank*.json"))),
-                            key=lambda e: (e.get("terminated", False), e["time"]))
-            if errors:
-                first = errors[0]
-                failed_at = first["index"]
-                silent = [r for r in range(world_size) if r not in {e["rank"] for e in errors}]
-                if first.get("terminated") and silent:
-                    error = (f"rank(s) {silent} exited without a Python traceback; the others were ended by "
-                             f"SIGTERM: it left no traceback (exited or was killed first)")
-                else:
-                    error = f"rank {first['rank']} raised {first['error']}"
-                    if silent:
-                        error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
-                details = {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors}, "silent_ranks": silent}
-            else:
-                states = [s for s in _ranks_state(job_dir, world_size) if s]
-                failed_at = min((s["index"] for s in states), default=start)
-                error = f"a rank exited with code {proc.returncode} without a Python traceback"
-                details = {"log": _log_tail(log_path)}
+            failed_at, error, details = _rank_error(launch, world_size, proc.returncode, start, log_path, nodes.multi)
+            if head.lost:  # a node that died takes its ranks' collectives down with it: name it first
+                node, why = next(iter(head.lost.items()))
+                error = f"{why}; its ranks {_ranks_of(_states(launch, world_size), node)} ended with it. {error}"
         if error is None:
             break
-        seconds = round(time.time() - launched, 3)
-        if not any(_ranks_state(job_dir, world_size)):  # failed before any check: all would
+        seconds = round(time.time() - start_launch, 3)
+        if not any(_states(launch, world_size)):  # failed before any check: all would
             reason = f"the {world_size}-rank launch failed before its first check ({error})"
             for c in checks[start:]:
                 outcomes.setdefault(c.id, Outcome(seconds, error=reason, details={"log": _log_tail(log_path)}))
             break
-        if failed_at is None or failed_at >= len(checks):
+        if failed_at is None or failed_at >= len(checks) or failed_at < start:
             failed_at = start
         outcomes[checks[failed_at].id] = Outcome(seconds, error=error, details=details)
         report()
@@ -275,3 +454,68 @@ def run_job(job_dir: Path, world_size: int, backend: str, checks: list, env: dic
                                              details={"log": _log_tail(job_dir / f"torchrun-{attempt}.log")}))
     report()
     return outcomes
+
+
+def launch_results(launch: Channel) -> dict:
+    """What rank 0 reported about the launch: the ranks' fingerprints and NCCL's topology."""
+    return {"ranks": launch.get("ranks"), "nccl_topology": launch.get("nccl-topology")}
+
+
+def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
+    """A non-head node of a torchrun-launched run: join the head's store, start this node's
+    torchrun agent for every launch the head publishes, report how it ended, and stop when
+    the head says done or is gone. Logs stay on this node, under out_dir."""
+    host, port = parse_endpoint(nodes.endpoint)
+    try:
+        store = tcp_store(host, port, is_master=False, timeout_s=START_TIMEOUT_S)
+    except Exception as exc:
+        raise HarnessError(f"node {nodes.node_rank}: no head at {nodes.endpoint} within {START_TIMEOUT_S:.0f} s "
+                           f"({type(exc).__name__}); start node rank 0 with the same --rdzv-endpoint") from None
+    deadline = time.time() + START_TIMEOUT_S
+    run = None
+    while run is None and time.time() < deadline:
+        run = current_run(store)
+        time.sleep(0.2)
+    if run is None:
+        raise HarnessError(f"node {nodes.node_rank}: the store at {nodes.endpoint} serves no ep-harness run")
+    channel = run_channel(store, run)
+    stop = threading.Event()
+    beat = threading.Thread(target=_node_beat, args=(channel, nodes.node_rank, stop, {}), daemon=True)
+    beat.start()
+    out_dir = out_dir / f"node{nodes.node_rank}-{run}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"# node {nodes.node_rank}: joined run {run} at {nodes.endpoint}; logs in {out_dir}", flush=True)
+    k, code = 0, 0
+    try:
+        with interruptible():
+            while True:
+                try:
+                    launch = channel.wait(f"launch/{k}", 24 * 3600.0)
+                except Exception:
+                    raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone") from None
+                if launch is None or launch.get("done"):
+                    channel.put(f"node/{nodes.node_rank}/done", True)
+                    break
+                job_dir = out_dir / launch["job"]
+                job_dir.mkdir(parents=True, exist_ok=True)
+                ns = Channel(store, launch["namespace"])
+                proc = spawn(torchrun_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint),
+                             child_env(launch["env"], nodes.endpoint, launch["namespace"], job_dir, nodes),
+                             job_dir / f"torchrun-launch{k}.log")
+                try:
+                    while proc.poll() is None:
+                        time.sleep(POLL_S)
+                        if ns.has("abort"):
+                            break
+                finally:
+                    kill_launch(proc, _local_groups(_states(ns, launch["nproc"] * nodes.nnodes), nodes.node_rank))
+                channel.put(f"node/{nodes.node_rank}/launch/{k}", {"exit": proc.returncode})
+                k += 1
+    except Interrupted as exc:
+        code = 128 + exc.signum
+    finally:
+        stop.set()
+    if not quiet:
+        print(f"# node {nodes.node_rank}: {k} launch(es) done; the records are on the head node", flush=True)
+    return code

@@ -35,15 +35,16 @@ class Platform:
     capability: tuple[int, int] | None = None
     gpus: int = 0  # GPUs the ranks use
     emulated_hosts: bool = False  # several NCCL ranks per GPU, one emulated host each
+    nodes: int = 1  # machines (or torchrun agents) the ranks are spread over
 
     @property
     def topology(self):
         from harness.emulation import Topology
 
         if self.device != "cuda":
-            return Topology("cpu-gloo", self.ranks, 0)
+            return Topology("cpu-gloo", self.ranks, 0, self.nodes)
         kind = "emulated-hosts" if self.emulated_hosts else "gpus"
-        return Topology(kind, self.ranks, self.gpus or self.ranks, 1, self.gpu_name)
+        return Topology(kind, self.ranks, self.gpus or self.ranks, self.nodes, self.gpu_name)
 
 
 @dataclass(frozen=True)

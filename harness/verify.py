@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import shlex
@@ -13,8 +12,8 @@ from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
-from harness.environment import detect, pinned_env, run_fingerprint
-from harness.launch import Interrupted, Outcome, interruptible, run_job
+from harness.environment import node_differences, nodes_of, pinned_env, platform_for, run_fingerprint
+from harness.launch import Head, Interrupted, Nodes, Outcome, interruptible, run_job
 from harness.plan import expand, jobs, literal, planned, selected
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import decide
@@ -175,20 +174,22 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
            render: bool = True, quiet: bool = False, launches: str = "auto",
            emulate_hosts: bool = False, from_record: Path | None = None,
            allow_empty: bool = False, seed: int | None = None, junit_xml: Path | None = None,
-           summary_md: Path | None = None, show_skipped: bool = False) -> tuple[int, Path]:
+           summary_md: Path | None = None, show_skipped: bool = False, nodes: Nodes = Nodes()) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
-    records alone: every effective parameter is in the record."""
+    records alone: every effective parameter is in the record. On several nodes this is the
+    head's side (node rank 0); the others run harness.launch.follow."""
+    nodes = nodes.validate()
     if from_record is not None:
         suite_path = from_record
         registry.load_all(plugins)
-        platform = detect(gpus, cpu_ranks, emulate_hosts)
+        platform = platform_for(nodes, gpus, cpu_ranks, emulate_hosts)
         checks = checks_from_records(from_record, platform, selection)
     else:
         suite_path = resolve_suite_path(suite)
         loaded = load_suite(suite_path)
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
-        platform = detect(gpus, cpu_ranks, emulate_hosts)
+        platform = platform_for(nodes, gpus, cpu_ranks, emulate_hosts)
         checks = expand(loaded, platform, selection, seed)
     run_id, run_dir = claim_run_dir(out_root)
     fingerprint = run_fingerprint(platform, list(command))
@@ -205,28 +206,41 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     began = time.time()
     outcomes: dict[str, Outcome] = {}
     interrupted = None
+    head = Head(nodes, run_id)
+    if nodes.multi and not quiet:
+        print(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at {head.endpoint}; "
+              f"waiting for the other nodes", flush=True)
     with interruptible():
         try:
-            grouping = launches if launches != "auto" else ("one" if platform.backend == "gloo" else "per-world-size")
+            head.wait_for_nodes()
+            # Ranks spread over nodes all take part in every launch: one per environment.
+            grouping = launches if launches != "auto" and not nodes.multi else (
+                "one" if platform.backend == "gloo" or nodes.multi else "per-world-size")
             for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
+                world_size = nodes.ranks or world_size
                 env = pinned_env(platform, env_overrides)
                 job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
                 fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
                 if not quiet:
                     print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)",
                           flush=True)
-                outcomes.update(run_job(job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        os.environ.get("EP_HARNESS_TORCHRUN_ARGS"), platform.emulated_hosts,
-                                        on_outcome=stream.finished))
+                outcomes.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
+                                        platform.emulated_hosts, on_outcome=stream.finished))
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
             outcomes.update(exc.outcomes)
             interrupted = exc
             print(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)", flush=True)
-    for job_dir in sorted((run_dir / "jobs").glob("*")):
-        for f in sorted(job_dir.glob("ranks-*.json")):
-            fingerprint["ranks"][f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
-        for f in sorted(job_dir.glob("nccl-topology-*.json")):
-            fingerprint.setdefault("nccl_topology", {})[f"{job_dir.name}/{f.stem}"] = json.loads(f.read_text())
+        finally:
+            head.close()
+    for launch, reported in head.reported.items():
+        if reported["ranks"]:
+            fingerprint["ranks"][launch] = reported["ranks"]
+        if reported["nccl_topology"]:
+            fingerprint.setdefault("nccl_topology", {})[launch] = reported["nccl_topology"]
+    fingerprint["nodes"] = nodes_of(fingerprint["ranks"])
+    fingerprint["node_differences"] = node_differences(fingerprint["nodes"])
+    for line in fingerprint["node_differences"] if not quiet else ():
+        print(f"# WARNING: the nodes differ, {line}", flush=True)
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
     if interrupted is not None:
         fingerprint["interrupted"] = str(interrupted)
@@ -237,16 +251,16 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(out_root, run_dir)
-    if render:
-        from reports.render import render_run
-
-        render_run(run_dir, quiet=quiet, show_skipped=show_skipped, rows=quiet)
-    write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
     if not quiet:
         t = fingerprint["timing"]
         print(f"# wall {t['wall_s']} s: {t['check_s']} s in checks" +
               (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
                f"cache load, untimed)" if t["warmed_checks"] else ""), flush=True)
+    if render:
+        from reports.render import render_run
+
+        render_run(run_dir, quiet=quiet, show_skipped=show_skipped, rows=quiet)
+    write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)

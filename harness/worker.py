@@ -1,63 +1,106 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
-Started by torchrun (`python -m harness.worker JOB_DIR START`). Talks to the launcher
-through files in JOB_DIR: progress-rank{r} (which check, since when), pid-rank{r},
-stack-rank{r}.txt (faulthandler dumps on SIGUSR1), error-rank{r}.json (the traceback
-of a check that raised; the rank then exits so torchrun tears the job down), and
-records.jsonl (rank 0's measurements, one line per finished check).
+Started by torchrun (`python -m harness.worker`) on any node. Talks to the launchers only
+through the run's store (harness/channel.py), named by EP_HARNESS_STORE (HOST:PORT) and
+EP_HARNESS_CHANNEL (the launch's namespace): the job, progress/<rank> (which check, since
+when, pid, node), error/<rank> (the traceback of a check that raised; the rank then exits so
+torchrun tears the job down), stack/<rank> (all threads' stacks, on request) and rank 0's
+record/<index> per finished check. EP_HARNESS_JOB_DIR is a directory of this node for
+NCCL's log.
 """
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
+import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from harness.records import append_line, write_atomic, write_json
+from harness.channel import Channel, local_node, parse_endpoint, tcp_store
+
+WATCH_S = 0.2
 
 
-def _progress(job_dir: Path, rank: int, index: int) -> None:
-    write_atomic(job_dir / f"progress-rank{rank}", json.dumps({"index": index, "since": time.time()}))
+def _channel() -> Channel:
+    host, port = parse_endpoint(os.environ["EP_HARNESS_STORE"])
+    return Channel(tcp_store(host, port, is_master=False, timeout_s=60), os.environ["EP_HARNESS_CHANNEL"])
 
 
-def _terminated(job_dir: Path, rank: int) -> None:
+class Watcher(threading.Thread):
+    """On its own store connection: dumps every thread's stack when the launcher asks, and
+    ends the rank when the launcher sets `abort`, when its torchrun agent is gone (the
+    parent changed) or when the store is (the head launcher is gone): no rank outlives its run."""
+
+    def __init__(self, rank: int):
+        super().__init__(daemon=True, name="ep-harness-watcher")
+        self.rank, self.channel, self.parent, self.dumps = rank, _channel(), os.getppid(), 0
+
+    def run(self) -> None:
+        while True:
+            time.sleep(WATCH_S)
+            if os.getppid() != self.parent:
+                os._exit(128 + signal.SIGKILL)
+            try:
+                if self.channel.has("abort"):
+                    os._exit(128 + signal.SIGTERM)
+                requested = self.channel.count("stacks-requested")
+                if requested > self.dumps:
+                    self.dumps = requested
+                    self.channel.put(f"stack/{self.rank}", _stacks())
+            except Exception:  # the store went away with the head launcher
+                os._exit(128 + signal.SIGTERM)
+
+
+def _stacks() -> str:
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def _terminated(channel: Channel, rank: int, state: dict) -> None:
     """SIGTERM (torchrun ending the survivors of a failed rank, or the launcher stopping the
     run): leave a note, so that the rank that failed first is the one without one."""
-    state = {}
     try:
-        state = json.loads((job_dir / f"progress-rank{rank}").read_text())
-    except (OSError, ValueError):
-        pass
-    if not (job_dir / f"error-rank{rank}.json").exists():
-        write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
-            "index": state.get("index", -1), "check": None, "rank": rank, "time": time.time(), "terminated": True,
-            "error": "SIGTERM: ended while another rank failed or the run was stopped", "traceback": "",
-        }))
-    os._exit(128 + signal.SIGTERM)
+        if not channel.has(f"error/{rank}"):
+            channel.put(f"error/{rank}", {
+                "index": state.get("index", -1), "check": None, "rank": rank, "time": time.time(),
+                "terminated": True, "error": "SIGTERM: ended while another rank failed or the run was stopped",
+                "traceback": "", "node": local_node(), "host": socket.gethostname()})
+    finally:
+        os._exit(128 + signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
-    job_dir, start = Path(argv[0]), int(argv[1])
-    job = json.loads((job_dir / "job.json").read_text())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    (job_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
-    stacks = open(job_dir / f"stack-rank{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(job_dir, rank))
+    job_dir = Path(os.environ.get("EP_HARNESS_JOB_DIR", tempfile.gettempdir()))
+    channel = _channel()
+    job = channel.get("job")
+    start, where = job["start"], {"pid": os.getpid(), "node": local_node(), "host": socket.gethostname()}
+    state: dict = {}
+
+    def progress(index: int) -> None:
+        state.update(index=index)
+        channel.put(f"progress/{rank}", {"index": index, "since": time.time(), **where})
+
+    progress(start - 1)  # started: the launcher now knows this rank's pid and node
+    Watcher(rank).start()
+    signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(channel, rank, state))
 
     import torch
     import torch.distributed as dist
 
     from harness import subject as registry
+    from harness.check import Check
     from harness.context import RankContext
     from harness.environment import rank_fingerprint
-    from harness.check import Check
     from harness.families import execute, warm_up
     from harness.subject import compiles_kernels
 
@@ -76,16 +119,16 @@ def main(argv: list[str]) -> int:
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
     fingerprints = ctx.gather(rank_fingerprint())
     if rank == 0:
-        write_json(job_dir / f"ranks-{start}.json", fingerprints)
+        channel.put("ranks", fingerprints)
     if job["backend"] == "nccl":
-        _read_nccl_topology(ctx, job_dir, start)
+        _read_nccl_topology(ctx, channel)
 
     checks = job["checks"]
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     for index in range(start, len(checks)):
         check = Check.from_json(checks[index])
-        _progress(job_dir, rank, index)
+        progress(index)
         began = time.perf_counter()
         check_ctx = contexts[check.world_size]
         try:
@@ -106,25 +149,24 @@ def main(argv: list[str]) -> int:
             if len(contexts) > 1:
                 dist.barrier()  # every rank leaves the check together, the idle ones included
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
-            write_atomic(job_dir / f"error-rank{rank}.json", json.dumps({
+            channel.put(f"error/{rank}", {
                 "index": index, "check": check.id, "rank": rank, "time": time.time(),
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-            }))
-            stacks.flush()
+                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), **where,
+            })
             os._exit(3)
         if rank == 0:
-            append_line(job_dir / "records.jsonl", {
+            channel.put(f"record/{index}", {
                 "index": index, "check": check.id, "seconds": round(time.perf_counter() - began - warm_s, 4),
                 "warm_up_seconds": round(warm_s, 4) if warm_s else None, "measured": measured,
             })
     for subject in prepared.values():
         if hasattr(subject, "teardown"):
             subject.teardown(ctx)
-    _progress(job_dir, rank, len(checks))
+    progress(len(checks))
     dist.barrier()
     if job["backend"] == "nccl":
         # NCCL teardown after a CUDA-graph capture can hang (seen with emulated hosts); every
-        # result is on disk already, so the rank leaves without it.
+        # result is in the store already, so the rank leaves without it.
         sys.stdout.flush()
         os._exit(0)
     dist.destroy_process_group()
@@ -160,7 +202,7 @@ def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_ran
     return torch.device("cuda", local_rank)
 
 
-def _read_nccl_topology(ctx, job_dir: Path, start: int) -> None:
+def _read_nccl_topology(ctx, channel: Channel) -> None:
     """Every rank parses its own NCCL log (no shared filesystem needed); rank 0 merges them
     into the communicator's topology that the order models use, and follows its own log."""
     from harness import nccl_log
@@ -172,7 +214,7 @@ def _read_nccl_topology(ctx, job_dir: Path, start: int) -> None:
     if ctx.rank == 0:
         ctx.nccl_topology = nccl_log.merge(logs)
         ctx.nccl_log = nccl_log.LogTail(own)
-        write_json(job_dir / f"nccl-topology-{start}.json", ctx.nccl_topology.summary())
+        channel.put("nccl-topology", ctx.nccl_topology.summary())
 
 
 if __name__ == "__main__":

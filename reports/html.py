@@ -134,6 +134,7 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
     context = {
         "run_id": run.run_id, "verdict": verdict(records, changes), "counts": counts(records),
         "topology": _text((env.get("topology") or {}).get("describe")), "command": _text(env.get("command")),
+        "node_differences": [_text(line) for line in env.get("node_differences") or []],
         "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records,
         "summary_png": plots.summary_figure(df) if records else None, "pairs": _pairs(records),
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,

@@ -23,3 +23,25 @@ def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
     proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
     return proc, out / "latest"
+
+
+def processes_with_env(fragment: str) -> list[int]:
+    """PIDs of this user's processes whose environment contains `fragment` (e.g. the run's
+    store namespace, EP_HARNESS_CHANNEL=ep-harness/<run id>/, which every rank carries)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if fragment.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile, or another user's
+                pass
+    return pids
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    """Every rank of a finished run, from the fingerprints each launch's ranks reported."""
+    import json
+
+    ranks = json.loads((run_dir / "environment.json").read_text())["ranks"]
+    return [fp["pid"] for fingerprints in ranks.values() for fp in fingerprints]

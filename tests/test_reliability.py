@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.environment import recorded_env
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, processes_with_env, run_cli
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
 ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
@@ -89,7 +89,8 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
     spawned = [int(p.read_text()) for p in children.iterdir()]
     assert len(spawned) == 3, proc.stdout.read() if proc.poll() is not None else "ranks never reached the hang"
     [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
-    workers = [int(p.read_text()) for p in run_dir.glob("jobs/*/pid-rank*")]
+    workers = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_dir.name}/")
+    assert len(workers) >= 3
     # Streamed: the finished check reaches results.jsonl (within the launcher's next polls) before the run ends.
     streamed = run_dir / "results.jsonl"
     deadline = time.time() + 10

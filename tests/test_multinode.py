@@ -1,0 +1,147 @@
+"""Past one machine: two torchrun agents on localhost as two nodes (2 gloo ranks each),
+Slurm's srun (a stand-in: Slurm cannot run here), and what a lost node leaves behind.
+
+Each agent runs in its own directory with its own --out, so the head can only have read
+what the other node's ranks sent through the run's store."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.environment import node_differences
+from tests.conftest import REPO, processes_with_env, run_cli
+
+EXE = str(Path(sys.executable).parent / "ep-harness")
+COLLECTIVES = ["rs-native/*", "ar-slice/*", "ag-fold/*", "a2a-fold/*", "two-ranks/*"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent(node_rank: int, port: int, cwd: Path, *args) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
+                             f"127.0.0.1:{port}", "--node-rank", str(node_rank), "--gpus", "0", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def counts(run_dir: Path) -> dict:
+    return {r["check"]: (r["status"], r["mismatched"], r.get("predicted_mismatched"), r["total"])
+            for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+
+
+def selection() -> list[str]:
+    return [arg for pattern in COLLECTIVES for arg in ("--check", pattern)]
+
+
+@pytest.fixture(scope="module")
+def single_agent(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--no-report", "--out", str(out), *selection())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return counts(out / "latest")
+
+
+@pytest.mark.slow
+def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent):
+    port = free_port()
+    head = agent(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report", *selection())
+    other = agent(1, port, tmp_path / "node1")
+    head_out, _ = head.communicate(timeout=300)
+    other_out, _ = other.communicate(timeout=60)
+    assert head.returncode == 0, head_out[-3000:]
+    assert other.returncode == 0 and "the records are on the head node" in other_out, other_out[-2000:]
+    run_dir = tmp_path / "node0" / "reports" / "out" / "latest"
+    two = counts(run_dir)
+    assert two == single_agent  # same gloo ring and fold orders at every world size: the same counts
+    assert sum(1 for s, m, *_ in two.values() if s == "ok" and m) >= 10  # the controls did differ
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["topology"]["nodes"] == 2 and "2 nodes of 2 ranks" in env["topology"]["describe"]
+    assert {n: info["ranks"] for n, info in env["nodes"].items()} == {"0": [0, 1], "1": [2, 3]}
+    assert env["node_differences"] == []
+    for fingerprint in next(iter(env["ranks"].values())):  # the pinned variables, as each rank saw them
+        assert fingerprint["env"]["PYTHONHASHSEED"] == "0"
+    # The other node's logs stayed on it; nothing of its ranks is in the head's run directory.
+    assert not list((tmp_path / "node1").glob("reports/out/*/*/*.json"))
+    assert list((tmp_path / "node1").glob("reports/out/node1-*/*/torchrun-launch0.log"))
+    assert not [p for p in run_dir.rglob("*") if "node1" in p.name]
+
+
+@pytest.mark.slow
+def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
+    port = free_port()
+    head = agent(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report")
+    other = agent(1, port, tmp_path / "node1")
+    results = None
+    deadline = time.time() + 240
+    while time.time() < deadline:  # mid-run: some checks recorded, most not
+        found = [p for p in (tmp_path / "node0" / "reports" / "out").glob("*/results.jsonl")
+                 if p.parent.name != "latest"]
+        if found and len(found[0].read_text().splitlines()) >= 20:
+            results = found[0]
+            break
+        time.sleep(0.2)
+    assert results is not None, head.communicate(timeout=60)[0][-2000:]
+    run_id = results.parent.name
+    ranks = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")
+    assert len(ranks) == 6  # 4 ranks and the 2 torchrun agents (both carry the namespace)
+    os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
+    out, _ = head.communicate(timeout=120)
+    other.wait(timeout=10)
+    assert head.returncode == 1, out[-2000:]
+    records = list(map(json.loads, results.read_text().splitlines()))
+    errors = [r for r in records if r["status"] == "error"]
+    assert errors and all("node 1" in r["reason"] for r in errors), [r["reason"][:300] for r in errors if "node 1" not in r["reason"]]
+    assert "ranks [2, 3] ended with it" in errors[0]["reason"]
+    assert {r["status"] for r in records[records.index(errors[0]):]} <= {"error", "skipped"}  # nothing ran after
+    time.sleep(1.0)
+    assert processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/") == []  # no rank of either node
+    assert processes_with_env(f"127.0.0.1:{port}") == []  # nor any agent
+
+
+@pytest.mark.slow
+def test_slurm_launcher_starts_every_node_through_srun(tmp_path, single_agent):
+    """--launcher slurm: the head (inside an allocation) runs `srun ... torchrun` per launch.
+    srun here is tests/fake_slurm/srun, which starts one task per node on this machine."""
+    env = {**os.environ, "PATH": f"{REPO / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([EXE, "verify", "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "2",
+                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--gpus", "0", "--suite", "smoke",
+                           "--no-report", "--out", str(tmp_path), *selection()], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert counts(tmp_path / "latest") == single_agent
+    env = json.loads((tmp_path / "latest" / "environment.json").read_text())
+    assert {n: info["ranks"] for n, info in env["nodes"].items()} == {"0": [0, 1], "1": [2, 3]}  # SLURM_NODEID
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", "2", "--nproc-per-node", "2"], "needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "needs --nproc-per-node P"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "nohost"], "is not HOST:PORT"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "2"],
+     "--node-rank 2 is outside 0..1"),
+    (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:1", "--gpus", "3"],
+     "GPUS=3 cannot be given by 2 nodes x 2 ranks = 4"),
+])
+def test_bad_node_options_are_one_line_and_write_nothing(tmp_path, args, message):
+    proc = run_cli("verify", "--suite", "smoke", "--out", str(tmp_path / "out"), *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_nodes_that_differ_in_what_decides_bits_are_named():
+    nodes = {"0": {"torch": "2.13.0", "nccl": "2.28.9", "device": "NVIDIA H200", "cuda": "13.0", "driver": "580"},
+             "1": {"torch": "2.12.0", "nccl": "2.28.9", "device": "NVIDIA H200", "cuda": "13.0", "driver": "580"}}
+    assert node_differences(nodes) == ["torch: node 0 2.13.0, node 1 2.12.0"]
+    nodes["1"]["torch"] = "2.13.0"
+    assert node_differences(nodes) == []
