@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -100,13 +99,12 @@ def torchrun_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | Non
                      module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
     """torchrun on this node; on several nodes, c10d rendezvous at the head's store, which
     the agents reach as clients (is_host=false); with Slurm, wrapped in one srun task per node."""
-    extra = shlex.split(os.environ.get("EP_HARNESS_TORCHRUN_ARGS", ""))
     if nodes.multi:
         rendezvous = ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                       "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
     else:
         rendezvous = ["--standalone", "--nnodes", "1"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *extra, "--nproc-per-node", str(nproc),
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
                 "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
     if nodes.launcher == "slurm":
         return ["srun", f"--nodes={nodes.nnodes}", f"--ntasks={nodes.nnodes}", "--ntasks-per-node=1",
