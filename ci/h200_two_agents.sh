@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Two torchrun agents on the one lent H200 as two "nodes" of 2 NCCL ranks each (emulated
-# hosts: one NCCL_HOSTID per rank, NET/Socket), against one agent of 4 ranks, both as one
-# launch (smaller world sizes on subgroups), on the smoke suite's collectives. Not a
+# hosts: one NCCL_HOSTID per rank, NET/Socket), against one agent of 4 ranks, on the smoke
+# suite's world-size-4 collectives (smaller NCCL world sizes on subgroups of one emulated-hosts
+# launch hung in 2026-11-29's first try: results/h200-two-agents-2026-11-29). Not a
 # multi-GPU or multi-host result: every rank shares the one GPU.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 { date -u; nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())"; } \
   > "$OUT/machine.txt" 2>&1
-SEL=(--check 'rs-native/*' --check 'ar-slice/*' --check 'ag-fold/*' --check 'a2a-fold/*' --check 'two-ranks/*')
+SEL=(--check 'rs-native/*/world_size=4' --check 'ar-slice/*/world_size=4' --check 'ag-fold/*/world_size=4'
+     --check 'a2a-fold/*/world_size=4')
 COMMON=(--suite smoke --gpus 4 --emulate-hosts --no-report "${SEL[@]}")
 start=$(date +%s)
 python3 -m harness verify "${COMMON[@]}" --launches one --out /tmp/one > "$OUT/one-agent.log" 2>&1
