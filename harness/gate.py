@@ -39,13 +39,12 @@ def platform_key(environment: dict) -> str:
     """Baselines of different topologies never mix: emulated hosts are not real GPUs."""
     gpus = environment.get("gpus") or []
     topology = environment.get("topology") or {}
+    nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
     if gpus:
         name = re.sub(r"[^A-Za-z0-9]+", "-", gpus[0]).strip("-").lower()
-        nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
         if topology.get("kind") == "emulated-hosts":
             return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}{nodes}"
         return f"{name}-x{len(gpus)}{nodes}"
-    nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 
 

@@ -206,16 +206,23 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     began = time.time()
     outcomes: dict[str, Outcome] = {}
     interrupted = None
-    head = Head(nodes, run_id)
+    try:
+        head = Head(nodes, run_id)
+    except HarnessError:
+        run_dir.rmdir()  # nothing was written: no partial run
+        raise
     if nodes.multi and not quiet:
         print(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at {head.endpoint}; "
               f"waiting for the other nodes", flush=True)
     with interruptible():
         try:
             head.wait_for_nodes()
-            # Ranks spread over nodes all take part in every launch: one per environment.
-            grouping = launches if launches != "auto" and not nodes.multi else (
-                "one" if platform.backend == "gloo" or nodes.multi else "per-world-size")
+            if nodes.multi:  # ranks spread over nodes all take part in every launch
+                grouping = "one"
+            elif launches != "auto":
+                grouping = launches
+            else:
+                grouping = "one" if platform.backend == "gloo" else "per-world-size"
             for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
                 world_size = nodes.ranks or world_size
                 env = pinned_env(platform, env_overrides)

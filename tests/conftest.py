@@ -17,9 +17,17 @@ def run_cli(*args, cwd=REPO, timeout=600):
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that read the session's smoke run go to one xdist worker (`--dist loadgroup`,
+    as `make test` runs), so that the run is made once, not once per worker."""
+    for item in items:
+        if "smoke_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("smoke-run"))
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
-    """The CPU default, once per session: `ep-harness verify` with the smoke suite."""
+    """The CPU default, once per session: `ep-harness verify` with the smoke suite (one launch)."""
     out = tmp_path_factory.mktemp("smoke")
     proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
     return proc, out / "latest"

@@ -128,3 +128,24 @@ def test_gpu_only_cases_are_skipped_on_the_cpu(tmp_path):
     assert {c.skip_reason for c in expand(suite, CPU4) if c.world_size < 8} == \
         {"sized for GPUs (gpu_only = true in the case file)"}
     assert all(c.skip_reason is None for c in expand(suite, GPU4) if c.world_size <= 4)
+
+
+def test_deep_gemm_kernels_are_cached_in_a_stable_directory(monkeypatch, tmp_path):
+    nccl = Platform(backend="nccl", device="cuda", ranks=1, gpus=1, gpu_name="NVIDIA H200")
+    monkeypatch.delenv("DG_JIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert pinned_env(nccl, {})["DG_JIT_CACHE_DIR"] == str(tmp_path / "ep-harness" / "deep_gemm")
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", "/mine")  # a user's own setting wins
+    assert pinned_env(nccl, {})["DG_JIT_CACHE_DIR"] == "/mine"
+
+
+def test_only_jit_compiling_subjects_are_warmed_up_before_timing():
+    from harness.subject import compiles_kernels
+
+    registry.load_all()
+    assert compiles_kernels(registry.get("deepgemm_fp8_contiguous"), {})
+    assert compiles_kernels(registry.get("deepgemm_fp8_quant"), {})
+    assert not compiles_kernels(registry.get("torch_mm"), {})
+    assert not compiles_kernels(registry.get("reduce_scatter_native"), {})
+    moe = registry.get("composed_moe")  # the MoE layer compiles when one of its stages does
+    assert compiles_kernels(moe, {"gemm": "deepgemm_bf16_contiguous"}) and not compiles_kernels(moe, {})

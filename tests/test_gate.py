@@ -154,6 +154,8 @@ def test_workflow_is_safe_and_thin():
     assert uses and all(re.fullmatch(r"[\w./-]+@[0-9a-f]{40}", u) for u in uses)  # pinned by commit SHA
     constraints = REPO / job["env"]["PIP_CONSTRAINT"]
     assert constraints.exists() and "pandas==" in constraints.read_text()
+    cached = [s["with"]["path"] for s in job["steps"] if s.get("uses", "").startswith("actions/cache@")]
+    assert cached == ["~/.cache/ep-harness/deep_gemm"]  # DeepGEMM's kernels, where pinned_env puts them
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ Slurm's srun (a stand-in: Slurm cannot run here), and what a lost node leaves be
 
 Each agent runs in its own directory with its own --out, so the head can only have read
 what the other node's ranks sent through the run's store."""
+import fnmatch
 import json
 import os
 import signal
@@ -43,12 +44,12 @@ def selection() -> list[str]:
     return [arg for pattern in COLLECTIVES for arg in ("--check", pattern)]
 
 
-@pytest.fixture(scope="module")
-def single_agent(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--no-report", "--out", str(out), *selection())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return counts(out / "latest")
+@pytest.fixture
+def single_agent(smoke_run):
+    """The smoke collectives' counts from the session's single-agent run (4 ranks, one launch)."""
+    proc, run_dir = smoke_run
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    return {check: c for check, c in counts(run_dir).items() if any(fnmatch.fnmatchcase(check, p) for p in COLLECTIVES)}
 
 
 @pytest.mark.slow
@@ -145,3 +146,13 @@ def test_nodes_that_differ_in_what_decides_bits_are_named():
     assert node_differences(nodes) == ["torch: node 0 2.13.0, node 1 2.12.0"]
     nodes["1"]["torch"] = "2.13.0"
     assert node_differences(nodes) == []
+
+
+def test_the_report_banner_says_when_nodes_differ(tmp_path):
+    from reports.render import render_run
+    from tests.test_reports import record, write_run
+
+    env = {"command": "test", "node_differences": ["torch: node 0 2.13.0, node 1 2.12.0"]}
+    render_run(write_run(tmp_path / "run", [record("a")], env), quiet=True)
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "does not measure one stack" in page and "torch: node 0 2.13.0, node 1 2.12.0" in page

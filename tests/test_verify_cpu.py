@@ -154,18 +154,19 @@ def test_a_subject_sets_up_once_per_launch(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_launch_gives_the_bits_of_a_launch_per_world_size(tmp_path):
-    """World sizes 2, 3 and 4 in one 4-rank launch (subgroups of ranks 0..w-1) against one
-    launch each: the same status, counts, prediction and first differing bits for every check."""
-    runs = {}
-    for mode in ("one", "per-world-size"):
-        proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--launches", mode, "--check", "rs-native/*",
-                       "--check", "ag-fold/*/dtype=bfloat16/*", "--check", "two-ranks/*", "--check", "fold-reference/*",
-                       "--out", str(tmp_path / mode))
-        assert proc.returncode == 0, proc.stdout[-2000:]
-        launches = [line for line in proc.stdout.splitlines() if line.startswith("# launching")]
-        assert len(launches) == (1 if mode == "one" else 3), launches
-        runs[mode] = {r["check"]: r for r in records(tmp_path / mode / "latest")}
+def test_one_launch_gives_the_bits_of_a_launch_per_world_size(smoke_run, tmp_path):
+    """World sizes 2, 3 and 4 in one 4-rank launch (subgroups of ranks 0..w-1; the smoke run)
+    against one launch each: the same status, counts, prediction and first differing bits."""
+    proc, run_dir = smoke_run
+    assert sum(line.startswith("# launching") for line in proc.stdout.splitlines()) == 1
+    patterns = ("rs-native/*", "ag-fold/*/dtype=bfloat16/*", "two-ranks/*", "fold-reference/*")
+    proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--launches", "per-world-size", "--no-report",
+                   *(arg for p in patterns for arg in ("--check", p)), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("# launching")]
+    assert len(launches) == 3, launches
+    runs = {"per-world-size": {r["check"]: r for r in records(tmp_path / "latest")}}
+    runs["one"] = {check: r for check, r in ((r["check"], r) for r in records(run_dir)) if check in runs["per-world-size"]}
     keys = ("status", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "max_abs")
     assert runs["one"].keys() == runs["per-world-size"].keys()
     for check, r in runs["one"].items():
