@@ -29,7 +29,8 @@ from harness.errors import HarnessError
 from harness.measurement import Measurement
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 180.0
+# How long ranks may take to start, and other nodes to join (EP_HARNESS_START_TIMEOUT_S).
+START_TIMEOUT_S = float(os.environ.get("EP_HARNESS_START_TIMEOUT_S", "180"))
 NODE_TIMEOUT_S = 6.0  # a node launcher silent this long is gone
 NODE_BEAT_S = 0.5
 POLL_S = 0.1

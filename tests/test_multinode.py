@@ -156,3 +156,13 @@ def test_the_report_banner_says_when_nodes_differ(tmp_path):
     render_run(write_run(tmp_path / "run", [record("a")], env), quiet=True)
     page = (tmp_path / "run" / "report.html").read_text()
     assert "does not measure one stack" in page and "torch: node 0 2.13.0, node 1 2.12.0" in page
+
+
+def test_a_node_that_never_joins_is_named_in_every_check(tmp_path):
+    proc = subprocess.run([EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
+                           f"127.0.0.1:{free_port()}", "--gpus", "0", "--suite", "smoke", "--check", "rs-native/*",
+                           "--no-report", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "EP_HARNESS_START_TIMEOUT_S": "3"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = list(map(json.loads, (tmp_path / "latest" / "results.jsonl").read_text().splitlines()))
+    assert records and all(r["status"] == "error" and "node 1 never joined the run" in r["reason"] for r in records)
