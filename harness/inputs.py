@@ -7,6 +7,7 @@ them in another order changes the rounding (vLLM and SGLang tests do the same).
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -41,7 +42,23 @@ def values(shape, dtype: torch.dtype, seed: int, *key, data: str = "spread") -> 
 
     data: "spread" (randn times 2^k, k uniform in [-s, s]), "randn", "uniform" ([0, 1)),
     or "integers" (small integers: every sum is exact, so no order can change the bits).
+
+    Rank 0 regenerates every rank's inputs to predict a collective's bits, and the properties
+    of a case share inputs, so values are cached (generation in float64 was most of a check's
+    time); each caller gets its own copy, free to modify.
     """
+    try:
+        return _cached_values(tuple(shape), dtype, seed, key, data).clone()
+    except TypeError:  # a key that cannot be hashed: generate afresh
+        return _generate(tuple(shape), dtype, seed, key, data)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_values(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str) -> torch.Tensor:
+    return _generate(shape, dtype, seed, key, data)
+
+
+def _generate(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str) -> torch.Tensor:
     g = generator(seed, *key)
     if data == "spread":
         s = SPREAD[dtype]
