@@ -37,7 +37,7 @@ verify: install
 	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
 
 test: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) tests
 
 bench: install
 	$(PY) -m harness.bench

@@ -5,9 +5,8 @@
   *args)` on 4 ranks with an initialized process group (gloo on CPU, NCCL on GPUs) and
   returns every rank's result; an exception on any rank is raised here, unchanged.
 * `assert_bitwise_equal` / `assert_invariant`: the harness's comparison and mismatch text.
-* `pytest --ep-suite smoke`: one pytest item per check of a suite, measured by one verify run
-  of every collected check (one launch on gloo); with pytest-xdist and `--dist loadgroup`, one
-  run per world size and worker, each worker pinned to its own GPU where there are several.
+* `pytest --ep-suite smoke`: one pytest item per check of a suite, all measured by one verify
+  run of every collected check (one launch on gloo), shared by pytest-xdist's workers.
 """
 from __future__ import annotations
 
@@ -212,13 +211,7 @@ def pytest_runtest_setup(item):
             pytest.skip(f"needs {needed} GPU{'s' if needed != 1 else ''}, found {found}")
 
 
-SUITE_RUNS = pytest.StashKey[dict]()  # batch key -> {check id: record}
-
-
-def _batch_key(check) -> str:
-    """Which checks share a verify run: all of a session, or under pytest-xdist one world size
-    (with `--dist loadgroup` each world size's items reach one worker, so each is run once)."""
-    return f"ws{check.world_size}" if os.environ.get("PYTEST_XDIST_WORKER") else "all"
+SUITE_RECORDS = pytest.StashKey[dict]()  # check id -> record, from the session's one verify run
 
 
 class CheckItem(pytest.Item):
@@ -227,22 +220,28 @@ class CheckItem(pytest.Item):
         self.check, self.suite, self.gpus = check, suite, gpus
 
     def _record(self) -> dict:
-        """This check's record from one verify run (one launch, or one per world size) of every
-        collected check of its batch; the run is made when the batch's first item runs."""
-        from harness.plan import literal
-        from harness.records import read_jsonl
-        from harness.verify import verify
+        """This check's record from one verify run of every collected check (one launch on
+        gloo, one per world size on NCCL), made when the first item runs. Under pytest-xdist
+        the first worker to get here runs it and the others read its records (a file lock in a
+        directory named by the run's PYTEST_XDIST_TESTRUNUID)."""
+        if SUITE_RECORDS not in self.config.stash:
+            from filelock import FileLock
 
-        runs = self.config.stash.setdefault(SUITE_RUNS, {})
-        key = _batch_key(self.check)
-        if key not in runs:
-            batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem)
-                     and not i.check.skip_reason and _batch_key(i.check) == key]
-            with tempfile.TemporaryDirectory() as tmp:
-                _, run_dir = verify(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
-                                    out_root=Path(tmp), render=False, quiet=True)
-                runs[key] = {r["check"]: r for r in read_jsonl(run_dir / "results.jsonl")}
-        return runs[key][self.check.id]
+            from harness.plan import literal
+            from harness.records import read_jsonl
+            from harness.verify import verify
+
+            session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}-{int(time.time())}"
+            shared = Path(tempfile.gettempdir()) / f"ep-harness-suite-{session}"
+            shared.mkdir(exist_ok=True)
+            with FileLock(str(shared / "ep-suite.lock")):
+                done = shared / "ep-suite" / "latest" / "results.jsonl"
+                if not done.exists():
+                    batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
+                    verify(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
+                           out_root=shared / "ep-suite", render=False, quiet=True)
+                self.config.stash[SUITE_RECORDS] = {r["check"]: r for r in read_jsonl(done)}
+        return self.config.stash[SUITE_RECORDS][self.check.id]
 
     def runtest(self):
         if self.check.skip_reason:
@@ -279,6 +278,4 @@ def pytest_collection_modifyitems(session, config, items):
     registry.load_all(loaded.plugins)
     gpus = config.getoption("--ep-gpus")
     for check in expand(loaded, detect(gpus)):
-        item = CheckItem.from_parent(session, name=check.id, check=check, suite=str(path), gpus=gpus)
-        item.add_marker(pytest.mark.xdist_group(_batch_key(check)))
-        items.append(item)
+        items.append(CheckItem.from_parent(session, name=check.id, check=check, suite=str(path), gpus=gpus))

@@ -17,20 +17,25 @@ def run_cli(*args, cwd=REPO, timeout=600):
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests that read the session's smoke run go to one xdist worker (`--dist loadgroup`,
-    as `make test` runs), so that the run is made once, not once per worker."""
-    for item in items:
-        if "smoke_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("smoke-run"))
-
-
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
-    """The CPU default, once per session: `ep-harness verify` with the smoke suite (one launch)."""
-    out = tmp_path_factory.mktemp("smoke")
-    proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
-    return proc, out / "latest"
+    """The CPU default, once per test session: `ep-harness verify` with the smoke suite (one
+    launch). Under pytest-xdist the first worker that needs it runs it and the others read its
+    output (pytest-xdist's recipe: a file lock in the temporary directory the workers share)."""
+    import json
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
+        tmp_path_factory.getbasetemp()
+    out, done = shared / "smoke-run", shared / "smoke-run.json"
+    with FileLock(str(shared / "smoke-run.lock")):
+        if not done.exists():
+            proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
+            done.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
+                                        "stderr": proc.stderr}))
+    result = json.loads(done.read_text())
+    return subprocess.CompletedProcess(**result), out / "latest"
 
 
 def processes_with_env(fragment: str) -> list[int]:
