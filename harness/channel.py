@@ -3,18 +3,19 @@ torch.distributed TCPStore.
 
 The head node's launcher hosts the store (on a multi-node run, at the rendezvous endpoint,
 where torchrun's c10d rendezvous uses it too); every rank and every other node's launcher
-is a client. So no file crosses a host: the job, each rank's progress, heartbeat, errors
-and stack dumps, rank 0's records, and which launch each node should start all travel
-through the store, and only the head node writes the run directory.
+is a client. So no file crosses a host: the job, each rank's progress, errors and stack
+dumps, rank 0's records, the node launchers' heartbeats and which launch each node should
+start all travel through the store, and only the head node writes the run directory.
 
 Keys, under `ep-harness/<run>/`:
 
-    launch/<k>              the head's k-th launch: namespace, env, start (or {"done": ...})
-    node/<n>                a node launcher's heartbeat and identity
-    node/<n>/launch/<k>     how node n's torchrun of launch k ended
-    <launch ns>/job         the checks and settings of a launch
-    <launch ns>/progress/<rank>, beat/<rank>, error/<rank>, stack/<rank>, record/<index>,
-    <launch ns>/ranks, nccl-topology, abort, stacks-requested
+    current                 (at the root) the run the head serves
+    launch/<k>              the head's k-th launch: its namespace, env, ranks per node (or done)
+    node/<n>                a follower launcher's heartbeat and host
+    node/<n>/launch/<k>     how node n's torchrun of launch k ended; node/<n>/done
+    <launch ns>/job         the checks, the first one to run, and the settings of a launch
+    <launch ns>/progress/<rank>, error/<rank>, stack/<rank>, record/<index>, ranks (the
+    fingerprints), nccl-topology, abort, stacks-requested
 """
 from __future__ import annotations
 
@@ -51,9 +52,6 @@ class Channel:
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
-    def sub(self, name: str) -> "Channel":
-        return Channel(self.store, self.key(name))
-
     def put(self, name: str, value) -> None:
         self.store.set(self.key(name), json.dumps(value))
 
@@ -67,15 +65,13 @@ class Channel:
             return default
         return json.loads(self.store.get(key))
 
-    def wait(self, name: str, timeout_s: float, poll_s: float = 0.2, alive=None):
-        """Block until the key exists (None after `timeout_s`, or as soon as alive() is False)."""
+    def wait(self, name: str, timeout_s: float, poll_s: float = 0.2):
+        """The value once the key exists; None after `timeout_s`."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             value = self.get(name)
             if value is not None:
                 return value
-            if alive is not None and not alive():
-                return None
             time.sleep(poll_s)
         return None
 

@@ -505,8 +505,12 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
                 try:
                     while proc.poll() is None:
                         time.sleep(POLL_S)
-                        if ns.has("abort"):
-                            break
+                        try:
+                            if ns.has("abort"):
+                                break
+                        except Exception:
+                            raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone; "
+                                               f"this node's ranks were ended") from None
                 finally:
                     kill_launch(proc, _local_groups(_states(ns, launch["nproc"] * nodes.nnodes), nodes.node_rank))
                 channel.put(f"node/{nodes.node_rank}/launch/{k}", {"exit": proc.returncode})
