@@ -185,13 +185,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Nothing else: a session that uses none of the plugin's options imports nothing and
+    # changes nothing (--ep-suite's one verify run sees every GPU, whichever worker makes it).
     config.addinivalue_line("markers", "gpus(n): needs n GPUs; skipped with the reason when fewer are visible")
-    if not config.getoption("--ep-suite"):
-        return  # a session that uses none of the plugin's options imports nothing and changes nothing
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    gpus = _gpu_count()
-    if worker and gpus > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker.removeprefix("gw")) % gpus)  # one GPU per worker
 
 
 def pytest_report_teststatus(report, config):
