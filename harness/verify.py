@@ -26,8 +26,12 @@ def new_run_id() -> str:
 
 
 def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
-                  from_record: bool = False) -> str:
+                  from_record: bool = False, nodes: Nodes = Nodes()) -> str:
     cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal(check_id)]
+    if nodes.multi:  # the head's command; the other nodes start theirs as before
+        cmd += ["--nnodes", str(nodes.nnodes), "--nproc-per-node", str(nodes.nproc_per_node)]
+        cmd += ["--rdzv-endpoint", nodes.endpoint] if nodes.endpoint else []
+        cmd += ["--launcher", nodes.launcher] if nodes.launcher != "torchrun" else []
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
     if emulate_hosts:
@@ -200,7 +204,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
     def rerun(c: Check) -> str:
-        return rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts, from_record is not None)
+        return rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts, from_record is not None,
+                             nodes)
 
     stream = Stream(run_dir, run_id, checks, quiet, rerun)
     began = time.time()

@@ -65,6 +65,8 @@ def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent):
     two = counts(run_dir)
     assert two == single_agent  # same gloo ring and fold orders at every world size: the same counts
     assert sum(1 for s, m, *_ in two.values() if s == "ok" and m) >= 10  # the controls did differ
+    rerun = json.loads((run_dir / "results.jsonl").read_text().splitlines()[0])["rerun"]
+    assert f"--nnodes 2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:{port}" in rerun  # the head's rerun
     env = json.loads((run_dir / "environment.json").read_text())
     assert env["topology"]["nodes"] == 2 and "2 nodes of 2 ranks" in env["topology"]["describe"]
     assert {n: info["ranks"] for n, info in env["nodes"].items()} == {"0": [0, 1], "1": [2, 3]}
