@@ -80,7 +80,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import Interrupted, Nodes, interruptible, kill_launch, torchrun_command
+    from harness.launch import Interrupted, Nodes, interruptible, kill_launch, spawn, torchrun_command
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -98,10 +98,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                                       "known": [k["example"] for k in known]})
     env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
-    with open(job_dir / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(torchrun_command(Nodes(), world_size, job_dir.name, None, module="harness.explore",
-                                                 args=(str(job_dir),)), env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn(torchrun_command(Nodes(), world_size, job_dir.name, None, module="harness.explore",
+                                  args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:
         with interruptible():
             proc.wait(timeout=budget_s + 600)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,6 +73,9 @@ class Nodes:
             raise HarnessError(f"--launcher {self.launcher!r}: use torchrun or slurm")
         if self.nnodes < 1 or (self.nproc_per_node is not None and self.nproc_per_node < 1):
             raise HarnessError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: both must be >= 1")
+        if self.launcher == "slurm" and shutil.which("srun") is None:
+            raise HarnessError("--launcher slurm needs srun on PATH: run it inside a Slurm allocation "
+                               "(ci/slurm/ep-harness.sbatch), or use --launcher torchrun")
         if self.multi and self.nproc_per_node is None:
             raise HarnessError("a multi-node run needs --nproc-per-node P (ranks per node); world size = NNODES x P")
         if self.nnodes > 1 and self.launcher == "torchrun" and not self.endpoint:
@@ -290,13 +294,13 @@ def _states(launch: Channel, world_size: int) -> list[dict | None]:
 
 
 def _local_groups(states, node: int) -> set[int]:
+    """The process groups of the ranks on `node` (this launcher's own) that still exist."""
     groups = set()
-    for s in states:
-        if s and str(s.get("node")) == str(node):
-            try:
-                groups.add(os.getpgid(s["pid"]))
-            except (OSError, KeyError):
-                pass
+    for r in _ranks_of(states, node):
+        try:
+            groups.add(os.getpgid(states[r]["pid"]))
+        except OSError:
+            pass
     return groups
 
 

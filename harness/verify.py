@@ -208,7 +208,6 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                              nodes)
 
     stream = Stream(run_dir, run_id, checks, quiet, rerun)
-    began = time.time()
     outcomes: dict[str, Outcome] = {}
     interrupted = None
     try:
@@ -256,7 +255,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
     if interrupted is not None:
         fingerprint["interrupted"] = str(interrupted)
-    fingerprint["timing"] = timing(stream.records.values(), time.time() - began)
+    fingerprint["timing"] = timing(stream.records.values(), time.time() - stream.began)
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]

@@ -77,7 +77,7 @@ def _terminated(channel: Channel, rank: int, state: dict) -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-def main(argv: list[str]) -> int:
+def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     job_dir = Path(os.environ.get("EP_HARNESS_JOB_DIR", tempfile.gettempdir()))
@@ -216,4 +216,4 @@ def _read_nccl_topology(ctx, channel: Channel) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()
