@@ -7,9 +7,10 @@ them in another order changes the rounding (vLLM and SGLang tests do the same).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import zlib
 
+import cachetools
 import torch
 
 # Exponent spread per wire dtype: wide enough that reordering changes rounding, narrow
@@ -37,6 +38,11 @@ def generator(seed: int, *key) -> torch.Generator:
     return torch.Generator().manual_seed((seed << 32) ^ digest)
 
 
+# Bounded by bytes, not entries: the smoke suite's inputs are 256 tensors, 135 MB in all on
+# rank 0; one GEMM operand can be tens of MB.
+_CACHE = cachetools.LRUCache(maxsize=256 * 2**20, getsizeof=lambda t: t.numel() * t.element_size())
+
+
 def values(shape, dtype: torch.dtype, seed: int, *key, data: str = "spread") -> torch.Tensor:
     """Seeded float values in `dtype`.
 
@@ -47,15 +53,16 @@ def values(shape, dtype: torch.dtype, seed: int, *key, data: str = "spread") -> 
     of a case share inputs, so values are cached (generation in float64 was most of a check's
     time); each caller gets its own copy, free to modify.
     """
+    args = (tuple(shape), dtype, seed, key, data)
     try:
-        return _cached_values(tuple(shape), dtype, seed, key, data).clone()
+        cached = _CACHE.get(args)
     except TypeError:  # a key that cannot be hashed: generate afresh
-        return _generate(tuple(shape), dtype, seed, key, data)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_values(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str) -> torch.Tensor:
-    return _generate(shape, dtype, seed, key, data)
+        return _generate(*args)
+    if cached is None:
+        cached = _generate(*args)
+        with contextlib.suppress(ValueError):  # larger than the whole cache: not kept
+            _CACHE[args] = cached
+    return cached.clone()
 
 
 def _generate(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str) -> torch.Tensor:

@@ -35,6 +35,7 @@ START_TIMEOUT_S = float(os.environ.get("EP_HARNESS_START_TIMEOUT_S", "180"))
 NODE_TIMEOUT_S = 6.0  # a node launcher silent this long is gone
 NODE_BEAT_S = 0.5
 POLL_S = 0.1
+STACKS_TIMEOUT_S = 3.0  # how long ranks get to answer a request for their stacks
 
 
 @dataclass
@@ -100,33 +101,36 @@ def _die_with_parent() -> None:
         pass
 
 
-def torchrun_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
-                     module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
-    """torchrun on this node; on several nodes, c10d rendezvous at the head's store, which
-    the agents reach as clients (is_host=false); with Slurm, wrapped in one srun task per node."""
+def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
+                  module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
+    """torchrun's agent on this node (harness/agent.py: torchrun's options, ranks forked from
+    it); on several nodes, c10d rendezvous at the head's store, which the agents reach as
+    clients (is_host=false); with Slurm, wrapped in one srun task per node."""
     if nodes.multi:
         rendezvous = ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                       "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
-    else:
-        rendezvous = ["--standalone", "--nnodes", "1"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
-                "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
+    else:  # what torchrun's --standalone means
+        rendezvous = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", rdzv_id]
+    agent = [sys.executable, "-m", "harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
+             "--start-method", "fork", "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
     if nodes.launcher == "slurm":
         return ["srun", f"--nodes={nodes.nnodes}", f"--ntasks={nodes.nnodes}", "--ntasks-per-node=1",
-                "--kill-on-bad-exit=1", "--export=ALL", *torchrun]
-    return torchrun
+                "--kill-on-bad-exit=1", "--export=ALL", *agent]
+    return agent
 
 
 def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes) -> dict[str, str]:
     # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
+    if nodes.multi:  # the ranks build their own process-group store; the rendezvous store stays the run's
+        node["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # On one node the ranks share their agent's store, which holds its port from the start (an
+    # unshared one is a port picked and freed by the agent, which another process can take first).
     return {**os.environ, **env, **node, "PYTHONUNBUFFERED": "1",
             # The working directory never goes before the standard library: a json.py
             # there must not run inside the ranks (plugins are found at the path's end).
             "PYTHONSAFEPATH": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-            # Ranks build their own process-group store; the rendezvous store stays the run's.
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir)}
 
 
@@ -307,7 +311,9 @@ def _local_groups(states, node: int) -> set[int]:
 def _dump_stacks(launch: Channel, world_size: int) -> dict[str, str]:
     """Ask every rank, wherever it runs, for all its threads' stacks (harness.worker.Watcher)."""
     launch.add("stacks-requested")
-    time.sleep(1.5)
+    deadline = time.time() + STACKS_TIMEOUT_S  # a rank that is gone never answers
+    while time.time() < deadline and not all(launch.has(f"stack/{r}") for r in range(world_size)):
+        time.sleep(POLL_S)
     return {str(r): launch.get(f"stack/{r}") for r in range(world_size) if launch.get(f"stack/{r}")}
 
 
@@ -415,7 +421,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         log_path = job_dir / f"torchrun-{attempt}.log"
         proc = start_launch = None
         try:
-            proc = spawn(torchrun_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint),
+            proc = spawn(agent_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint),
                          child_env(env, head.endpoint, launch.namespace, job_dir, nodes), log_path)
             start_launch = time.time()
             failed_at, error, details = _watch(head, proc, launch, world_size, checks, start, start_launch, log_path,
@@ -503,7 +509,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
                 job_dir = out_dir / launch["job"]
                 job_dir.mkdir(parents=True, exist_ok=True)
                 ns = Channel(store, launch["namespace"])
-                proc = spawn(torchrun_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint),
+                proc = spawn(agent_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint),
                              child_env(launch["env"], nodes.endpoint, launch["namespace"], job_dir, nodes),
                              job_dir / f"torchrun-launch{k}.log")
                 try:

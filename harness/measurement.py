@@ -11,7 +11,7 @@ Comparison kinds:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -57,7 +57,8 @@ class Measurement(Mismatch):
 
     @classmethod
     def bitwise(cls, mismatch: Mismatch, **extra) -> Measurement:
-        return cls(comparison="bitwise", held=mismatch.mismatched == 0, **asdict(mismatch), **extra)
+        own = {f.name: getattr(mismatch, f.name) for f in fields(mismatch)}  # asdict's deep copy: ~6 ms a check
+        return cls(comparison="bitwise", held=mismatch.mismatched == 0, **own, **extra)
 
     @classmethod
     def within(cls, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, rule: Bound,

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -56,13 +55,29 @@ def assert_invariant(copies, labels=None, what: str = "rank-invariance") -> dict
 # --- multi-rank world ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store(rank: int, world_size: int, result_dir: Path, timeout_s: float):
+    """The process group's TCPStore. Rank 0 binds a port the OS picks and writes it down for
+    the others: a port chosen in the parent and freed could be taken, before rank 0 binds
+    it, by another test's ranks (seen under pytest-xdist: gloo's connectFullMesh then fails)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port_file, timeout = result_dir / "store-port", timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        port_file.with_suffix(".tmp").write_text(str(store.port))
+        port_file.with_suffix(".tmp").rename(port_file)  # whole or absent
+        return store
+    deadline = time.time() + timeout_s
+    while not port_file.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"rank 0 did not start its store within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    return TCPStore("127.0.0.1", int(port_file.read_text()), world_size, is_master=False, timeout=timeout)
 
 
-def _rank_main(rank, world_size, port, backend, fn, args, result_dir):
+def _rank_main(rank, world_size, backend, fn, args, result_dir, timeout_s, environ):
     import faulthandler
     import pickle
     import signal
@@ -70,13 +85,18 @@ def _rank_main(rank, world_size, port, backend, fn, args, result_dir):
     import torch
     import torch.distributed as dist
 
-    stacks = open(Path(result_dir) / f"stack-rank{rank}.txt", "w")
+    os.environ.clear()  # the test's environment now, not the fork server's when it started
+    os.environ.update(environ)
+    result_dir = Path(result_dir)
+    stacks = open(result_dir / f"stack-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # dumped when the call times out
-    (Path(result_dir) / f"pid-rank{rank}").write_text(str(os.getpid()))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    (result_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
+    store = _store(rank, world_size, result_dir, timeout_s + 60)  # the caller's timeout comes first
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # carried back to the test process, with where it happened
@@ -88,7 +108,7 @@ def _rank_main(rank, world_size, port, backend, fn, args, result_dir):
     except Exception as exc:  # an unpicklable return value is the test's error, named
         data = pickle.dumps(("raised", "TypeError", f"rank {rank}'s return value cannot be sent back: {exc}", "",
                              False))
-    (Path(result_dir) / f"rank{rank}.pkl").write_bytes(data)
+    (result_dir / f"rank{rank}.pkl").write_bytes(data)
 
 
 class RankFailed(Exception):
@@ -119,6 +139,7 @@ class World:
 
     def run(self, fn, *args) -> list:
         """fn(rank, world_size, *args) on every rank; returns every rank's result."""
+        import multiprocessing
         import pickle
 
         import torch.multiprocessing as mp
@@ -126,9 +147,13 @@ class World:
         _by_reference(fn)
         if self.node is not None:
             self.node.user_properties.append(("ep_world", f"{self.backend} x{self.world_size}"))
+        # Ranks are forked from a fork server that imported torch once (a fresh, single-threaded
+        # process that never touches CUDA), not each started as a new interpreter.
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
         with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.start_processes(_rank_main, args=(self.world_size, _free_port(), self.backend, fn, args, tmp),
-                                     nprocs=self.world_size, join=False, start_method="spawn")
+            ctx = mp.start_processes(_rank_main, nprocs=self.world_size, join=False, start_method="forkserver",
+                                     args=(self.world_size, self.backend, fn, args, tmp, self.timeout_s,
+                                           dict(os.environ)))
             deadline = time.time() + self.timeout_s
             while not ctx.join(timeout=0.5):
                 if time.time() > deadline:

@@ -1,6 +1,7 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
-Started by torchrun (`python -m harness.worker`) on any node. Talks to the launchers only
+Each rank is forked by torchrun's elastic agent (harness/agent.py, `-m harness.worker`) on
+any node, so the imports below are done once per launch, in the agent. Talks to the launchers only
 through the run's store (harness/channel.py), named by EP_HARNESS_STORE (HOST:PORT) and
 EP_HARNESS_CHANNEL (the launch's namespace): the job, progress/<rank> (which check, since
 when, pid, node), error/<rank> (the traceback of a check that raised; the rank then exits so
@@ -22,7 +23,18 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch._inductor.config  # noqa: F401  (torch.use_deterministic_algorithms imports it: about 1 s)
+import torch.distributed as dist
+
+import harness.subjects  # noqa: F401  (the built-in subjects, imported before the ranks fork)
+from harness import subject as registry
 from harness.channel import Channel, local_node, parse_endpoint, tcp_store
+from harness.check import Check
+from harness.context import RankContext
+from harness.environment import rank_fingerprint
+from harness.families import execute, warm_up
+from harness.subject import compiles_kernels
 
 WATCH_S = 0.2
 
@@ -77,7 +89,7 @@ def _terminated(channel: Channel, rank: int, state: dict) -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-def main() -> None:
+def rank_main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     job_dir = Path(os.environ.get("EP_HARNESS_JOB_DIR", tempfile.gettempdir()))
@@ -93,16 +105,6 @@ def main() -> None:
     progress(start - 1)  # started: the launcher now knows this rank's pid and node
     Watcher(rank).start()
     signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(channel, rank, state))
-
-    import torch
-    import torch.distributed as dist
-
-    from harness import subject as registry
-    from harness.check import Check
-    from harness.context import RankContext
-    from harness.environment import rank_fingerprint
-    from harness.families import execute, warm_up
-    from harness.subject import compiles_kernels
 
     torch.use_deterministic_algorithms(True)
     registry.load_all(job["plugins"])
@@ -164,11 +166,11 @@ def main() -> None:
             subject.teardown(ctx)
     progress(len(checks))
     dist.barrier()
-    # Every result is in the store already, so the rank leaves without the process group's
-    # teardown: it costs about a second per launch on gloo, and after a CUDA-graph capture
-    # NCCL's can hang (seen with emulated hosts).
+    # Every result is in the store already. The process group is not torn down: a forked
+    # rank ends with os._exit once the agent has its return value, skipping the teardown
+    # that costs about a second per launch on gloo and, after a CUDA-graph capture, can hang
+    # on NCCL (seen with emulated hosts).
     sys.stdout.flush()
-    os._exit(0)
 
 
 def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
@@ -176,8 +178,6 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     of ranks 0..w-1 (None on the ranks outside it). Every rank creates every subgroup, in the
     same order, as torch.distributed requires."""
     import dataclasses
-
-    import torch.distributed as dist
 
     contexts = {ctx.world_size: ctx}
     for size in sorted(w for w in world_sizes if w < ctx.world_size):
@@ -188,8 +188,6 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
 
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
     """This rank's GPU; as an emulated host when the launch has more ranks than GPUs."""
-    import torch
-
     from harness.emulation import device_index, emulated_host_env
 
     os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
@@ -213,7 +211,3 @@ def _read_nccl_topology(ctx, channel: Channel) -> None:
         ctx.nccl_topology = nccl_log.merge(logs)
         ctx.nccl_log = nccl_log.LogTail(own)
         channel.put("nccl-topology", ctx.nccl_topology.summary())
-
-
-if __name__ == "__main__":
-    main()

@@ -3,10 +3,10 @@ measured bits, with no mocked process group."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
+from harness.launch import Nodes, agent_command
 from tests.conftest import REPO
 
 
@@ -15,8 +15,7 @@ from tests.conftest import REPO
 def test_subject_contracts(tmp_path, world):
     out = tmp_path / "findings.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-         "-m", "tests.distributed.contracts", str(out)],
+        agent_command(Nodes(), world, "contracts", None, module="tests.distributed.contracts", args=(str(out),)),
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )

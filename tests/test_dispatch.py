@@ -92,7 +92,8 @@ def test_deepep_is_skipped_with_the_import_error(monkeypatch):
 
 @pytest.mark.slow
 def test_planted_arrival_order_combine_fails_rank_invariance(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/planted_combine.toml", "--gpus", "0", "--out", str(tmp_path))
+    proc = run_cli("verify", "--suite", "tests/cases/planted_combine.toml", "--gpus", "0", "--no-report",
+                   "--out", str(tmp_path))
     assert proc.returncode == 1
     recs = {}
     for line in (tmp_path / "latest" / "results.jsonl").read_text().splitlines():
@@ -116,7 +117,7 @@ def test_explore_finds_and_shrinks_the_planted_combine(tmp_path):
     assert example["params"]["tokens"] * 4 <= 4  # one token per rank: at most 4 in the system
     assert "[[case]]" in proc.stdout and "# rerun: ep-harness verify --suite" in proc.stdout
     rerun = shlex.split(proc.stdout.split("# rerun: ")[1].strip())
-    again = run_cli(*rerun[1:], "--out", str(tmp_path / "rerun"))
+    again = run_cli(*rerun[1:], "--no-report", "--out", str(tmp_path / "rerun"))
     assert again.returncode == 1 and "unexpected" in again.stdout
     replay = run_cli(*args)
     assert "1 known counterexample(s) replayed first" in replay.stdout and replay.returncode == 1

@@ -64,7 +64,8 @@ def test_fp8_problem_dequantizes_exactly():
 
 @pytest.mark.slow
 def test_planted_split_k_is_caught_with_the_right_count(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/planted_gemm.toml", "--gpus", "0", "--out", str(tmp_path))
+    proc = run_cli("verify", "--suite", "tests/cases/planted_gemm.toml", "--gpus", "0", "--no-report",
+                   "--out", str(tmp_path))
     assert proc.returncode == 1
     rec = json.loads((tmp_path / "latest" / "results.jsonl").read_text().splitlines()[0])
     assert rec["status"] == "unexpected" and rec["held"] is False

@@ -18,9 +18,10 @@ def test_the_wheel_verifies_the_smoke_suite_from_anywhere(tmp_path):
                     str(wheels), str(REPO)], check=True, timeout=600)
     [wheel] = wheels.glob("ep_harness-*.whl")
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir)  # no pip of its own: this environment's pip installs into it (--python)
     python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, timeout=600)
     # The third-party dependencies (torch, pandas, ...) come from this test's environment, appended
     # after the new environment's own site-packages; the harness itself only from the wheel.
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],

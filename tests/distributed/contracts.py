@@ -1,11 +1,10 @@
-"""Run under torchrun (gloo): every collective subject against its contract.
+"""Run under torchrun's agent (gloo; harness/agent.py forks the ranks): every collective subject against its contract.
 
 For even and uneven (one empty) shards: the output equals the subject's order model bit
 for bit; deterministic subjects leave the caller's input unchanged and give the same bits
 when `out` aliases this rank's slice of the input. Rank 0 writes the findings as JSON.
 """
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,7 @@ from reference.collectives import shard_offsets
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")
 
 
-def main(out_path):
+def rank_main(out_path):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     subjects = registry.load_all()
@@ -52,7 +51,3 @@ def main(out_path):
         with open(out_path, "w") as f:
             json.dump([x for per_rank in gathered for x in per_rank], f)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
