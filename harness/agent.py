@@ -3,19 +3,22 @@
 `python -m harness.agent <torchrun options> -m MODULE [ARGS]` parses its options with
 torchrun's own parser and runs torchrun's LocalElasticAgent (elastic_launch, which is what the
 `torchrun` command runs: the same rendezvous, restarts, per-rank environment and teardown).
-The one difference: a rank is not a fresh interpreter running MODULE but a fork of this
-process calling MODULE.rank_main(*ARGS) (torchrun's `--start-method`, which applies to
-function entry points). torch and the harness are imported once per launch instead of once
-per rank: about 1.4 s of CPU per rank on the 2-core machine (BENCHMARKS.md).
+The one difference: a rank is not a fresh interpreter running MODULE but a forked process
+calling MODULE.rank_main(*ARGS) (torchrun's start methods for function entry points). torch,
+torch._dynamo and the harness are imported once per launch instead of once per rank: about
+2 s of CPU per rank on the 2-core machine (BENCHMARKS.md).
 
-Forking is safe because this process never initializes CUDA (checked before the launch) and
-sets OMP_NUM_THREADS before torch loads OpenMP, by torchrun's rule, so a rank's thread count
-is what a torchrun rank's would be.
+Without GPUs the ranks are forks of this process. A process that has touched CUDA cannot
+fork CUDA users, and torchrun's own LaunchConfig asks torch.cuda.is_available(); so where
+GPUs are visible the ranks come from a fork server instead: a fresh process that imports
+MODULE and never touches CUDA. OMP_NUM_THREADS is set before torch loads OpenMP, by
+torchrun's rule, so a rank's thread count is what a torchrun rank's would be.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import multiprocessing
 import os
 import sys
 
@@ -44,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("harness.agent: the ranks' entry point must be given as -m MODULE")
     config, _, _ = config_from_args(args)
     entry = importlib.import_module(args.training_script)  # the rank's imports, done once here
-    if torch.cuda.is_initialized():
-        raise SystemExit(f"harness.agent: importing {args.training_script} initialized CUDA, so its ranks "
-                         f"cannot be forked; keep CUDA out of module import time")
+    if torch.cuda.is_available():
+        config.start_method = "forkserver"
+        multiprocessing.set_forkserver_preload([args.training_script])
+    else:
+        config.start_method = "fork"
     try:
         elastic_launch(config, entrypoint=entry.rank_main)(*args.training_script_args)
     except ChildFailedError as exc:  # the ranks' own tracebacks are in this log and the run's store

@@ -103,8 +103,8 @@ def _die_with_parent() -> None:
 
 def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
                   module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
-    """torchrun's agent on this node (harness/agent.py: torchrun's options, ranks forked from
-    it); on several nodes, c10d rendezvous at the head's store, which the agents reach as
+    """torchrun's agent on this node (harness/agent.py: torchrun's options, ranks forked); on
+    several nodes, c10d rendezvous at the head's store, which the agents reach as
     clients (is_host=false); with Slurm, wrapped in one srun task per node."""
     if nodes.multi:
         rendezvous = ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -112,7 +112,7 @@ def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
     else:  # what torchrun's --standalone means
         rendezvous = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", rdzv_id]
     agent = [sys.executable, "-m", "harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
-             "--start-method", "fork", "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
+             "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
     if nodes.launcher == "slurm":
         return ["srun", f"--nodes={nodes.nnodes}", f"--ntasks={nodes.nnodes}", "--ntasks-per-node=1",
                 "--kill-on-bad-exit=1", "--export=ALL", *agent]
