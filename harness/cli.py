@@ -106,13 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "verify":
-            from harness.launch import Nodes, follow
-            from harness.verify import verify
+            from harness.cases import load_suite, resolve_suite_path
+            from harness.nodes import Nodes
 
+            # Bad node options and a missing or malformed suite fail here, before torch loads.
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
+                from harness.launch import follow
+
                 return follow(nodes, args.out)
+            if args.from_record is None:
+                load_suite(resolve_suite_path(args.suite))
+            from harness.verify import verify
+
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,

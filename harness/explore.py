@@ -80,7 +80,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import Interrupted, Nodes, agent_command, interruptible, kill_launch, spawn
+    from harness.launch import Interrupted, agent_command, interruptible, kill_launch, spawn
+    from harness.nodes import Nodes
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)

@@ -13,7 +13,8 @@ from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import node_differences, nodes_of, pinned_env, platform_for, run_fingerprint
-from harness.launch import Head, Interrupted, Nodes, Outcome, interruptible, run_job
+from harness.launch import Head, Interrupted, Outcome, interruptible, run_job
+from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import decide

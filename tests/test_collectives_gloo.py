@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from harness.launch import Nodes, agent_command
+from harness.launch import agent_command
+from harness.nodes import Nodes
 from tests.conftest import REPO
 
 

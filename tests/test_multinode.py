@@ -19,7 +19,9 @@ from harness.environment import node_differences
 from tests.conftest import REPO, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
-COLLECTIVES = ["rs-native/*", "ar-slice/*", "ag-fold/*", "a2a-fold/*", "two-ranks/*"]
+# The smoke suite's collectives in bfloat16, at world sizes 2, 3 and 4.
+COLLECTIVES = ["rs-native/*/dtype=bfloat16/*", "ar-slice/*/dtype=bfloat16/*", "ag-fold/*/dtype=bfloat16/*",
+               "a2a-fold/*/dtype=bfloat16/*", "two-ranks/*"]
 
 
 def free_port() -> int:
@@ -28,11 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(node_rank: int, port: int, cwd: Path, *args) -> subprocess.Popen:
+def agent(node_rank: int, port: int, cwd: Path, *args, env=None) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
                              f"127.0.0.1:{port}", "--node-rank", str(node_rank), "--gpus", "0", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def counts(run_dir: Path) -> dict:
@@ -86,7 +89,8 @@ def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent):
 @pytest.mark.slow
 def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
     port = free_port()
-    head = agent(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report")
+    head = agent(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report",
+                 env={"EP_HARNESS_NODE_TIMEOUT_S": "3"})  # beats every 0.5 s; 6 s by default
     other = agent(1, port, tmp_path / "node1")
     results = None
     deadline = time.time() + 240
@@ -119,7 +123,7 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
 def test_slurm_launcher_starts_every_node_through_srun(tmp_path, single_agent):
     """--launcher slurm: the head (inside an allocation) runs `srun ... torchrun` per launch.
     srun here is tests/fake_slurm/srun, which starts one task per node on this machine."""
-    patterns = ["rs-native/*", "two-ranks/*"]  # world sizes 2, 3 and 4
+    patterns = COLLECTIVES[:1] + COLLECTIVES[-1:]  # rs-native and two-ranks: world sizes 2, 3 and 4
     env = {**os.environ, "PATH": f"{REPO / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run([EXE, "verify", "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "2",
                            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--gpus", "0", "--suite", "smoke",
