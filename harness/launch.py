@@ -1,6 +1,7 @@
 """Launch torchrun jobs on one node or several, and watch them through the run's store.
 
-The launcher wraps torchrun (and, with `--launcher slurm`, srun) and nothing else. The head
+The launcher starts torchrun's agent (harness/agent.py; with `--launcher slurm`, through
+srun) and nothing else. The head
 node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
 the rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the
 other nodes' launchers (`follow`) start their agents for each launch the head publishes.
@@ -78,11 +79,11 @@ def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
 def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes) -> dict[str, str]:
     # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
-    if nodes.multi:  # the ranks build their own process-group store; the rendezvous store stays the run's
-        node["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    # On one node the ranks share their agent's store, which holds its port from the start (an
-    # unshared one is a port picked and freed by the agent, which another process can take first).
-    return {**os.environ, **env, **node, "PYTHONUNBUFFERED": "1",
+    # On several nodes the ranks build their own process-group store (the rendezvous store is
+    # the run's); on one they share their agent's, which holds its port from the start (an
+    # unshared one is a port the agent picks and frees, which another process can take first).
+    store_sharing = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if nodes.multi else {}
+    return {**os.environ, **env, **node, **store_sharing, "PYTHONUNBUFFERED": "1",
             # The working directory never goes before the standard library: a json.py
             # there must not run inside the ranks (plugins are found at the path's end).
             "PYTHONSAFEPATH": "1",

@@ -21,7 +21,11 @@ def test_subject_contracts(tmp_path, world):
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    findings = json.loads(out.read_text())
+    found = json.loads(out.read_text())
+    # torchrun's rule (OMP_NUM_THREADS=1 for several ranks) holds in forked ranks too: the
+    # agent sets it before torch loads OpenMP (the 2-core machine's default is 2 threads).
+    assert found["threads"] == [1] * world
+    findings = found["findings"]
     assert len(findings) == world * (5 + 4)  # even: 5 subjects; uneven: 4 (native tensor form needs even)
     for f in findings:
         assert f["matches_model"], f"{f['subject']} {f['shards']} rank {f['rank']} differs from its order model"

@@ -152,6 +152,16 @@ def test_bad_node_options_are_one_line_and_write_nothing(tmp_path, args, message
     assert not (tmp_path / "out").exists()
 
 
+def test_bad_node_options_are_rejected_before_torch_loads(tmp_path):
+    code = ("import sys; from harness.cli import main; "
+            "rc = main(['verify', '--nnodes', '2', '--nproc-per-node', '2', '--out', sys.argv[1]]); "
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert "needs --rdzv-endpoint HOST:PORT" in proc.stderr
+
+
 def test_nodes_that_differ_in_what_decides_bits_are_named():
     nodes = {"0": {"torch": "2.13.0", "nccl": "2.28.9", "device": "NVIDIA H200", "cuda": "13.0", "driver": "580"},
              "1": {"torch": "2.12.0", "nccl": "2.28.9", "device": "NVIDIA H200", "cuda": "13.0", "driver": "580"}}

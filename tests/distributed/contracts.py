@@ -1,8 +1,10 @@
-"""Run under torchrun's agent (gloo; harness/agent.py forks the ranks): every collective subject against its contract.
+"""Run under torchrun's agent (gloo; harness/agent.py forks the ranks): every collective
+subject against its contract.
 
 For even and uneven (one empty) shards: the output equals the subject's order model bit
 for bit; deterministic subjects leave the caller's input unchanged and give the same bits
-when `out` aliases this rank's slice of the input. Rank 0 writes the findings as JSON.
+when `out` aliases this rank's slice of the input. Rank 0 writes the findings as JSON, with
+each rank's intra-op thread count (a forked rank must have a torchrun rank's: 1).
 """
 import json
 
@@ -46,8 +48,9 @@ def rank_main(out_path):
                 finding["alias_ok"] = torch.equal(alias.view(torch.int16), out.view(torch.int16))
             findings.append(finding)
     gathered = [None] * world
-    dist.all_gather_object(gathered, findings)
+    dist.all_gather_object(gathered, (findings, torch.get_num_threads()))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump([x for per_rank in gathered for x in per_rank], f)
+            json.dump({"findings": [x for per_rank, _ in gathered for x in per_rank],
+                       "threads": [threads for _, threads in gathered]}, f)
     dist.destroy_process_group()
