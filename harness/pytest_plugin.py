@@ -97,6 +97,10 @@ def _rank_main(rank, world_size, backend, fn, args, result_dir, timeout_s, envir
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    # Every rank finishes connecting before any can leave: a rank whose fn raises at once and
+    # exits would otherwise close its gloo pairs under peers still in connectFullMesh
+    # ("Connection closed by peer", seen under pytest-xdist).
+    dist.barrier()
     try:
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # carried back to the test process, with where it happened
