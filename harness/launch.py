@@ -1,8 +1,7 @@
 """Launch torchrun jobs on one node or several, and watch them through the run's store.
 
 The launcher starts torchrun's agent (harness/agent.py; with `--launcher slurm`, through
-srun) and nothing else. The head
-node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
+srun) and nothing else. The head node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
 the rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the
 other nodes' launchers (`follow`) start their agents for each launch the head publishes.
 
@@ -98,9 +97,9 @@ def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
 
 
 def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None:
-    """End torchrun (or srun), the local ranks and whatever they spawned: each is killed as
-    a process group (torchrun's own session, and each rank's, which its children share),
-    first with SIGTERM and, after a grace period, SIGKILL."""
+    """End torchrun's agent (or srun), the local ranks and whatever they spawned: each is
+    killed as a process group (the agent's own session, which its forked ranks share, and
+    that of any local rank that left it), first with SIGTERM and, after a grace period, SIGKILL."""
     groups = {proc.pid, *groups}
     groups.discard(os.getpgrp())  # never our own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -154,10 +153,10 @@ def interruptible():
             signal.signal(s, h)
 
 
-def _node_beat(channel: Channel, node: int, stop: threading.Event, extra: dict) -> None:
+def _node_beat(channel: Channel, node: int, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
-            channel.put(f"node/{node}", {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), **extra})
+            channel.put(f"node/{node}", {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
         except Exception:  # the head is gone; the follower's own loop notices
             return
         stop.wait(NODE_BEAT_S)
@@ -165,7 +164,8 @@ def _node_beat(channel: Channel, node: int, stop: threading.Event, extra: dict) 
 
 class Head:
     """The head node's side of a run: the store, the launches it publishes, and which
-    nodes are alive. Single node: a store on a free loopback port, torchrun --standalone."""
+    nodes are alive. Single node: a store on a free loopback port, and each launch's agent
+    hosts its own rendezvous (what torchrun's --standalone does)."""
 
     def __init__(self, nodes: Nodes, run_id: str):
         self.nodes, self.run_id, self.launches = nodes, run_id, 0
@@ -446,7 +446,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
         raise HarnessError(f"node {nodes.node_rank}: the store at {nodes.endpoint} serves no ep-harness run")
     channel = run_channel(store, run)
     stop = threading.Event()
-    beat = threading.Thread(target=_node_beat, args=(channel, nodes.node_rank, stop, {}), daemon=True)
+    beat = threading.Thread(target=_node_beat, args=(channel, nodes.node_rank, stop), daemon=True)
     beat.start()
     out_dir = out_dir / f"node{nodes.node_rank}-{run}"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -55,17 +55,15 @@ def assert_invariant(copies, labels=None, what: str = "rank-invariance") -> dict
 # --- multi-rank world ---------------------------------------------------------------
 
 
-def _store(rank: int, world_size: int, result_dir: Path, timeout_s: float):
+def _store(rank: int, result_dir: Path, timeout_s: float):
     """The process group's TCPStore. Rank 0 binds a port the OS picks and writes it down for
     the others: a port chosen in the parent and freed could be taken, before rank 0 binds
     it, by another test's ranks (seen under pytest-xdist: gloo's connectFullMesh then fails)."""
-    from datetime import timedelta
+    from harness.channel import tcp_store
 
-    from torch.distributed import TCPStore
-
-    port_file, timeout = result_dir / "store-port", timedelta(seconds=timeout_s)
+    port_file = result_dir / "store-port"
     if rank == 0:
-        store = TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = tcp_store("127.0.0.1", 0, is_master=True, timeout_s=timeout_s)
         port_file.with_suffix(".tmp").write_text(str(store.port))
         port_file.with_suffix(".tmp").rename(port_file)  # whole or absent
         return store
@@ -74,7 +72,7 @@ def _store(rank: int, world_size: int, result_dir: Path, timeout_s: float):
         if time.time() > deadline:
             raise TimeoutError(f"rank 0 did not start its store within {timeout_s:.0f} s")
         time.sleep(0.02)
-    return TCPStore("127.0.0.1", int(port_file.read_text()), world_size, is_master=False, timeout=timeout)
+    return tcp_store("127.0.0.1", int(port_file.read_text()), is_master=False, timeout_s=timeout_s)
 
 
 def _rank_main(rank, world_size, backend, fn, args, result_dir, timeout_s, environ):
@@ -91,7 +89,7 @@ def _rank_main(rank, world_size, backend, fn, args, result_dir, timeout_s, envir
     stacks = open(result_dir / f"stack-rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # dumped when the call times out
     (result_dir / f"pid-rank{rank}").write_text(str(os.getpid()))
-    store = _store(rank, world_size, result_dir, timeout_s + 60)  # the caller's timeout comes first
+    store = _store(rank, result_dir, timeout_s + 60)  # the caller's timeout comes first
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     if backend == "nccl":
