@@ -1,6 +1,6 @@
 """`ep-harness explore`: search for an invariance violation of a subject, and shrink it.
 
-One torchrun launch: rank 0 runs a Hypothesis search (`hypothesis.find`) over shapes,
+One torchrun launch (its ranks: harness/explore_rank.py): rank 0 runs a Hypothesis search (`hypothesis.find`) over shapes,
 routing, batch composition and seeds; every example it draws is broadcast to all ranks,
 which run the check exactly as `verify` would. The smallest failing example is printed as
 a case-file snippet with its rerun command, and appended to a store that later explorations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from harness.check import Check, single_check
@@ -98,7 +97,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                                       "known": [k["example"] for k in known]})
     env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
-    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, module="harness.explore",
+    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, module="harness.explore_rank",
                                args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:
         with interruptible():
@@ -144,80 +143,3 @@ def _rank_groups(job_dir: Path) -> set[int]:
         except (OSError, ValueError):
             pass
     return groups
-
-
-def rank_main(job_dir: str) -> int:
-    """Every rank (forked by harness.agent): rank 0 searches; all ranks evaluate what it broadcasts."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from harness import subject as registry
-    from harness.context import RankContext
-    from harness.families import execute
-
-    job_dir = Path(job_dir)
-    job = json.loads((job_dir / "job.json").read_text())
-    registry.load_all(job["plugins"])
-    subject = registry.get(job["subject"])
-    rank = int(os.environ["RANK"])
-    (job_dir / f"pid-rank{rank}").write_text(str(os.getpid()))  # so that an interrupted launch ends every rank
-    device = torch.device("cpu")
-    if job["backend"] == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group(job["backend"], timeout=datetime.timedelta(seconds=job["budget_s"] + 300))
-    ctx = RankContext(rank, dist.get_world_size(), job["backend"], device, dist.group.WORLD)
-
-    def evaluate(example):
-        box = [example]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return None
-        return execute(as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
-
-    if rank != 0:
-        while evaluate(None) is not None:
-            pass
-        dist.destroy_process_group()
-        return 0
-
-    from hypothesis import HealthCheck, Phase, find, settings
-    from hypothesis.errors import NoSuchExample
-
-    began, count, found, replayed = time.time(), 0, None, False
-
-    def violates(example) -> bool:
-        nonlocal count
-        if time.time() - began > job["budget_s"]:
-            return False
-        count += 1
-        m = evaluate(example)
-        return m.held is False and not m.vacuous_reason
-
-    for example in job["known"]:  # replay known counterexamples first
-        if violates(example):
-            found, replayed = example, True
-            break
-    if found is None:
-        try:
-            found = find(strategy(subject.family), violates, settings=settings(
-                max_examples=job["max_examples"], deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck),
-                # Phase.explain reruns the shrunk example with each part varied, to annotate a
-                # failing test's report; find() shows no report, and it was 95% of the search.
-                phases=[phase for phase in Phase if phase is not Phase.explain]))
-        except NoSuchExample:
-            found = None
-    summary = None
-    if found is not None:
-        m = evaluate(found)
-        summary = (f"{found['property']}: {m.mismatched:,} / {m.total:,} differ "
-                   f"(first at {m.first_mismatch['row']})" if m.first_mismatch else found["property"])
-    evaluate(None)
-    write_json(job_dir / "result.json", {"found": found is not None, "example": found, "examples": count,
-                                          "seconds": time.time() - began, "summary": summary,
-                                          "replayed": replayed})
-    dist.destroy_process_group()
-    return 0

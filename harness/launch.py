@@ -1,6 +1,6 @@
 """Launch torchrun jobs on one node or several, and watch them through the run's store.
 
-The launcher starts torchrun's agent (harness/agent.py; with `--launcher slurm`, through
+The launcher starts torchrun's agent (harness/agent/; with `--launcher slurm`, through
 srun) and nothing else. The head node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
 the rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the
 other nodes' launchers (`follow`) start their agents for each launch the head publishes.
@@ -59,7 +59,7 @@ def _die_with_parent() -> None:
 
 def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
                   module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
-    """torchrun's agent on this node (harness/agent.py: torchrun's options, ranks forked); on
+    """torchrun's agent on this node (harness/agent/: torchrun's options, ranks forked); on
     several nodes, c10d rendezvous at the head's store, which the agents reach as
     clients (is_host=false); with Slurm, wrapped in one srun task per node."""
     if nodes.multi:
@@ -115,12 +115,16 @@ def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None
 
 
 def _alive(groups) -> bool:
-    for group in groups:
+    """Whether a process of these groups still runs. Zombies do not count: a rank orphaned when
+    its fork server died waits for init to reap it (1.3 s on this machine, forever under an
+    init that never reaps), and waiting on it would only stretch every teardown."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(group, 0)
+            state, _parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+        if int(group) in groups and state not in ("Z", "X"):
             return True
-        except (ProcessLookupError, PermissionError):
-            pass
     return False
 
 

@@ -52,6 +52,16 @@ def processes_with_env(fragment: str) -> list[int]:
     return pids
 
 
+def gone(pid: int) -> bool:
+    """Whether a process has ended. A zombie has (only its parent's wait is missing; a rank
+    orphaned with its fork server waits for init, which may reap late or never)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 def rank_pids(run_dir: Path) -> list[int]:
     """Every rank of a finished run, from the fingerprints each launch's ranks reported."""
     import json

@@ -3,6 +3,7 @@ measured bits, with no mocked process group."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +18,7 @@ def test_subject_contracts(tmp_path, world):
     out = tmp_path / "findings.json"
     proc = subprocess.run(
         agent_command(Nodes(), world, "contracts", None, module="tests.distributed.contracts", args=(str(out),)),
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=240,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,6 +26,10 @@ def test_subject_contracts(tmp_path, world):
     # torchrun's rule (OMP_NUM_THREADS=1 for several ranks) holds in forked ranks too: the
     # agent sets it before torch loads OpenMP (the 2-core machine's default is 2 threads).
     assert found["threads"] == [1] * world
+    # Ranks are forks of a single-threaded fork server, never of the agent, which runs its
+    # store's server thread and the rendezvous keep-alive when it starts them (forks of the
+    # agent read [4, 4, 4] here; one of them hung in CI).
+    assert found["parent_threads"] == [1] * world, "a rank was forked from a multi-threaded process"
     findings = found["findings"]
     assert len(findings) == world * (5 + 4)  # even: 5 subjects; uneven: 4 (native tensor form needs even)
     for f in findings:
@@ -33,3 +38,13 @@ def test_subject_contracts(tmp_path, world):
         if "alias_ok" in f:
             assert f["alias_ok"], f"{f['subject']} gave other bits with an aliased output on rank {f['rank']}"
     assert any(0 in f["shards"] for f in findings)  # the uneven pass had an empty shard
+
+
+@pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])
+def test_the_agent_names_a_missing_entry_module_in_one_line(entry):
+    proc = subprocess.run([sys.executable, "-m", "harness.agent", "--nproc-per-node", "2", *entry],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"harness.agent: no importable entry module ({entry[1] if entry else None!r}); "
+        "end the options with -m MODULE [ARGS], MODULE defining rank_main"]

@@ -103,8 +103,12 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
         time.sleep(0.2)
     assert results is not None, head.communicate(timeout=60)[0][-2000:]
     run_id = results.parent.name
-    ranks = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")
-    assert len(ranks) == 6  # 4 ranks and the 2 torchrun agents (both carry the namespace)
+    launched = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")
+    # Per node the namespace is in the agent's environment and so in its fork server's,
+    # resource tracker's and its 2 ranks' (forks of the fork server).
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in launched]
+    assert sum(b"\0-m\0harness.agent\0" in c for c in commands) == 2, commands
+    assert sum(b"from multiprocessing.forkserver import main" in c for c in commands) == 2 + 4, commands
     os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
     out, _ = head.communicate(timeout=120)
     other.wait(timeout=10)

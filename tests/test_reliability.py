@@ -6,12 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from harness.environment import recorded_env
-from tests.conftest import REPO, processes_with_env, run_cli
+from tests.conftest import REPO, gone, processes_with_env, run_cli
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
 ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
@@ -65,14 +64,6 @@ def test_bad_input_never_writes_a_partial_run(tmp_path):
     assert "--cpu-ranks 0" in proc.stderr and not any(tmp_path.iterdir())
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")  # a zombie has ended; only its parent's wait is missing
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, code):
@@ -102,7 +93,7 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == code, output[-2000:]
     assert time.time() - sent < 15
-    assert all(_gone(pid) for pid in workers + spawned), [p for p in workers + spawned if not _gone(p)]
+    assert all(gone(pid) for pid in workers + spawned), [p for p in workers + spawned if not gone(p)]
     statuses = {json.loads(line)["case"]: json.loads(line)["status"]
                 for line in (run_dir / "results.jsonl").read_text().splitlines()}
     assert statuses == {"before": "ok", "hangs": "interrupted", "after": "interrupted"}
@@ -171,7 +162,7 @@ def test_an_interrupted_exploration_leaves_no_process(tmp_path):
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "exploration interrupted by SIGTERM" in output
-    assert all(_gone(pid) for pid in ranks)
+    assert all(gone(pid) for pid in ranks)
 
 
 def test_a_latin1_terminal_renders_any_record(tmp_path):

@@ -1,12 +1,17 @@
-"""Run under torchrun's agent (gloo; harness/agent.py forks the ranks): every collective
+"""Run under torchrun's agent (gloo; harness/agent/ forks the ranks): every collective
 subject against its contract.
 
 For even and uneven (one empty) shards: the output equals the subject's order model bit
 for bit; deterministic subjects leave the caller's input unchanged and give the same bits
 when `out` aliases this rank's slice of the input. Rank 0 writes the findings as JSON, with
-each rank's intra-op thread count (a forked rank must have a torchrun rank's: 1).
+each rank's intra-op thread count (a forked rank must have a torchrun rank's: 1) and the
+thread count of the process it was forked from (a fork of a multi-threaded process can
+inherit a lock that no thread will release: the fork server must be single-threaded).
 """
+import faulthandler
 import json
+import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -18,7 +23,16 @@ from reference.collectives import shard_offsets
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")
 
 
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"^Threads:\s+(\d+)", f.read(), re.M).group(1))
+
+
 def rank_main(out_path):
+    # A hung rank prints every thread's stack and exits (the test then fails with them), well
+    # before the test's own timeout would kill the agent and leave only a command line.
+    faulthandler.dump_traceback_later(120, exit=True)
+    parent_threads = _threads(os.getppid())  # before this rank's own connections exist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     subjects = registry.load_all()
@@ -48,9 +62,11 @@ def rank_main(out_path):
                 finding["alias_ok"] = torch.equal(alias.view(torch.int16), out.view(torch.int16))
             findings.append(finding)
     gathered = [None] * world
-    dist.all_gather_object(gathered, (findings, torch.get_num_threads()))
+    dist.all_gather_object(gathered, (findings, torch.get_num_threads(), parent_threads))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"findings": [x for per_rank, _ in gathered for x in per_rank],
-                       "threads": [threads for _, threads in gathered]}, f)
+            json.dump({"findings": [x for per_rank, _, _ in gathered for x in per_rank],
+                       "threads": [threads for _, threads, _ in gathered],
+                       "parent_threads": [parent for _, _, parent in gathered]}, f)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
