@@ -17,25 +17,47 @@ def run_cli(*args, cwd=REPO, timeout=600):
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """The CPU default, once per test session: `ep-harness verify` with the smoke suite (one
-    launch). Under pytest-xdist the first worker that needs it runs it and the others read its
-    output (pytest-xdist's recipe: a file lock in the temporary directory the workers share)."""
+def _shared_run(tmp_path_factory, name: str, *args: str):
+    """`ep-harness verify ARGS --out <shared>/NAME`, once per test session: under pytest-xdist
+    the first worker that needs it runs it and the others read its output (pytest-xdist's
+    recipe: a file lock in the temporary directory the workers share). Returns the process
+    and the run's output directory."""
     import json
 
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
         tmp_path_factory.getbasetemp()
-    out, done = shared / "smoke-run", shared / "smoke-run.json"
-    with FileLock(str(shared / "smoke-run.lock")):
+    out, done = shared / name, shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
         if not done.exists():
-            proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--out", str(out))
+            proc = run_cli("verify", *(a.format(out=out) for a in args), "--out", str(out))
             done.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
                                         "stderr": proc.stderr}))
     result = json.loads(done.read_text())
-    return subprocess.CompletedProcess(**result), out / "latest"
+    return subprocess.CompletedProcess(**result), out
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The CPU default, once per test session: `ep-harness verify` with the smoke suite (one
+    launch), with its JUnit XML and Markdown summary in the output directory."""
+    proc, out = _shared_run(tmp_path_factory, "smoke-run", "--suite", "smoke", "--gpus", "0",
+                            "--junit-xml", "{out}/junit.xml", "--summary-md", "{out}/summary.md")
+    return proc, out / "latest"
+
+
+@pytest.fixture(scope="session")
+def planted_run(tmp_path_factory):
+    """tests/cases/planted.toml (planted defects, a per-launch setup, degenerate checks), once
+    per test session, in one launch, re-seeded with --seed 5: a dict of records by check."""
+    import json
+
+    proc, out = _shared_run(tmp_path_factory, "planted-run", "--suite", "tests/cases/planted.toml", "--gpus", "0",
+                            "--seed", "5", "--no-report")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # the planted defects fail the run
+    lines = (out / "latest" / "results.jsonl").read_text().splitlines()
+    return {r["check"]: r for r in map(json.loads, lines)}
 
 
 def processes_with_env(fragment: str) -> list[int]:

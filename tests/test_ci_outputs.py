@@ -10,27 +10,27 @@ from harness.plan import expand
 from harness.subject import Platform
 from reports.ci_outputs import github_annotations, junit_xml, summary_markdown
 from reports.terminal import render
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 from tests.test_reports import record
 
 
-def test_junit_summary_and_seed_from_a_real_run(tmp_path):
-    junit, summary = tmp_path / "junit.xml", tmp_path / "summary.md"
-    proc = run_cli("verify", "--suite", "smoke", "--check", "rs-native/*/world_size=3", "--check", "graph/*",
-                   "--gpus", "0", "--seed", "5", "--junit-xml", str(junit), "--summary-md", str(summary),
-                   "--out", str(tmp_path / "out"))
+def test_junit_and_summary_from_a_real_run(smoke_run):
+    proc, run_dir = smoke_run
     assert proc.returncode == 0, proc.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "latest" / "results.jsonl").read_text().splitlines()]
-    assert all(r["params"]["seed"] == 5 for r in records)  # --seed re-seeds every check, and the record says so
-    suite = ET.parse(junit).getroot().find("testsuite")
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    suite = ET.parse(run_dir.parent / "junit.xml").getroot().find("testsuite")
     cases = suite.findall("testcase")
     assert len(cases) == int(suite.get("tests")) == len(records)
     assert {c.get("name") for c in cases} == {r["check"] for r in records}
     skipped = sum(r["status"] in ("skipped", "vacuous") for r in records)
     assert int(suite.get("skipped")) == skipped == sum(c.find("skipped") is not None for c in cases) > 0
     assert int(suite.get("failures")) == int(suite.get("errors")) == 0
-    text = summary.read_text()
-    assert text.startswith("## ep-harness: OK") and "Control -> fix" not in text  # no fix ran beside the control
+    text = (run_dir.parent / "summary.md").read_text()
+    assert text.startswith("## ep-harness: OK") and "Control -> fix" in text  # the smoke suite's pairs
+
+
+def test_seed_reseeds_every_check_and_the_record_says_so(planted_run):
+    assert {r["params"]["seed"] for r in planted_run.values()} == {5}
 
 
 def test_failures_reach_junit_and_annotations_without_forging_anything():

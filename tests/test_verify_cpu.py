@@ -144,11 +144,8 @@ def test_make_verify_with_more_gpus_than_present():
 
 
 @pytest.mark.slow
-def test_a_subject_sets_up_once_per_launch(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/setup_hook.toml", "--gpus", "0", "--no-report",
-                   "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-2000:]
-    assert [r["status"] for r in records(tmp_path / "latest")] == ["ok"] * 3
+def test_a_subject_sets_up_once_per_launch(planted_run):
+    assert [r["status"] for check, r in planted_run.items() if check.startswith("engine/")] == ["ok"] * 3
 
 
 @pytest.mark.slow
