@@ -19,7 +19,7 @@ def test_subject_contracts(tmp_path, world):
     proc = subprocess.run(
         agent_command(Nodes(), world, "contracts", None, module="tests.distributed.contracts", args=(str(out),)),
         cwd=REPO, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(out.read_text())
