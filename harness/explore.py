@@ -1,8 +1,8 @@
 """`ep-harness explore`: search for an invariance violation of a subject, and shrink it.
 
-One torchrun launch (its ranks: harness/explore_rank.py): rank 0 runs a Hypothesis search (`hypothesis.find`) over shapes,
-routing, batch composition and seeds; every example it draws is broadcast to all ranks,
-which run the check exactly as `verify` would. The smallest failing example is printed as
+One torchrun launch (its ranks: harness/explore_rank.py): rank 0 runs a Hypothesis search
+(`hypothesis.find`) over shapes, routing, batch composition and seeds; every example it draws
+is broadcast to all ranks, which run the check exactly as `verify` would. The smallest failing example is printed as
 a case-file snippet with its rerun command, and appended to a store that later explorations
 replay first.
 """
