@@ -1,14 +1,13 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
-Each rank is forked by torchrun's elastic agent (harness/agent/, `-m harness.worker`) on
-any node, so the imports below are done once per launch (in the agent's fork server).
-Talks to the launchers only through the run's store (harness/channel.py), named by
-EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job,
-progress/<rank> (which check, since
-when, pid, node), error/<rank> (the traceback of a check that raised; the rank then exits so
-torchrun tears the job down), stack/<rank> (all threads' stacks, on request) and rank 0's
-record/<index> per finished check. EP_HARNESS_JOB_DIR is a directory of this node for
-NCCL's log.
+Each rank is forked by torchrun's elastic agent (harness/agent/, `-m harness.worker`) on any
+node, so the imports below are done once per launch (in the agent's fork server). Talks to
+the launchers only through the run's store (harness/channel.py), named by EP_HARNESS_STORE
+(HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job, progress/<rank> (which
+check, since when, pid, node), error/<rank> (the traceback of a check that raised; the rank
+then exits so torchrun tears the job down), stack/<rank> (all threads' stacks, on request)
+and rank 0's record/<index> per finished check. EP_HARNESS_JOB_DIR is a directory of this
+node for NCCL's log.
 """
 from __future__ import annotations
 
