@@ -1,9 +1,10 @@
 """Launch torchrun jobs on one node or several, and watch them through the run's store.
 
-The launcher starts torchrun's agent (harness/agent/; with `--launcher slurm`, through
-srun) and nothing else. The head node's launcher hosts the run's TCPStore (harness/channel.py); on several nodes it sits at
-the rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the
-other nodes' launchers (`follow`) start their agents for each launch the head publishes.
+The launcher starts torchrun's agent (harness/agent/; with `--launcher slurm`, through srun)
+and nothing else. The head node's launcher hosts the run's TCPStore (harness/channel.py); on
+several nodes it sits at the rendezvous endpoint, where every torchrun agent's c10d
+rendezvous uses it too, and the other nodes' launchers (`follow`) start their agents for
+each launch the head publishes.
 
 A check that raises on any rank, or does not finish within its timeout (stacks dumped
 first), is recorded as an error and the job is relaunched from the next check, so one bad
@@ -114,16 +115,26 @@ def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None
     proc.wait()
 
 
+ENDED_STATES = ("Z", "X")  # zombie, dead
+
+
+def process_state(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, process group) of a process from /proc/PID/stat; None once it is gone."""
+    try:  # the command name, in parentheses, may itself hold spaces and parentheses
+        state, _parent, group = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+    except (OSError, ValueError):
+        return None
+    return state, int(group)
+
+
 def _alive(groups) -> bool:
-    """Whether a process of these groups still runs. Zombies do not count: a rank orphaned when
-    its fork server died waits for init to reap it (1.3 s on this machine, forever under an
-    init that never reaps), and waiting on it would only stretch every teardown."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):  # ended meanwhile
-            continue
-        if int(group) in groups and state not in ("Z", "X"):
+    """Whether a process of these groups still runs. A zombie has ended (only its parent's
+    wait is missing): a rank orphaned when its fork server died waits for init to reap it
+    (1.3 s on this machine, forever under an init that never reaps), and waiting on it would
+    only stretch every teardown."""
+    for entry in Path("/proc").iterdir():
+        found = process_state(entry.name) if entry.name.isdigit() else None
+        if found is not None and found[1] in groups and found[0] not in ENDED_STATES:
             return True
     return False
 

@@ -75,13 +75,11 @@ def processes_with_env(fragment: str) -> list[int]:
 
 
 def gone(pid: int) -> bool:
-    """Whether a process has ended. A zombie has (only its parent's wait is missing; a rank
-    orphaned with its fork server waits for init, which may reap late or never)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+    """Whether a process has ended, a zombie included (as the launcher counts them)."""
+    from harness.launch import ENDED_STATES, process_state
+
+    found = process_state(pid)
+    return found is None or found[0] in ENDED_STATES
 
 
 def rank_pids(run_dir: Path) -> list[int]:
