@@ -107,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "verify":
             from harness.cases import load_suite, resolve_suite_path
+            from harness.environment import platform_for
             from harness.nodes import Nodes
 
-            # Bad node options and a missing or malformed suite fail here, before torch loads.
+            # Bad node options, a missing or malformed suite and more GPUs than the machine
+            # has fail here, before torch loads (on a machine without a GPU driver).
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 return follow(nodes, args.out)
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
+            platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
             from harness.verify import verify
 
             code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,

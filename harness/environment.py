@@ -28,14 +28,26 @@ LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep
              "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
 
 
+# What a GPU driver leaves on a machine (NVIDIA's, in containers too; ROCm's; WSL's).
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def visible_gpus() -> int:
+    """The GPUs torch can use. Without a GPU driver there are none, which is known without
+    importing torch (1.2 s of CPU), so a wrong GPUS on a CPU machine is reported at once."""
+    if not any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
     """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU.
 
     emulate_hosts: GPUS ranks may exceed the visible GPUs; they share them, one emulated
     NCCL host per rank (harness/emulation.py)."""
-    import torch
-
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpus()
     if emulate_hosts and visible == 0:
         raise HarnessError("--emulate-hosts (EMULATE_HOSTS=1) runs NCCL ranks on a GPU, but no GPU is visible; "
                            "drop the flag to run the CPU default")
@@ -57,6 +69,8 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
             raise HarnessError(f"--cpu-ranks {cpu_ranks} leaves no rank to run on; use --cpu-ranks 1 or more "
                                f"(the CPU default is {CPU_DEFAULT_RANKS})")
         return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
+    import torch
+
     props = torch.cuda.get_device_properties(0)
     emulated = emulate_hosts and gpus > visible
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
@@ -74,9 +88,7 @@ def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, em
     if gpus not in (None, 0, total):
         raise HarnessError(f"GPUS={gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
                            f"drop --gpus, or make it {total} (or 0 for gloo on the CPU)")
-    import torch
-
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpus()
     if gpus == 0 or (visible == 0 and not emulate_hosts):
         return Platform(backend="gloo", device="cpu", ranks=total, nodes=nodes.nnodes)
     local = detect(per_node, cpu_ranks, emulate_hosts)

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from harness.channel import Channel, current_run, parse_endpoint, publish_run, run_channel, tcp_store
 from harness.errors import HarnessError
@@ -118,13 +119,19 @@ def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None
 ENDED_STATES = ("Z", "X")  # zombie, dead
 
 
-def process_state(pid: int | str) -> tuple[str, int] | None:
-    """(state letter, process group) of a process from /proc/PID/stat; None once it is gone."""
+class ProcessState(NamedTuple):
+    state: str  # a letter: R running, S sleeping, Z zombie, ...
+    parent: int
+    group: int
+
+
+def process_state(pid: int | str) -> ProcessState | None:
+    """A process's state, parent and process group from /proc/PID/stat; None once it is gone."""
     try:  # the command name, in parentheses, may itself hold spaces and parentheses
-        state, _parent, group = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        state, parent, group = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
     except (OSError, ValueError):
         return None
-    return state, int(group)
+    return ProcessState(state, int(parent), int(group))
 
 
 def _alive(groups) -> bool:
@@ -134,7 +141,7 @@ def _alive(groups) -> bool:
     only stretch every teardown."""
     for entry in Path("/proc").iterdir():
         found = process_state(entry.name) if entry.name.isdigit() else None
-        if found is not None and found[1] in groups and found[0] not in ENDED_STATES:
+        if found is not None and found.group in groups and found.state not in ENDED_STATES:
             return True
     return False
 

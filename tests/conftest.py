@@ -79,7 +79,7 @@ def gone(pid: int) -> bool:
     from harness.launch import ENDED_STATES, process_state
 
     found = process_state(pid)
-    return found is None or found[0] in ENDED_STATES
+    return found is None or found.state in ENDED_STATES
 
 
 def rank_pids(run_dir: Path) -> list[int]:

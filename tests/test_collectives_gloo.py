@@ -11,6 +11,9 @@ from harness.launch import agent_command
 from harness.nodes import Nodes
 from tests.conftest import REPO
 
+WITH_REPO_ON_PATH = {**os.environ,
+                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
@@ -18,9 +21,7 @@ def test_subject_contracts(tmp_path, world):
     out = tmp_path / "findings.json"
     proc = subprocess.run(
         agent_command(Nodes(), world, "contracts", None, module="tests.distributed.contracts", args=(str(out),)),
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
-    )
+        cwd=REPO, capture_output=True, text=True, timeout=240, env=WITH_REPO_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(out.read_text())
     # torchrun's rule (OMP_NUM_THREADS=1 for several ranks) holds in forked ranks too: the
@@ -38,6 +39,27 @@ def test_subject_contracts(tmp_path, world):
         if "alias_ok" in f:
             assert f["alias_ok"], f"{f['subject']} gave other bits with an aliased output on rank {f['rank']}"
     assert any(0 in f["shards"] for f in findings)  # the uneven pass had an empty shard
+
+
+# The agent with one thread (what it has after importing torch, OMP_NUM_THREADS=1) forks its
+# fork server; with another thread running it must start one anew instead.
+AGENT_WITH_THREADS = ("import sys, threading; from harness.agent import main\n"
+                      "for _ in range(int(sys.argv[1]) - 1): threading.Thread(target=threading.Event().wait, "
+                      "daemon=True).start()\n"
+                      "sys.exit(main(sys.argv[2:]))")
+
+
+@pytest.mark.parametrize("threads, fork_server", [(1, "from harness.agent import main"),  # a fork of the agent
+                                                  (2, "from multiprocessing.forkserver import main")])
+def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, fork_server):
+    agent = agent_command(Nodes(), 2, "origin", None, module="tests.distributed.fork_origin", args=(str(tmp_path),))
+    assert agent[1:3] == ["-m", "harness.agent"]
+    proc = subprocess.run([sys.executable, "-c", AGENT_WITH_THREADS, str(threads), *agent[3:]], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=WITH_REPO_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["threads"] for r in ranks] == [1, 1]
+    assert all(fork_server in r["command"] for r in ranks), ranks
 
 
 @pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.environment import node_differences
+from harness.launch import process_state
 from tests.conftest import REPO, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
@@ -30,12 +31,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(node_rank: int, port: int, cwd: Path, *args, env=None) -> subprocess.Popen:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
-                             f"127.0.0.1:{port}", "--node-rank", str(node_rank), "--gpus", "0", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+@pytest.fixture
+def node():
+    """node(rank, port, cwd, *args): `ep-harness verify` for one node of a 2-node run (a
+    launcher, in a session of its own). Whatever a test leaves running, a failing one
+    included, is ended after it: SIGTERM, which the launcher passes on to its agent, then SIGKILL."""
+    started = []
+
+    def launch(node_rank: int, port: int, cwd: Path, *args, env=None) -> subprocess.Popen:
+        cwd.mkdir(parents=True, exist_ok=True)
+        started.append(subprocess.Popen(
+            [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--node-rank", str(node_rank), "--gpus", "0", *args], cwd=cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, env={**os.environ, **(env or {})}))
+        return started[-1]
+
+    yield launch
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, sig)
+        for proc in started:
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def counts(run_dir: Path) -> dict:
@@ -60,10 +80,10 @@ def single_agent(smoke_run):
 
 
 @pytest.mark.slow
-def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent):
+def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent, node):
     port = free_port()
-    head = agent(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report", *selection())
-    other = agent(1, port, tmp_path / "node1")
+    head = node(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report", *selection())
+    other = node(1, port, tmp_path / "node1")
     head_out, _ = head.communicate(timeout=300)
     other_out, _ = other.communicate(timeout=60)
     assert head.returncode == 0, head_out[-3000:]
@@ -87,13 +107,13 @@ def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent):
 
 
 @pytest.mark.slow
-def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
+def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
     port = free_port()
     suite = str(REPO / "tests" / "cases" / "node_loss.toml")  # a check, then one that never ends
     plugin_path = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    head = agent(0, port, tmp_path / "node0", "--suite", suite, "--no-report",
+    head = node(0, port, tmp_path / "node0", "--suite", suite, "--no-report",
                  env={**plugin_path, "EP_HARNESS_NODE_TIMEOUT_S": "3"})  # beats every 0.5 s; 6 s by default
-    other = agent(1, port, tmp_path / "node1", env=plugin_path)
+    other = node(1, port, tmp_path / "node1", env=plugin_path)
     results = None
     deadline = time.time() + 240
     while time.time() < deadline and head.poll() is None:  # mid-launch: a check recorded, the hang under way
@@ -106,11 +126,12 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path):
     assert results is not None, head.communicate(timeout=60)[0][-2000:]
     run_id = results.parent.name
     launched = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")
-    # Per node the namespace is in the agent's environment and so in its fork server's,
-    # resource tracker's and its 2 ranks' (forks of the fork server).
-    commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in launched]
-    assert sum(b"\0-m\0harness.agent\0" in c for c in commands) == 2, commands
-    assert sum(b"from multiprocessing.forkserver import main" in c for c in commands) == 2 + 4, commands
+    # Per node the namespace is in the agent's environment (its launcher's is without it) and
+    # so in its fork server's, its resource tracker's and its 2 ranks' (forks of the fork server).
+    parent = {pid: process_state(pid).parent for pid in launched}
+    agents = [pid for pid in launched if parent[pid] not in parent]
+    assert [b"\0-m\0harness.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
+    assert len([pid for pid in launched if parent.get(parent[pid]) in agents]) == 2 * 2, parent
     os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
     out, _ = head.communicate(timeout=120)
     other.wait(timeout=10)

@@ -1,6 +1,8 @@
 """`ep-harness verify` end to end on the CPU default (4 gloo ranks, torchrun, real records)."""
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
@@ -113,6 +115,31 @@ def test_records_name_their_topology_and_the_tp_reduction(smoke_run):
     assert env["tp_reduction"]["via"] == "torch.distributed on gloo"
     assert env["tp_reduction"]["engine_custom_all_reduce"].startswith("off")
     assert all(r["topology"] == "cpu-gloo: 4 gloo ranks on the CPU" for r in records(run_dir))
+    assert [f["deterministic_algorithms"] for launch in env["ranks"].values() for f in launch] == [True] * 4
+
+
+# What torch.use_deterministic_algorithms(True) leaves set, read in a fresh interpreter: first
+# with inductor not loaded (it must stay so: it costs each launch 1.4 s), then loaded.
+_DETERMINISM_PROBE = """
+import sys, torch
+from harness.worker import use_deterministic_algorithms
+use_deterministic_algorithms()
+print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+      "torch._inductor.config" in sys.modules)
+import torch._inductor.config as inductor
+print(inductor.deterministic)
+inductor.deterministic = False
+use_deterministic_algorithms()
+print(inductor.deterministic)
+"""
+
+
+def test_ranks_set_what_use_deterministic_algorithms_sets():
+    probe = subprocess.run([sys.executable, "-c", _DETERMINISM_PROBE], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "TORCHINDUCTOR_DETERMINISTIC": "0"})
+    assert probe.returncode == 0, probe.stderr
+    # ATen deterministic and not warn-only; inductor deterministic whether it loads after or before.
+    assert probe.stdout.split() == ["True", "False", "False", "True", "True"]
 
 
 @pytest.mark.slow
@@ -141,6 +168,15 @@ def test_make_verify_with_more_gpus_than_present():
     proc = subprocess.run(["make", "-s", "verify", "GPUS=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "GPUS=4 but this machine has 0 visible GPUs" in proc.stderr
+
+
+def test_gpus_are_counted_by_torch_only_where_a_gpu_driver_is():
+    probe = ("import sys; from harness import environment as e\n"
+             "e.GPU_DRIVER_PATHS = ('/no/such/driver',); print(e.visible_gpus(), 'torch' in sys.modules)\n"
+             "e.GPU_DRIVER_PATHS = ('/',); import torch; print(e.visible_gpus() == torch.cuda.device_count())")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "False", "True"]
 
 
 @pytest.mark.slow

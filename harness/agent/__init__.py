@@ -6,26 +6,32 @@ torchrun's own parser and runs torchrun's LocalElasticAgent (elastic_launch, whi
 The one difference: a rank is not a fresh interpreter running MODULE but a forked process
 calling MODULE.rank_main(*ARGS) (torchrun's start methods for function entry points).
 
-The ranks are forks of a fork server (Python's forkserver start method): a fresh process,
-started first thing, that imports torch, torch._dynamo and MODULE once per launch (about 2 s
-of CPU per rank saved on the 2-core machine, BENCHMARKS.md) while the agent imports torch's
-launcher, then starts no threads and never touches CUDA. They are never forks of the agent:
-when it starts ranks it runs the rendezvous store's server thread and keep-alive timer, and
-a fork taken while another thread holds a lock leaves that lock held for good in the child
-(a CI run hung 300 s in a 3-rank launch forked from the agent; Python 3.14 made forkserver
-its default on Linux for this reason). A process that has touched CUDA cannot fork CUDA users
-either, and torchrun's LaunchConfig asks torch.cuda.is_available(). OMP_NUM_THREADS is set
-before torch loads OpenMP, by torchrun's rule, so a rank's thread count is a torchrun rank's.
+The ranks are forks of a fork server (Python's forkserver start method), never of the
+agent: when it starts ranks it runs the rendezvous store's server thread and keep-alive timer,
+and a fork taken while another thread holds a lock leaves that lock held for good in the
+child (a CI run hung 300 s in a 3-rank launch forked from the agent; Python 3.14 made
+forkserver its default on Linux for this reason). The agent first imports torch and MODULE,
+while it still has one thread, and starts the fork server as a fork of itself, so torch is
+imported once per launch, not once per rank (about 2 s of CPU each on the 2-core machine)
+nor again by a fork server started anew (1.7 s a launch; BENCHMARKS.md). The fork server
+starts no threads and never touches CUDA; a process that has touched CUDA cannot fork CUDA
+users, and torchrun's LaunchConfig asks torch.cuda.is_available(), after the fork.
+OMP_NUM_THREADS is set before torch loads OpenMP, by torchrun's rule, so a rank's thread
+count is a torchrun rank's (and an agent of several ranks has one thread after import torch).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import sys
+import threading
+import traceback
 
 
 def _set_omp_threads_as_torchrun(argv: list[str]) -> None:
@@ -46,6 +52,56 @@ def _entry_module(argv: list[str]) -> str | None:
     return None
 
 
+def _plain_launcher_logs() -> None:
+    """torch's log formatter renders a record that carries an exception by importing
+    torch._dynamo (1.4 s of CPU), which the agent does each time it logs a failed rank: the
+    handlers of its torch.distributed records get a plain formatter instead."""
+    for handler in logging.getLogger("torch.distributed").handlers:
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
+
+
+def _start_fork_server() -> None:
+    """Start multiprocessing's fork server as a fork of this process, which has imported
+    torch and the rank module, rather than as a new interpreter that imports them again
+    (1.7 s of CPU a launch). Only while this process has one thread, native ones included:
+    otherwise, or where the fork server is not started as a `-c` command through
+    multiprocessing.util.spawnv_passfds, it is started anew as usual."""
+    spawn_anew = multiprocessing.util.spawnv_passfds
+    if len(os.listdir("/proc/self/task")) != 1:
+        multiprocessing.forkserver.ensure_running()
+        return
+
+    def fork_instead(path, args, passfds):
+        if args[-2:-1] != ["-c"] or "multiprocessing.forkserver" not in args[-1]:  # the resource tracker
+            return spawn_anew(path, args, passfds)
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the new interpreter, less its imports: the same fds, then the same command
+            kept = sorted({0, 1, 2, *passfds})
+            for low, high in zip(kept, [*kept[1:], os.sysconf("SC_OPEN_MAX")]):
+                os.closerange(low + 1, high)
+            # ensure_running forked inside its lock; the fork server's own copy must be free.
+            multiprocessing.forkserver._forkserver._lock = threading.Lock()
+            exec(args[-1], {"__name__": "__mp_forkserver__"})  # forkserver.main(...): serves until the agent ends
+            code = 0
+        except SystemExit as exc:
+            code = 0 if exc.code is None else exc.code
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered for a fork to write a second time
+        stream.flush()
+    multiprocessing.util.spawnv_passfds = fork_instead
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn_anew
+
+
 def _rank_entry(module: str, *args):
     """A rank: MODULE.rank_main(*ARGS), MODULE imported already by the fork server."""
     return importlib.import_module(module).rank_main(*args)
@@ -58,14 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     if module is None or importlib.util.find_spec(module) is None:
         raise SystemExit(f"harness.agent: no importable entry module ({module!r}); "
                          "end the options with -m MODULE [ARGS], MODULE defining rank_main")
-    # The fork server imports torch and MODULE while this process imports torch's launcher.
-    multiprocessing.set_forkserver_preload(["harness.agent", module])
-    multiprocessing.forkserver.ensure_running()
-
+    # What every rank runs, imported while this process has one thread: torch's launcher
+    # (a rank starts in its wrapper) and MODULE. The fork server is then a fork of this process.
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
+    importlib.import_module(module)
+    multiprocessing.set_forkserver_preload(["harness.agent", module])  # for a fork server started anew
+    _start_fork_server()
+    _plain_launcher_logs()
     args = parse_args(argv)
     if not args.module or args.training_script != module:
         raise SystemExit("harness.agent: the ranks' entry point must be given as -m MODULE")

@@ -1,0 +1,13 @@
+"""Run under harness/agent/: each rank writes where it was forked from (the thread count and
+command line of its parent, the fork server), without a process group."""
+import json
+import os
+from pathlib import Path
+
+
+def rank_main(out_dir):
+    parent = os.getppid()
+    status = Path(f"/proc/{parent}/status").read_text()
+    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"threads": threads, "command": command}))
