@@ -170,13 +170,17 @@ def test_make_verify_with_more_gpus_than_present():
     assert "GPUS=4 but this machine has 0 visible GPUs" in proc.stderr
 
 
-def test_gpus_are_counted_by_torch_only_where_a_gpu_driver_is():
-    probe = ("import sys; from harness import environment as e\n"
-             "e.GPU_DRIVER_PATHS = ('/no/such/driver',); print(e.visible_gpus(), 'torch' in sys.modules)\n"
-             "e.GPU_DRIVER_PATHS = ('/',); import torch; print(e.visible_gpus() == torch.cuda.device_count())")
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["0", "False", "True"]
+def test_gpus_are_counted_by_torch_only_where_a_gpu_driver_is(monkeypatch):
+    import torch
+
+    from harness import environment
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now fails
+    monkeypatch.setattr(environment, "GPU_DRIVER_PATHS", ("/no/such/driver",))
+    assert environment.visible_gpus() == 0
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(environment, "GPU_DRIVER_PATHS", ("/",))
+    assert environment.visible_gpus() == torch.cuda.device_count()
 
 
 @pytest.mark.slow
