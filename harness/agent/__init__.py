@@ -67,7 +67,10 @@ def _start_fork_server() -> None:
     otherwise, or where the fork server is not started as a `-c` command through
     multiprocessing.util.spawnv_passfds, it is started anew as usual."""
     spawn_anew = multiprocessing.util.spawnv_passfds
-    if len(os.listdir("/proc/self/task")) != 1:
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        print(f"harness.agent: {threads} threads after importing torch; the fork server is started anew "
+              f"(it imports torch again)", file=sys.stderr, flush=True)
         multiprocessing.forkserver.ensure_running()
         return
 
