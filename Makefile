@@ -37,7 +37,7 @@ verify: install
 	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
 
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: every pytest process (workers,
-# and the sessions some tests start) would otherwise compile and assert-rewrite the same 180
+# and the sessions some tests start) would otherwise compile and assert-rewrite the same ~180
 # modules of the harness, the tests and the pytest plugins' packages again (1.4 s of CPU each).
 test: install
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal tests

@@ -1,13 +1,13 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
 Each rank is forked by torchrun's elastic agent (harness/agent/, `-m harness.worker`) on any
-node, so the imports below are done once per launch (in the agent's fork server). Talks to
-the launchers only through the run's store (harness/channel.py), named by EP_HARNESS_STORE
-(HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job, progress/<rank> (which
-check, since when, pid, node), error/<rank> (the traceback of a check that raised; the rank
-then exits so torchrun tears the job down), stack/<rank> (all threads' stacks, on request)
-and rank 0's record/<index> per finished check. EP_HARNESS_JOB_DIR is a directory of this
-node for NCCL's log.
+node, so the imports below are done once per launch (by the agent, before it forks its fork
+server). Talks to the launchers only through the run's store (harness/channel.py), named by
+EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job,
+progress/<rank> (which check, since when, pid, node), error/<rank> (the traceback of a check
+that raised; the rank then exits so torchrun tears the job down), stack/<rank> (all threads'
+stacks, on request) and rank 0's record/<index> per finished check. EP_HARNESS_JOB_DIR is a
+directory of this node for NCCL's log.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ WATCH_S = 0.2
 
 def use_deterministic_algorithms() -> None:
     """What torch.use_deterministic_algorithms(True) does, without its import of
-    torch._inductor.config (1.4 s of CPU in every launch's fork server, 31 launches in
-    `make test`) only to set one flag: ATen's switch is set directly, and inductor, which no
-    built-in subject loads, reads TORCHINDUCTOR_DETERMINISTIC=1 when it does."""
+    torch._inductor.config (1.4 s of CPU in every launch, 31 launches in `make test`) only
+    to set one flag: ATen's switch is set directly, and inductor, which no built-in subject
+    loads, reads TORCHINDUCTOR_DETERMINISTIC=1 when it does."""
     os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     if "torch._inductor.config" in sys.modules:  # loaded already (by a plugin): set it there
         sys.modules["torch._inductor.config"].deterministic = True

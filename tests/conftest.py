@@ -8,6 +8,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# For processes that import the tests' own modules (tests.planted, tests.distributed.*).
+REPO_ON_PYTHONPATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def run_cli(*args, cwd=REPO, timeout=600):

@@ -9,10 +9,9 @@ import pytest
 
 from harness.launch import agent_command
 from harness.nodes import Nodes
-from tests.conftest import REPO
+from tests.conftest import REPO, REPO_ON_PYTHONPATH
 
-WITH_REPO_ON_PATH = {**os.environ,
-                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+WITH_REPO_ON_PATH = {**os.environ, **REPO_ON_PYTHONPATH}
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 
 from harness.environment import node_differences
 from harness.launch import process_state
-from tests.conftest import REPO, processes_with_env, run_cli
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
 # The smoke suite's collectives in bfloat16, at world sizes 2, 3 and 4.
@@ -110,10 +110,9 @@ def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent, node
 def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
     port = free_port()
     suite = str(REPO / "tests" / "cases" / "node_loss.toml")  # a check, then one that never ends
-    plugin_path = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     head = node(0, port, tmp_path / "node0", "--suite", suite, "--no-report",
-                 env={**plugin_path, "EP_HARNESS_NODE_TIMEOUT_S": "3"})  # beats every 0.5 s; 6 s by default
-    other = node(1, port, tmp_path / "node1", env=plugin_path)
+                env={**REPO_ON_PYTHONPATH, "EP_HARNESS_NODE_TIMEOUT_S": "3"})  # beats every 0.5 s; 6 s by default
+    other = node(1, port, tmp_path / "node1", env=REPO_ON_PYTHONPATH)
     results = None
     deadline = time.time() + 240
     while time.time() < deadline and head.poll() is None:  # mid-launch: a check recorded, the hang under way

@@ -106,7 +106,7 @@ def _start_fork_server() -> None:
 
 
 def _rank_entry(module: str, *args):
-    """A rank: MODULE.rank_main(*ARGS), MODULE imported already by the fork server."""
+    """A rank: MODULE.rank_main(*ARGS), MODULE imported already (before the fork server was forked)."""
     return importlib.import_module(module).rank_main(*args)
 
 
