@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import config_from_args, parse_args
 
     importlib.import_module(module)
-    multiprocessing.set_forkserver_preload(["harness.agent", module])  # for a fork server started anew
+    # For a fork server started anew: the same, so that no rank imports torch itself.
+    multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "harness.agent", module])
     _start_fork_server()
     _plain_launcher_logs()
     args = parse_args(argv)
