@@ -48,6 +48,7 @@ AGENT_WITH_THREADS = ("import sys, threading; from harness.agent import main\n"
                       "sys.exit(main(sys.argv[2:]))")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads, fork_server", [(1, "from harness.agent import main"),  # a fork of the agent
                                                   (2, "from multiprocessing.forkserver import main")])
 def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, fork_server):

@@ -22,6 +22,7 @@ def test_only_allowlisted_variables_are_recorded_and_credentials_are_redacted():
     assert env == {"NCCL_ALGO": "allreduce:tree", "NCCL_IB_KEY": "<redacted>", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+@pytest.mark.slow
 def test_a_run_neither_leaks_a_token_nor_runs_the_working_directorys_modules(tmp_path):
     work = tmp_path / "project"
     work.mkdir()
