@@ -13,7 +13,7 @@ child (a CI run hung 300 s in a 3-rank launch forked from the agent; Python 3.14
 forkserver its default on Linux for this reason). The agent first imports torch and MODULE,
 while it still has one thread, and starts the fork server as a fork of itself, so torch is
 imported once per launch, not once per rank (about 2 s of CPU each on the 2-core machine)
-nor again by a fork server started anew (1.7 s a launch; BENCHMARKS.md). The fork server
+nor again by a fork server started anew (1.1 s a launch; BENCHMARKS.md). The fork server
 starts no threads and never touches CUDA; a process that has touched CUDA cannot fork CUDA
 users, and torchrun's LaunchConfig asks torch.cuda.is_available(), after the fork.
 OMP_NUM_THREADS is set before torch loads OpenMP, by torchrun's rule, so a rank's thread
@@ -63,7 +63,7 @@ def _plain_launcher_logs() -> None:
 def _start_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported
     torch and the rank module, rather than as a new interpreter that imports them again
-    (1.7 s of CPU a launch). Only while this process has one thread, native ones included:
+    (1.1 s of CPU a launch). Only while this process has one thread, native ones included:
     otherwise, or where the fork server is not started as a `-c` command through
     multiprocessing.util.spawnv_passfds, it is started anew as usual."""
     spawn_anew = multiprocessing.util.spawnv_passfds
