@@ -85,8 +85,11 @@ def _start_fork_server() -> None:
             kept = sorted({0, 1, 2, *passfds})
             for low, high in zip(kept, [*kept[1:], os.sysconf("SC_OPEN_MAX")]):
                 os.closerange(low + 1, high)
-            # ensure_running forked inside its lock; the fork server's own copy must be free.
-            multiprocessing.forkserver._forkserver._lock = threading.Lock()
+            # ensure_running forked inside its lock; the fork server's own copy must be free
+            # (a private attribute: where it is not, there is nothing to free).
+            server = getattr(multiprocessing.forkserver, "_forkserver", None)
+            if hasattr(server, "_lock"):
+                server._lock = threading.Lock()
             exec(args[-1], {"__name__": "__mp_forkserver__"})  # forkserver.main(...): serves until the agent ends
             code = 0
         except SystemExit as exc:
