@@ -2,9 +2,9 @@
 
 One torchrun launch (its ranks: harness/explore_rank.py): rank 0 runs a Hypothesis search
 (`hypothesis.find`) over shapes, routing, batch composition and seeds; every example it draws
-is broadcast to all ranks, which run the check exactly as `verify` would. The smallest failing example is printed as
-a case-file snippet with its rerun command, and appended to a store that later explorations
-replay first.
+is broadcast to all ranks, which run the check exactly as `verify` would. The smallest
+failing example is printed as a case-file snippet with its rerun command, and appended to a
+store that later explorations replay first.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import Interrupted, agent_command, interruptible, kill_launch, spawn
+    from harness.launch import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
     from harness.nodes import Nodes
 
     registry.load_all(plugins)
@@ -95,8 +95,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
-    env = {**os.environ, **pinned_env(platform, {}), "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **pinned_env(platform, {}), **import_paths()}
     proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, module="harness.explore_rank",
                                args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:

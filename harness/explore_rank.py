@@ -1,8 +1,9 @@
 """The ranks of an `ep-harness explore` launch (harness/explore.py starts it): rank 0 runs
 the Hypothesis search and broadcasts each example; every rank runs the check it names.
 
-Imports are at the top so that harness.agent's fork server does them once per launch, not
-once per rank (the CLI side, harness/explore.py, stays free of torch until it launches).
+Imports are at the top so that harness.agent does them once per launch, before it forks its
+fork server, not once per rank (the CLI side, harness/explore.py, stays free of torch until
+it launches).
 """
 from __future__ import annotations
 

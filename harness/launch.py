@@ -77,6 +77,14 @@ def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
     return agent
 
 
+def import_paths() -> dict[str, str]:
+    """How an agent and its ranks find the harness: this checkout first, the caller's
+    PYTHONPATH after it, and the working directory never before the standard library (a
+    json.py there must not run inside the ranks; plugins are found at the path's end)."""
+    return {"PYTHONSAFEPATH": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes) -> dict[str, str]:
     # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
@@ -84,11 +92,7 @@ def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, no
     # the run's); on one they share their agent's, which holds its port from the start (an
     # unshared one is a port the agent picks and frees, which another process can take first).
     store_sharing = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if nodes.multi else {}
-    return {**os.environ, **env, **node, **store_sharing, "PYTHONUNBUFFERED": "1",
-            # The working directory never goes before the standard library: a json.py
-            # there must not run inside the ranks (plugins are found at the path's end).
-            "PYTHONSAFEPATH": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    return {**os.environ, **env, **node, **store_sharing, "PYTHONUNBUFFERED": "1", **import_paths(),
             "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir)}
 
 
@@ -123,15 +127,17 @@ class ProcessState(NamedTuple):
     state: str  # a letter: R running, S sleeping, Z zombie, ...
     parent: int
     group: int
+    threads: int
 
 
 def process_state(pid: int | str) -> ProcessState | None:
-    """A process's state, parent and process group from /proc/PID/stat; None once it is gone."""
+    """A process's state, parent, process group and thread count from /proc/PID/stat; None
+    once it is gone."""
     try:  # the command name, in parentheses, may itself hold spaces and parentheses
-        state, parent, group = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
-    except (OSError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return ProcessState(fields[0], int(fields[1]), int(fields[2]), int(fields[17]))  # stat's fields 3-5, 20
+    except (OSError, ValueError, IndexError):
         return None
-    return ProcessState(state, int(parent), int(group))
 
 
 def _alive(groups) -> bool:

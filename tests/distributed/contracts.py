@@ -11,28 +11,23 @@ inherit a lock that no thread will release: the fork server must be single-threa
 import faulthandler
 import json
 import os
-import re
 
 import torch
 import torch.distributed as dist
 
 from harness import subject as registry
 from harness.inputs import values
+from harness.launch import process_state
 from reference.collectives import shard_offsets
 
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")
-
-
-def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"^Threads:\s+(\d+)", f.read(), re.M).group(1))
 
 
 def rank_main(out_path):
     # A hung rank prints every thread's stack and exits (the test then fails with them), well
     # before the test's own timeout would kill the agent and leave only a command line.
     faulthandler.dump_traceback_later(120, exit=True)
-    parent_threads = _threads(os.getppid())  # before this rank's own connections exist
+    parent_threads = process_state(os.getppid()).threads  # before this rank's own connections exist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     subjects = registry.load_all()

@@ -4,10 +4,11 @@ import json
 import os
 from pathlib import Path
 
+from harness.launch import process_state
+
 
 def rank_main(out_dir):
     parent = os.getppid()
-    status = Path(f"/proc/{parent}/status").read_text()
-    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    threads = process_state(parent).threads
     command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"threads": threads, "command": command}))
