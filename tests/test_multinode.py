@@ -6,6 +6,7 @@ what the other node's ranks sent through the run's store."""
 import fnmatch
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,9 +27,19 @@ COLLECTIVES = ["rs-native/*/dtype=bfloat16/*", "ar-slice/*/dtype=bfloat16/*", "a
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port from bind(0) could be handed to
+    another process (an agent's store, a gloo connection of a concurrent test) before the
+    head binds it; one below the range never is."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    below = range(max(1024, ephemeral_low - 10000), ephemeral_low)
+    for port in random.sample(below, min(100, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                pass
+    raise RuntimeError(f"no free port below {ephemeral_low}")
 
 
 @pytest.fixture
