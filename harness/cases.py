@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import math
 import sysconfig
 import tomllib
 from dataclasses import dataclass, field
@@ -56,6 +57,16 @@ class Suite:
     description: str
     plugins: list[str] = field(default_factory=list)
     cases: list[Case] = field(default_factory=list)
+
+
+def timeout_problem(value) -> str | None:
+    """Why `value` is not a usable per-check timeout, or None. inf and nan pass a `<= 0`
+    test (every comparison with nan is false) and then break the launcher's arithmetic."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"timeout_s = {value!r} is not a number"
+    if not math.isfinite(value) or value <= 0:
+        return f"timeout_s = {value!r} is not a finite positive number of seconds"
+    return None
 
 
 def _fail(path: Path, where: str, problem: str, fix: str):
@@ -132,8 +143,9 @@ def _case(path: Path, index: int, raw) -> Case:
         if key in env and env[key] != forced:
             _fail(path, where, f"env {key}={env[key]} is refused", f"the harness keeps {key}={forced}")
     timeout = raw.get("timeout_s", 120)
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        _fail(path, where, f"timeout_s = {timeout!r}", "use a positive number of seconds")
+    problem = timeout_problem(timeout)
+    if problem:
+        _fail(path, where, problem, "use a finite positive number of seconds, e.g. timeout_s = 120")
     return Case(
         name=name, subject=raw["subject"], properties=props,
         expect=_expectation(path, where, raw["expect"]), grid=grid, params=params, env=env,

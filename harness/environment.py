@@ -23,7 +23,15 @@ NCCL_LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
 RECORDED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "TORCH_CUDA_ARCH_LIST", "CUBLAS_", "CUDA_VISIBLE_DEVICES",
                      "CUDA_LAUNCH_BLOCKING", "CUDA_VERSION", "DG_", "NVSHMEM_", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA",
                      "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT")
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+# A name holding any of these is a credential: its value is never written anywhere.
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASS", "PASSWD", "CREDENTIAL", "AUTH")
+REDACTED = "<redacted>"
+# Of the recorded variables, those that name code, files or directories (NCCL_NET_PLUGIN,
+# NCCL_DEBUG_FILE, DG_JIT_NVCC_COMPILER, ...) are never taken from data: a results file or
+# the rendezvous store may only set variables that change how the measured code runs.
+PATH_MARKERS = ("PLUGIN", "FILE", "PATH", "DIR", "LIB", "PRELOAD", "COMPILER", "NVCC", "DEST", "DUMP",
+                "SCRIPT", "EXEC", "CMD", "HOME")
+APPLIED_PREFIXES = tuple(p for p in RECORDED_PREFIXES if not p.startswith("EP_HARNESS_"))  # provenance is measured
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
              "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
 
@@ -151,11 +159,63 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def is_secret(name: str) -> bool:
+    return any(m in name.upper() for m in SECRET_MARKERS)
+
+
+def redacted(env: dict) -> dict:
+    """`env` with the value of every name that looks like a credential replaced: for every
+    place an environment is written (environment.json, each record's launch_env)."""
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
 def recorded_env(environ=None) -> dict[str, str]:
     """The allowlisted variables; the value of any name that looks like a credential is redacted."""
     environ = os.environ if environ is None else environ
-    return {k: ("<redacted>" if any(m in k.upper() for m in SECRET_MARKERS) else v)
-            for k, v in sorted(environ.items()) if k.startswith(RECORDED_PREFIXES)}
+    return redacted({k: v for k, v in sorted(environ.items()) if k.startswith(RECORDED_PREFIXES)})
+
+
+def redacted_command(argv: list[str]) -> list[str]:
+    """A command line as recorded: the value of --run-secret (or of any option named like a
+    credential) replaced."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append(REDACTED)
+            hide = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if name.startswith("--") and is_secret(name.replace("-", "_")):
+            out.append(f"{name}={REDACTED}" if eq else arg)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def applicable_env(env, where: str) -> dict[str, str]:
+    """The launch variables an untrusted source (a record's launch_env, a head's launch in
+    the rendezvous store) may set: names the harness records and pins (NCCL_*, CUBLAS_*, ...),
+    none that names code or a file, values without paths. Anything else is a one-line
+    HarnessError naming the variable; a redacted value is left to this machine's environment."""
+    if not isinstance(env, dict):
+        raise HarnessError(f"{where}: the launch environment is not a table of variables; refusing it")
+    out = {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise HarnessError(f"{where}: launch variable {name!r} = {value!r} is not a string; refusing it")
+        if value == REDACTED:
+            continue
+        if not name.startswith(APPLIED_PREFIXES) or any(m in name.upper() for m in PATH_MARKERS):
+            raise HarnessError(f"{where}: refusing launch variable {name[:80]!r}: only the variables the harness "
+                               f"records and pins (NCCL_ALGO, NCCL_PROTO, ...; none naming code or a file) may "
+                               f"come from there; set it in your own environment if you mean it")
+        if len(value) > 512 or any(c in value for c in "/\\") or value.startswith("~") or \
+                any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise HarnessError(f"{where}: refusing launch variable {name}: its value {value[:80]!r} is a path or "
+                               f"not plain text; set it in your own environment if you mean it")
+        out[name] = value
+    return out
 
 
 def library_versions() -> dict[str, str]:
@@ -253,7 +313,7 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(command),
+        "command": " ".join(redacted_command(list(command))),
         "harness_commit": git_commit(),
         "host": socket.gethostname(),
         "python": sys.version.split()[0],

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 
 from harness import params
 from harness import subject as registry
-from harness.cases import Suite
+from harness.cases import Suite, timeout_problem
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.families import PROPERTIES
@@ -40,6 +40,9 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     """One check for this platform: its parameters validated and typed (the backend set), its
     topology, and why this machine skips it, if it does. `fields`: id, suite, case, expect,
     timeout_s, env."""
+    problem = timeout_problem(fields.get("timeout_s"))
+    if problem:  # a case file is checked when loaded; a record (--from-record) only here
+        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
                  topology=platform.topology.describe(), skip_reason=skip_reason(platform, subject, prop, asdict(typed)),

@@ -58,6 +58,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def base_record(check, run_id: str, rerun: str) -> dict:
     """The record's fields that a harness.check.Check decides, before anything is measured."""
+    from harness.environment import redacted
+
     return {
         "run_id": run_id,
         "check": check.id,
@@ -69,7 +71,7 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "topology": check.topology,
         "expect": check.expect,
         "timeout_s": check.timeout_s,
-        "launch_env": check.env,
+        "launch_env": redacted(check.env),  # a credential's value never reaches a results file
         "held": None,
         "mismatched": None,
         "total": None,

@@ -12,7 +12,8 @@ from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.errors import HarnessError
-from harness.environment import node_differences, nodes_of, pinned_env, platform_for, run_fingerprint
+from harness.environment import (applicable_env, node_differences, nodes_of, pinned_env, platform_for, redacted,
+                                 run_fingerprint)
 from harness.launch import Head, Interrupted, Outcome, interruptible, run_job
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
@@ -115,7 +116,8 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
     return [planned(platform, registry.get(r["subject"]), r["property"],
                     {k: v for k, v in r["params"].items() if k != "backend"}, f"{path}: {r['check']}",
                     id=r["check"], suite=str(path), case=r["case"], expect=r["expect"],
-                    timeout_s=r.get("timeout_s", 120.0), env=r.get("launch_env", {}))
+                    timeout_s=r.get("timeout_s", 120.0),
+                    env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"))
             for r in chosen]
 
 
@@ -232,7 +234,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                 world_size = nodes.ranks or world_size
                 env = pinned_env(platform, env_overrides)
                 job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
-                fingerprint.setdefault("pinned_env", {})[job_dir.name] = env
+                fingerprint.setdefault("pinned_env", {})[job_dir.name] = redacted(env)
                 if not quiet:
                     print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)",
                           flush=True)

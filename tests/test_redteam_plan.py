@@ -1,0 +1,106 @@
+"""Red-team holes in what a run takes from its inputs (issue 23, item 6): a case's timeout,
+a record's launch environment, and credentials in what a run writes."""
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import subject as registry
+from harness.cases import load_suite
+from harness.environment import applicable_env, recorded_env, redacted_command
+from harness.errors import HarnessError
+from harness.plan import expand
+from harness.records import base_record
+from harness.subject import Platform
+from tests.conftest import run_cli
+
+CASE = """
+[[case]]
+name = "one"
+subject = "all_gather_fold"
+properties = ["rank-invariance"]
+expect = "holds"
+timeout_s = {timeout}
+[case.params]
+dtype = "bfloat16"
+hidden = 256
+world_size = 2
+"""
+
+
+@pytest.mark.parametrize("timeout", ["inf", "-inf", "nan", "0", "-1", "true", '"60"'])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_at_plan_time(tmp_path, timeout):
+    suite = tmp_path / "suite.toml"
+    suite.write_text(CASE.format(timeout=timeout))
+    with pytest.raises(HarnessError, match="timeout_s"):
+        load_suite(suite)
+    proc = run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "timeout_s" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran or was written
+
+
+def test_a_finite_timeout_still_loads(tmp_path):
+    suite = tmp_path / "suite.toml"
+    suite.write_text(CASE.format(timeout="2.5"))
+    assert load_suite(suite).cases[0].timeout_s == 2.5
+
+
+def _record(tmp_path, **changes) -> Path:
+    """A results.jsonl of one real check's record, with `changes` planted."""
+    registry.load_all()
+    suite = tmp_path / "suite.toml"
+    suite.write_text(CASE.format(timeout="60"))
+    [check] = expand(load_suite(suite), Platform(backend="gloo", device="cpu", ranks=4))
+    record = {**base_record(check, "r1", "rerun"), "status": "ok", **changes}
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"timeout_s": float("inf")}, "timeout_s = inf"),
+    ({"timeout_s": float("nan")}, "timeout_s = nan"),
+    ({"launch_env": {"LD_PRELOAD": "/tmp/evil.so"}}, "LD_PRELOAD"),
+    ({"launch_env": {"NCCL_NET_PLUGIN": "evil"}}, "NCCL_NET_PLUGIN"),  # a library NCCL would load
+    ({"launch_env": {"NCCL_DEBUG_FILE": "x"}}, "NCCL_DEBUG_FILE"),  # a file NCCL would write
+    ({"launch_env": {"NCCL_ALGO": "../../tmp/x"}}, "NCCL_ALGO"),
+    ({"launch_env": {"PYTHONPATH": "/tmp"}}, "PYTHONPATH"),
+    ({"launch_env": {"EP_HARNESS_COMMIT": "forged"}}, "EP_HARNESS_COMMIT"),
+])
+def test_from_record_refuses_what_a_results_file_must_not_set(tmp_path, changes, named):
+    """A record's launch_env used to be applied verbatim: an LD_PRELOAD in a results file ran."""
+    results = _record(tmp_path, **changes)
+    proc = run_cli("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
+                   cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_variables_a_record_may_set_are_kept():
+    env = {"NCCL_ALGO": "allreduce:tree;reducescatter:ring", "NCCL_PROTO": "Simple", "CUBLAS_WORKSPACE_CONFIG":
+           ":4096:8", "NCCL_IB_PASSWD": "<redacted>"}
+    # the redacted credential is left to this machine's own environment, never set to "<redacted>"
+    assert applicable_env(env, "r") == {k: v for k, v in env.items() if k != "NCCL_IB_PASSWD"}
+
+
+def test_credentials_are_redacted_by_pattern_wherever_env_is_recorded(tmp_path):
+    names = ["NCCL_IB_PASSWD", "NCCL_X_PASS", "NCCL_SOCKET_CREDENTIAL", "NCCL_AUTH_MODE", "NCCL_IB_KEY",
+             "NCCL_API_TOKEN", "NCCL_SECRET", "NCCL_PASSWORD"]
+    env = recorded_env({**{n: "hunter2" for n in names}, "NCCL_ALGO": "ring"})
+    assert env == {**{n: "<redacted>" for n in names}, "NCCL_ALGO": "ring"}
+    # ... in a record's launch_env (a case's env overrides) ...
+    suite = tmp_path / "suite.toml"
+    text = CASE.format(timeout="60").replace('timeout_s = 60', 'timeout_s = 60\nenv = { NCCL_IB_PASSWD = "hunter2", '
+                                                                  'NCCL_X_CREDENTIAL = "hunter2", NCCL_ALGO = "ring" }')
+    suite.write_text(text)
+    registry.load_all()
+    [check] = expand(load_suite(suite), Platform(backend="gloo", device="cpu", ranks=4))
+    record = base_record(check, "r1", "rerun")
+    assert record["launch_env"] == {"NCCL_IB_PASSWD": "<redacted>", "NCCL_X_CREDENTIAL": "<redacted>",
+                                    "NCCL_ALGO": "ring"}
+    assert check.env["NCCL_IB_PASSWD"] == "hunter2"  # the launch itself still gets the value
+    # ... and in the command line environment.json keeps
+    assert redacted_command(["ep-harness", "verify", "--run-secret", "s3cr3t", "--run-secret=s3cr3t"]) == [
+        "ep-harness", "verify", "--run-secret", "<redacted>", "--run-secret=<redacted>"]
