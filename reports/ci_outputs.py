@@ -2,6 +2,7 @@
 verdict (GitHub's step summary, a pull-request comment), and GitHub Actions annotations."""
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 from reports.analysis import counts, pairs, verdict
@@ -10,24 +11,36 @@ from reports.text import fmt_count, mismatch_text
 FAILURE, ERROR, SKIPPED = ("unexpected",), ("error", "interrupted"), ("skipped", "vacuous")
 
 
+# What XML 1.0 cannot hold at all, escaped or not: control characters other than tab, newline
+# and carriage return, lone surrogates, U+FFFE and U+FFFF. One in an error message (a
+# subject's exception text, a terminal colour code) made the whole JUnit file unparseable.
+_XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml(text) -> str:
+    """`text` as XML can carry it: each illegal character written as a visible \\xNN / \\uNNNN."""
+    return _XML_ILLEGAL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else
+                            f"\\u{ord(m.group()):04x}", str(text))
+
+
 def junit_xml(records: list[dict], run_id: str) -> str:
     """Failures carry the mismatch text; a vacuous check is reported skipped, with why it
     could not fail (it is not a pass)."""
     c = counts(records)
-    suite = ET.Element("testsuite", name=f"ep-harness {run_id}", tests=str(len(records)),
+    suite = ET.Element("testsuite", name=_xml(f"ep-harness {run_id}"), tests=str(len(records)),
                        failures=str(sum(c.get(s, 0) for s in FAILURE)), errors=str(sum(c.get(s, 0) for s in ERROR)),
                        skipped=str(sum(c.get(s, 0) for s in SKIPPED)),
                        time=f"{sum(float(r.get('seconds') or 0) for r in records):.3f}")
     for r in records:
-        case = ET.SubElement(suite, "testcase", classname=str(r["case"]), name=str(r["check"]),
+        case = ET.SubElement(suite, "testcase", classname=_xml(r["case"]), name=_xml(r["check"]),
                              time=f"{float(r.get('seconds') or 0):.3f}")
-        status, reason = r["status"], str(r.get("reason") or "")
+        status, reason = r["status"], _xml(r.get("reason") or "")
         if status in FAILURE:
-            ET.SubElement(case, "failure", message=reason).text = mismatch_text(r)
+            ET.SubElement(case, "failure", message=reason).text = _xml(mismatch_text(r))
         elif status in ERROR:
-            ET.SubElement(case, "error", message=reason).text = f"{reason}\nRerun: {r.get('rerun')}"
+            ET.SubElement(case, "error", message=reason).text = _xml(f"{reason}\nRerun: {r.get('rerun')}")
         elif status in SKIPPED:
-            ET.SubElement(case, "skipped", message=f"{status}: {reason}")
+            ET.SubElement(case, "skipped", message=_xml(f"{status}: {reason}"))
     root = ET.Element("testsuites")
     root.append(suite)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
