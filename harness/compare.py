@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.bits import hex_bits, int_view, ulp_distance
+from harness.fingerprint import block_fingerprints, fingerprint
 from harness.kernels.bitcompare import bitwise_stats
 
 MAP_COLUMNS = 64
@@ -30,6 +31,12 @@ class Mismatch:
     first_mismatches: list[dict] = field(default_factory=list)
     ulp_histogram: dict[str, int] = field(default_factory=dict)
     mismatch_map: dict | None = None
+    nonfinite: dict | None = None  # {"nan": n, "+inf": n, "-inf": n, "reference_nonfinite": n}
+    bit_only: dict | None = None  # differences no value comparison sees: {"signed_zero": n, "nan_payload": n}
+    rows_differing: int | None = None  # observed copies (runs, repeats) with any differing element
+    rows: int | None = None
+    bits_fingerprint: str | None = None  # order-sensitive digest of every compared element (golden bits)
+    bits_blocks: dict | None = None  # the same per block of elements: where bits moved between runs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -38,6 +45,37 @@ class Mismatch:
 def json_float(x: float) -> float | str:
     """JSON has no NaN or infinity: keep them as strings."""
     return x if math.isfinite(x) else str(x)
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """FP8 as float32 (exact, NaN and signs kept): torch has no isfinite/isnan for FP8."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
+
+
+def nonfinite_counts(actual: torch.Tensor, expected: torch.Tensor, where: torch.Tensor | None = None) -> dict:
+    """How many elements of `actual` are NaN, +Inf or -Inf where `expected` is finite, and how
+    many are finite where `expected` is not (a non-finite value lost): only the non-zero
+    counts, so an all-finite comparison gives {}."""
+    actual, expected = _widened(actual), _widened(expected)
+    a_finite, e_finite = torch.isfinite(actual), torch.isfinite(expected)
+    where = torch.ones_like(a_finite) if where is None else where
+    new = ~a_finite & e_finite & where
+    counts = {"nan": int((new & torch.isnan(actual)).sum()),
+              "+inf": int((new & (actual == math.inf)).sum()),
+              "-inf": int((new & (actual == -math.inf)).sum()),
+              "reference_nonfinite": int((a_finite & ~e_finite & where).sum())}
+    return {k: n for k, n in counts.items() if n}
+
+
+def _bit_only(actual: torch.Tensor, expected: torch.Tensor, diff: torch.Tensor) -> dict:
+    """Differing bit patterns that compare equal as values (+0.0 vs -0.0) or are both NaN
+    (another payload): a bitwise check counts them, and the report says why."""
+    if not actual.is_floating_point():
+        return {}
+    actual, expected = _widened(actual), _widened(expected)
+    counts = {"signed_zero": int((diff & (actual == 0) & (expected == 0)).sum()),
+              "nan_payload": int((diff & torch.isnan(actual) & torch.isnan(expected)).sum())}
+    return {k: n for k, n in counts.items() if n}
 
 
 def _bucket(ulps: torch.Tensor) -> dict[str, int]:
@@ -82,17 +120,22 @@ def compare_bitwise(
     actual, expected = actual.detach(), expected.detach()
     labels = row_labels or [str(r) for r in range(actual.shape[0])]
     mismatched, _, _ = bitwise_stats(actual, expected.contiguous())  # fused on CUDA
-    result = Mismatch(mismatched=mismatched, total=actual.numel())
+    result = Mismatch(mismatched=mismatched, total=actual.numel(), rows=actual.shape[0],
+                      bits_fingerprint=fingerprint(actual), bits_blocks=block_fingerprints(actual))
     if not mismatched:
-        result.max_abs, result.max_ulp = 0.0, 0
+        result.max_abs, result.max_ulp, result.rows_differing = 0.0, 0, 0
         return result
     diff = int_view(actual) != int_view(expected)
+    result.rows_differing = int(diff.any(dim=1).sum())
     result.mismatch_map = _map(diff, labels)
+    if actual.is_floating_point():
+        result.nonfinite = nonfinite_counts(actual, expected, diff) or None
+        result.bit_only = _bit_only(actual, expected, diff) or None
 
     ulps = ulp_distance(actual, expected)
     absdiff = (actual.double() - expected.double()).abs()
     absdiff = torch.where(diff, absdiff, torch.zeros_like(absdiff))
-    absdiff = torch.nan_to_num(absdiff, nan=math.inf)
+    absdiff = torch.nan_to_num(absdiff, nan=math.inf, posinf=math.inf)  # keep Inf: not the largest float
     flat_abs = int(absdiff.reshape(-1).argmax())
     ulps_masked = torch.where(diff, ulps, torch.zeros_like(ulps))
     flat_ulp = int(ulps_masked.reshape(-1).argmax())

@@ -37,7 +37,10 @@ class GemmProblem:
         return (self.starts[group] + row,) if self.layout in ("contiguous", "dense") else (group, row)
 
     def to(self, device) -> "GemmProblem":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        """A copy on `device`, always: the subject gets tensors of its own, so one that writes
+        into its operands cannot change the cached weights that later checks and the
+        reference read (on the CPU `.to` alone would hand over the cached tensors)."""
+        moved = {k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return GemmProblem(**moved)
 
 

@@ -11,11 +11,14 @@ Comparison kinds:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from harness.compare import Mismatch, json_float
+from harness.compare import Mismatch, json_float, nonfinite_counts
+from harness.fingerprint import combine as combine_fingerprints
+from harness.fingerprint import block_fingerprints, fingerprint
 
 COMPARISONS = ("bitwise", "bounded")
 
@@ -64,23 +67,36 @@ class Measurement(Mismatch):
     def within(cls, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, rule: Bound,
                valid: torch.Tensor | None = None, **extra) -> Measurement:
         """Elements whose |got - exact| exceeds their own bound (float64, same shapes), counted
-        over `valid` elements only."""
-        err = (got.to(torch.float64) - exact).abs()
-        valid = torch.ones_like(err, dtype=torch.bool) if valid is None else valid
-        over = (err > bound) & valid
+        over `valid` elements only.
+
+        IEEE comparisons with NaN are false, so `err > bound` alone would pass a NaN: an element
+        is also a mismatch where got and exact are not both finite and not the same non-finite
+        value (NaN with NaN, or an infinity of the same sign). Such elements count as an
+        infinite error in max |err| and error_vs_reference, and `nonfinite` says how many
+        outputs were NaN, +Inf or -Inf where the reference was finite (and the converse)."""
+        observed, got = got, got.to(torch.float64)
+        valid = torch.ones_like(got, dtype=torch.bool) if valid is None else valid
+        finite = torch.isfinite(got) & torch.isfinite(exact)
+        same_nonfinite = ~finite & ((torch.isnan(got) & torch.isnan(exact)) | (got == exact))
+        err = torch.where(finite, (got - exact).abs(), torch.full_like(got, math.inf))
+        err = torch.where(same_nonfinite, torch.zeros_like(err), err)
+        over = ((err > bound) | (~finite & ~same_nonfinite)) & valid
+        ratio = torch.where(finite, err / bound.clamp_min(1e-300), err)
         zero = torch.zeros_like(err)
+        nonfinite = nonfinite_counts(got, exact, valid)
         return cls(comparison="bounded", mismatched=int(over.sum()), total=int(valid.sum()),
                    held=not bool(over.any()), bound=rule,
-                   max_abs=json_float(float(torch.where(valid, err, zero).max())),
-                   error_vs_reference=json_float(float(torch.where(valid, err / bound.clamp_min(1e-300), zero).max())),
-                   **extra)
+                   max_abs=json_float(float(torch.where(valid, err, zero).max())) if err.numel() else 0.0,
+                   error_vs_reference=json_float(float(torch.where(valid, ratio, zero).max())) if err.numel() else 0.0,
+                   nonfinite=nonfinite or None, bits_fingerprint=fingerprint(observed),
+                   bits_blocks=block_fingerprints(observed), **extra)
 
     def to_record(self) -> dict:
         """The record's measured fields (DESIGN.md's schema): counts, comparison and bound at
         the top level, the bulky evidence under `detail`."""
         top = {"held": self.held, "mismatched": self.mismatched, "total": self.total, "comparison": self.comparison}
         for key in ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference",
-                    "nccl_calls"):
+                    "nccl_calls", "nonfinite", "bits_fingerprint"):
             if getattr(self, key) is not None:
                 top[key] = getattr(self, key)
         if self.bound is not None:
@@ -88,7 +104,8 @@ class Measurement(Mismatch):
         evidence = {"first_mismatches": self.first_mismatches, "ulp_histogram": self.ulp_histogram,
                     "mismatch_map": self.mismatch_map, "max_abs_index": self.max_abs_index,
                     "max_ulp_index": self.max_ulp_index, "order_model": self.order_model,
-                    "order_model_exact": self.order_model_exact, "order_sensitive": self.sensitivity}
+                    "order_model_exact": self.order_model_exact, "order_sensitive": self.sensitivity, "bit_only": self.bit_only,
+                    "rows_differing": self.rows_differing, "rows": self.rows, "bits_blocks": self.bits_blocks}
         top["detail"] = {k: v for k, v in {**evidence, **self.detail}.items() if v not in (None, [], {})}
         return top
 
@@ -103,8 +120,29 @@ class Measurement(Mismatch):
         return cls(**d)
 
     def combine(self, other: Measurement) -> Measurement:
-        """Two bitwise comparisons counted as one (e.g. FP8 values and their scales)."""
+        """Two bitwise comparisons counted as one (e.g. FP8 values and their scales): counts
+        add up, the greater differences and the first mismatch come from either side."""
         self.mismatched += other.mismatched
         self.total += other.total
         self.held = self.mismatched == 0
+        if other.nonfinite:
+            merged = dict(self.nonfinite or {})
+            for key, n in other.nonfinite.items():
+                merged[key] = merged.get(key, 0) + n
+            self.nonfinite = merged
+        if _magnitude(other.max_abs) > _magnitude(self.max_abs):
+            self.max_abs, self.max_abs_index = other.max_abs, other.max_abs_index
+        if (other.max_ulp or 0) > (self.max_ulp or 0):
+            self.max_ulp, self.max_ulp_index = other.max_ulp, other.max_ulp_index
+        self.first_mismatch = self.first_mismatch or other.first_mismatch
+        if self.bits_fingerprint and other.bits_fingerprint:
+            self.bits_fingerprint = combine_fingerprints([self.bits_fingerprint, other.bits_fingerprint])
+            self.bits_blocks = None  # two tensors' blocks: the whole fingerprint still says whether bits moved
         return self
+
+
+def _magnitude(x: float | str | None) -> float:
+    """A recorded difference as a number: None is 0, and JSON's strings 'inf'/'nan' are infinite."""
+    if x is None:
+        return 0.0
+    return math.inf if isinstance(x, str) else float(x)

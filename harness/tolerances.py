@@ -19,8 +19,10 @@ MoE layer (bf16 activations; roundings at the TP reduce, gate-up, silu*up, down 
     |out - out64| <= u_out * |out64| + factor * u_out * sum_j w_j * (|silu(g_j) * u_j| @ |W_down_j|^T)
 
 with u_out = 2^-8 and factor = 8: a coarse bound at the down projection's scale, counted
-only over tokens whose selected experts match the reference (router flips are reported
-apart, since a flip changes the function, not its rounding).
+only over tokens whose selected experts match the reference. A router flip changes the
+function, not its rounding, so a flipped token is left out, but only where the swapped
+experts' float64 logits lie within the rounding margin of the router's inputs
+(families/moe_layer.logit_margin); a flip outside it is a failure.
 
 Collectives: a sum of W contributions rounded after every hop obeys
 |s - s64| <= gamma(W-1, u) * sum_r |x_r| with u the wire dtype's unit roundoff.

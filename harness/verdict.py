@@ -5,12 +5,27 @@ from __future__ import annotations
 from harness.measurement import Measurement
 
 
+def nonfinite_text(nonfinite: dict | None) -> str:
+    """' (1 NaN, 2 +Inf where the reference is finite)' or ''."""
+    if not nonfinite:
+        return ""
+    names = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
+    parts = [f"{n:,} {names[k]}" for k, n in nonfinite.items() if k in names]
+    text = ", ".join(parts) + " where the reference is finite" if parts else ""
+    lost = nonfinite.get("reference_nonfinite")
+    if lost:
+        text += ("; " if text else "") + f"{lost:,} finite where the reference is not"
+    return f" ({text})"
+
+
 def decide(check, m: Measurement) -> tuple[str, str]:
     """Return (status, reason) for a Check from its expectation and its measurement."""
     expect = check.expect
-    counts = f"{m.mismatched:,} / {m.total:,} differ"
+    counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}"
+    if check.property == "run-to-run" and m.rows_differing:  # k of n: how often, not just whether
+        counts += f"; {m.rows_differing} of {m.rows - 1} repeats differ from the first"
     if m.extra_failure:
-        return "unexpected", m.extra_failure
+        return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite)
     exact = bool(m.order_model_exact) and m.predicted_mismatched is not None
     if exact and m.predicted_mismatched != m.mismatched:
         return "unexpected", f"order model predicted {m.predicted_mismatched:,} mismatched, measured {m.mismatched:,}"

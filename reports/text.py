@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 DASH = "-"
+NONFINITE_WORDS = {"nan": "NaN where the reference is finite", "+inf": "+Inf where the reference is finite",
+                   "-inf": "-Inf where the reference is finite",
+                   "reference_nonfinite": "finite where the reference is NaN or Inf"}
+BIT_ONLY_WORDS = {"signed_zero": "+0.0 vs -0.0", "nan_payload": "NaN vs NaN with another payload"}
 
 
 def _number(x) -> bool:
@@ -47,6 +51,13 @@ def mismatch_text(rec: dict) -> str:
         idx = detail.get("max_ulp_index")
         where = f" at index {tuple(idx)}" if idx else ""
         lines.append(f"Greatest ULP distance: {rec['max_ulp']}{where}")
+    nonfinite = rec.get("nonfinite")
+    if isinstance(nonfinite, dict) and nonfinite:
+        lines.append("Non-finite: " + ", ".join(f"{NONFINITE_WORDS.get(k, k)}: {fmt_int(n)}" for k, n in nonfinite.items()))
+    bit_only = detail.get("bit_only")
+    if isinstance(bit_only, dict) and bit_only:
+        lines.append("Compared as bit patterns, so these count although they compare equal as values: "
+                     + ", ".join(f"{BIT_ONLY_WORDS.get(k, k)}: {fmt_int(n)}" for k, n in bit_only.items()))
     first = rec.get("first_mismatch")
     if first:
         lines.append(

@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from harness.subject import register
 from harness.subjects.collective.all_gather_fold import AllGatherFold
+from harness.subjects.collective.common import fold_in_order, offsets
 from harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
+from harness.subjects.moe.composed import ComposedMoE
 
 FAULTY_RANK = 1
 
@@ -135,3 +137,117 @@ class CountsItsSetups(AllGatherFold):
         if self.setups != 1 or self.group_size != dist.get_world_size(group):
             raise RuntimeError(f"setup ran {self.setups} times in this launch")
         super().reduce_scatter(out, inp, sizes, group)
+
+
+# Non-finite outputs: each wraps a correct subject and writes one NaN or +Inf into its
+# output (rank 1's, where there are ranks). A bounded reference must count it.
+POISON_INDEX = 5
+
+
+def poison(t: torch.Tensor, value: float) -> None:
+    t.view(-1)[POISON_INDEX] = value
+
+
+# family: (base subject, method, where its output is, whether that output is per rank)
+_OUTPUTS = {
+    "collective": ("all_gather_fold", "reduce_scatter", lambda args, result: args[0], True),
+    "gemm": ("torch_mm", "run", lambda args, result: args[1], False),
+    "quant": ("torch_fp8_quant", "quantize", lambda args, result: result[1], False),  # float32 scales (e4m3fn has no Inf)
+    "dispatch": ("torch_a2a_dispatch", "combine", lambda args, result: result, True),
+    "moe": ("composed_moe", "forward", lambda args, result: result[0], True),
+}
+
+
+def _poisoned(family_name: str, value: float):
+    """A subclass of the family's correct subject, named planted_<family>_<nan|inf>, that
+    writes `value` into one element of its output (rank 1's, where the output is per rank)."""
+    from harness import subject as registry
+
+    base_name, method, output, per_rank = _OUTPUTS[family_name]
+    base = type(registry.get(base_name))
+    label = "nan" if value != value else "inf"
+    original = getattr(base, method)
+
+    def poisoned(self, *args):
+        result = original(self, *args)
+        if not per_rank or dist.get_rank(args[-1]) == 1:  # the group is the last argument
+            poison(output(args, result), value)
+        return result
+
+    cls = type(f"Poisoned_{family_name}_{label}", (base,), {
+        "name": f"planted_{family_name}_{label}", "summary": f"{base_name} with one {label} in its output",
+        method: poisoned})
+    return register(cls)
+
+
+for _family in _OUTPUTS:
+    for _value in (float("nan"), float("inf")):
+        _poisoned(_family, _value)
+
+
+@register
+class LyingMoE(ComposedMoE):
+    """Returns zeros and experts no router would choose: once 'router flips' without limit."""
+
+    name = "planted_moe_lie"
+    summary = "MoE layer returning zeros and the last k experts for every token"
+
+    def forward(self, partials, weights, params, group):
+        out, idx = super().forward(partials, weights, params, group)
+        experts = params["num_experts"]
+        wrong = torch.arange(experts - idx.shape[1], experts, device=idx.device).expand_as(idx)
+        return torch.zeros_like(out), wrong.clone()
+
+
+@register
+class ReusedBufferCombine(TorchAllToAllDispatcher):
+    """Writes every combine into one buffer it keeps, and alternates its summation order
+    call by call: a harness that observes views of that buffer sees no change."""
+
+    name = "planted_reused_buffer_combine"
+    summary = "combine into one reused buffer, order alternating per call"
+
+    def fold(self, slots, weights, group):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 2:
+            slots, weights = slots.flip(1), weights.flip(1)
+        acc = super().fold(slots, weights, group)
+        buf = getattr(self, "buffer", None)
+        if buf is None or buf.shape != acc.shape:
+            buf = self.buffer = torch.empty_like(acc)
+        buf.copy_(acc)
+        return buf
+
+
+@register
+class WeightWritingGemm(SplitKPastThreshold):
+    """A correct GEMM that afterwards scales its weight operand in place by 2: with the
+    harness's cached weights shared, every later check (and the reference) would see them."""
+
+    name = "planted_writes_weights"
+    summary = "GEMM that doubles its weights in place after each call"
+
+    def run(self, problem, out):
+        for g, count in enumerate(problem.counts):
+            s = problem.starts[g]
+            out[s:s + count] = whole_k(problem.a[s:s + count], problem.b[g]).to(out.dtype)
+        problem.b.mul_(2)
+
+
+@register
+class ReverseFold(AllGatherFold):
+    """All-gather + a fold from rank 0 up: as invariant as the descending fold, with other
+    bits. A baseline made with all_gather_fold must see them move (golden bits)."""
+
+    name = "planted_reverse_fold"
+    summary = "all-gather + fold in ascending rank order"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
+        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        start = offsets(sizes)[rank]
+        out.copy_(fold_in_order(gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]], range(world_size)))
+
+    def order_model(self, backend):
+        return None

@@ -27,7 +27,7 @@ from harness import inputs as gen
 from harness.bits import unit_roundoff
 from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run
+from harness.families.driver import Copy, Family, Run, kept
 from harness.graphs import replay_in_graph
 from harness.measurement import Bound, Measurement
 from harness.nccl_log import pin_violations
@@ -148,10 +148,10 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
         for copy, row in enumerate(layout.probes):
             dest, local = layout.owner(row)
             if dest == ctx.rank:
-                mine[copy] = out[local].cpu()
+                mine[copy] = kept(out[local])
         copies.append(mine)
         if prop == "reference":
-            outputs.append(out.cpu())
+            outputs.append(kept(out))
     return copies, outputs, mutated, calls
 
 

@@ -20,7 +20,7 @@ import torch
 
 from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.families.driver import Family
+from harness.families.driver import Family, kept
 from harness.measurement import Bound, Measurement
 from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
 from harness.params import DispatchParams
@@ -69,9 +69,9 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
         received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
         out = subject.combine(y, received, w, ctx.group)
-        copies.append({i: out[pos].cpu() for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
+        copies.append({i: kept(out[pos]) for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "combine-reference":
-            outputs.append(out.cpu())
+            outputs.append(kept(out))
         if prop == "reference":
             mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
     return copies, outputs, mine_dispatch

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from harness.context import RankContext
 from harness.measurement import Measurement
 
@@ -62,6 +64,14 @@ class Family:
     runs: Callable[[str, dict, int], list[Run]]
     observe: Callable
     measure: Callable
+
+
+def kept(t: torch.Tensor) -> torch.Tensor:
+    """What a rank observed, as a CPU copy of its own. `.cpu()` of a CPU tensor is the tensor
+    itself: a subject that writes its next result into the same buffer would change what was
+    observed before the comparison (a combine alternating its order in one reused buffer
+    would compare equal to itself)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_what: str | None) -> str | None:

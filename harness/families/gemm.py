@@ -19,7 +19,7 @@ import torch
 from harness import inputs as gen
 from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run
+from harness.families.driver import Copy, Family, Run, kept
 from harness.measurement import Bound, Measurement
 from harness.params import GemmParams
 from harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
@@ -119,8 +119,8 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
         else:
             subject.run(dev, out)
         if prop == "reference":
-            return out.cpu()
-        probes.append(out[dev.row_index(p["probe_group"], run.spec["pos"])].cpu())
+            return kept(out)
+        probes.append(kept(out[dev.row_index(p["probe_group"], run.spec["pos"])]))
     return probes
 
 

@@ -11,7 +11,7 @@ import torch
 from harness import inputs as gen
 from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run
+from harness.families.driver import Copy, Family, Run, kept
 from harness.measurement import Measurement
 from harness.params import QuantParams
 from reference import quant as ref
@@ -70,8 +70,8 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
     if prop == "reference":
         x = gen.values((p["rows"], p["cols"]), dtype, p["seed"], "quant-input", data=p["data"])
         q, s = subject.quantize(x.to(ctx.device), p["ue8m0"])
-        return q.cpu().view(torch.uint8), s.float().cpu()
-    return [subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p["ue8m0"])[0][-1].cpu().view(torch.uint8)
+        return kept(q).view(torch.uint8), kept(s.float())
+    return [kept(subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p["ue8m0"])[0][-1]).view(torch.uint8)
             for run in runs]
 
 
