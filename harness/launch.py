@@ -399,6 +399,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         launch = head.publish({
             "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "start": start,
             "emulate_hosts": emulate_hosts,
+            "pinned_env": env,  # every rank checks that it sees these (harness/worker.py)
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.
             "collective_timeout_s": longest + 60,
         }, env, nproc, job_dir.name)

@@ -52,6 +52,7 @@ class Measurement(Mismatch):
     error: str | None = None  # measured, but not under the pinned conditions: status error
     note: str | None = None
     nccl_calls: list[str] | None = None
+    kernels: list[str] | None = None  # kernels that ran during the measured calls (GPU; harness/kernel_trace.py)
     detail: dict = field(default_factory=dict)  # family extras: router_flips, explained, calc_diff, ...
 
     def __post_init__(self):
@@ -96,7 +97,7 @@ class Measurement(Mismatch):
         the top level, the bulky evidence under `detail`."""
         top = {"held": self.held, "mismatched": self.mismatched, "total": self.total, "comparison": self.comparison}
         for key in ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference",
-                    "nccl_calls", "nonfinite", "bits_fingerprint"):
+                    "nccl_calls", "nonfinite", "bits_fingerprint", "kernels"):
             if getattr(self, key) is not None:
                 top[key] = getattr(self, key)
         if self.bound is not None:

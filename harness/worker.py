@@ -33,6 +33,7 @@ from harness.check import Check
 from harness.context import RankContext
 from harness.environment import rank_fingerprint
 from harness.families import execute, warm_up
+from harness.measurement import Measurement
 from harness.subject import compiles_kernels
 
 WATCH_S = 0.2
@@ -132,6 +133,7 @@ def rank_main() -> None:
     fingerprints = ctx.gather(rank_fingerprint())
     if rank == 0:
         channel.put("ranks", fingerprints)
+    env_error = _pinned_env_error(ctx.gather(unpinned(job.get("pinned_env") or {})))
     if job["backend"] == "nccl":
         _read_nccl_topology(ctx, channel)
 
@@ -139,10 +141,17 @@ def rank_main() -> None:
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     for index in range(start, len(checks)):
-        check = Check.from_json(checks[index])
+        # `inject`: a defect `ep-harness selftest` plants in the subject (harness/selftest/wrap.py)
+        injection = checks[index].get("inject")
+        check = Check.from_json({k: v for k, v in checks[index].items() if k != "inject"})
         progress(index)
         began = time.perf_counter()
         check_ctx = contexts[check.world_size]
+        if env_error:  # it would measure under other conditions than pinned: run nothing
+            if rank == 0:
+                channel.put(f"record/{index}", {"index": index, "check": check.id, "seconds": 0.0, "measured": Measurement(
+                    comparison="bitwise", mismatched=0, total=0, held=False, error=env_error).to_json()})
+            continue
         try:
             if check_ctx is None:  # a smaller world size: this rank waits for its subgroup
                 dist.barrier()
@@ -157,6 +166,10 @@ def rank_main() -> None:
                 warm_began = time.perf_counter()
                 warm_up(check, subject, check_ctx)
                 warm_s = time.perf_counter() - warm_began
+            if injection is not None:
+                from harness.selftest.wrap import wrapped
+
+                subject = wrapped(subject, injection, check.id)
             measured = execute(check, subject, check_ctx).to_json()
             if len(contexts) > 1:
                 dist.barrier()  # every rank leaves the check together, the idle ones included
@@ -181,6 +194,21 @@ def rank_main() -> None:
     # that costs about a second per launch on gloo and, after a CUDA-graph capture, can hang
     # on NCCL (seen with emulated hosts).
     sys.stdout.flush()
+
+
+def unpinned(pinned: dict[str, str]) -> dict[str, str | None]:
+    """The pinned variables this rank's own environment does not hold as pinned: name -> what
+    it holds (None: missing). A launcher that lost or changed one would measure other paths."""
+    return {k: os.environ.get(k) for k, v in pinned.items() if os.environ.get(k) != v}
+
+
+def _pinned_env_error(per_rank: list[dict]) -> str | None:
+    wrong = [f"rank {r}: {k} {'missing' if v is None else f'is {v!r}'}"
+             for r, found in enumerate(per_rank) for k, v in sorted(found.items())]
+    if not wrong:
+        return None
+    return "pinned variables not as pinned in the ranks' own environment (" + "; ".join(wrong[:6]) + \
+        (f"; {len(wrong) - 6} more" if len(wrong) > 6 else "") + "): fix the launcher or the environment it passes"
 
 
 def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness import kernel_trace
 from harness.context import RankContext
 from harness.measurement import Measurement
 
@@ -102,11 +103,26 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
     p, prop = check.p, check.property
     runs = family.runs(prop, p, ctx.world_size)
-    local = family.observe(subject, ctx, p, prop, runs)
+    trace = kernel_trace.traced(subject, p, ctx.device)
+    with kernel_trace.kernel_names(ctx.device, trace) as ran:
+        local = family.observe(subject, ctx, p, prop, runs)
     gathered = ctx.gather(local)
+    kernels = ctx.gather(ran) if trace else None
     result = None
     if ctx.rank == 0:
         result = family.measure(check, subject, ctx, p, runs, gathered)
         result.vacuous_reason = result.vacuous_reason or vacuity(prop, runs, result.sensitivity,
                                                                  result.sensitivity_what)
+        if trace:
+            _prove_kernels(result, subject, p, kernels)
     return ctx.share_from_rank0(result)  # every rank reaches the same verdict
+
+
+def _prove_kernels(result: Measurement, subject, p: dict, kernels: list[set[str]]) -> None:
+    """List what ran; a declared kernel that ran on no rank makes the check an error."""
+    result.kernels = kernel_trace.summarize(kernels)
+    absent = kernel_trace.missing(kernel_trace.declared(subject, p), kernels)
+    if absent:
+        ran = ", ".join(result.kernels[:6]) or "none"
+        result.error = (f"{subject.name} declares kernels {absent} but none ran during the measured calls "
+                        f"(a silent fallback?); ran: {ran}")

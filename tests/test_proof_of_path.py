@@ -1,0 +1,98 @@
+"""Proof that the path under test ran: declared kernels must run, and every rank must see
+the variables the launcher pinned."""
+import json
+
+import pytest
+import torch
+
+from harness import kernel_trace
+from harness.check import single_check
+from harness.families import execute
+from harness.subject import register
+from harness.subjects.gemm.torch_mm import TorchMm
+from tests.conftest import REPO_ON_PYTHONPATH, run_cli
+
+
+class _Declaring(TorchMm):
+    """torch.mm that declares a kernel; `label` is the profiler range it emits (None: none)."""
+
+    label = None
+
+    def kernels(self, params):
+        return ("fast_gemm::grouped",)
+
+    def run(self, problem, out):
+        if self.label is None:
+            return super().run(problem, out)
+        with torch.profiler.record_function(self.label):
+            return super().run(problem, out)
+
+
+@register
+class SilentFallback(_Declaring):
+    name, summary = "test_silent_fallback", "declares fast_gemm::grouped, runs torch.mm"
+
+
+@register
+class EmitsItsKernel(_Declaring):
+    name, summary, label = "test_emits_kernel", "declares and emits fast_gemm::grouped", "fast_gemm::grouped (cpu)"
+
+
+@pytest.fixture
+def ctx():
+    import tempfile
+
+    import torch.distributed as dist
+
+    from harness.context import RankContext
+
+    store = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    yield RankContext(0, 1, "gloo", torch.device("cpu"), dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def measure(subject, ctx):
+    check = single_check(subject, "reference", {"dtype": "bfloat16", "layout": "contiguous"})
+    return execute(check, subject, ctx)
+
+
+def test_a_declared_kernel_that_did_not_run_is_an_error(ctx):
+    from harness import subject as registry
+
+    m = measure(registry.get("test_silent_fallback"), ctx)
+    assert m.error and "declares kernels ['fast_gemm::grouped'] but none ran" in m.error
+    assert m.held  # the numbers were right: only the proof is missing
+
+
+def test_a_declared_kernel_that_ran_is_listed(ctx):
+    from harness import subject as registry
+
+    m = measure(registry.get("test_emits_kernel"), ctx)
+    assert m.error is None and m.held
+    assert any("fast_gemm::grouped" in k for k in m.kernels)
+
+
+def test_undeclared_subjects_are_not_traced_on_the_cpu():
+    from harness import subject as registry
+
+    assert not kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cpu"))
+    assert kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cuda"))
+
+
+def test_kernel_matching_is_by_substring_over_all_ranks():
+    per_rank = [{"void deep_ep::intranode::dispatch<8>(...)"}, {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}]
+    assert kernel_trace.missing(("intranode::dispatch", "ncclDevKernel", "intranode::combine"), per_rank) == \
+        ["intranode::combine"]
+
+
+@pytest.mark.slow
+def test_a_rank_without_a_pinned_variable_makes_every_check_an_error(tmp_path, monkeypatch):
+    for key, value in REPO_ON_PYTHONPATH.items():
+        monkeypatch.setenv(key, value)
+    proc = run_cli("verify", "--suite", "tests/cases/env_lost.toml", "--gpus", "0", "--cpu-ranks", "3",
+                   "--no-report", "--out", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "latest" / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in records] == ["error", "error"]
+    assert all("rank 1: CUBLAS_WORKSPACE_CONFIG missing" in r["reason"] for r in records)
