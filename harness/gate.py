@@ -10,7 +10,9 @@ DeepGEMM), the same GPU model and driver, and, where the CPU computes what is me
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
 
-The gate fails on a regression (reports.analysis.compare_runs: a held check now violated, a
+The gate fails on a run that cannot pass whatever its baseline says (reports.analysis.run_problem:
+interrupted, nothing ran, every check that ran errored, or every one vacuous), and on a
+regression (reports.analysis.compare_runs: a held check now violated, a
 new unexpected or error, `ok` now skipped, vacuous or error, a control whose count moved
 for the same seeded inputs, a check that disappeared) and passes with a notice on
 improvements.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from harness.errors import HarnessError
 from harness.records import append_line, read_jsonl, write_json, write_jsonl
-from reports.analysis import compare_runs
+from reports.analysis import compare_runs, run_problem
 from reports.load import load_run
 
 BASELINE_DIR = Path("ci/baselines")
@@ -96,6 +98,9 @@ def lean(record: dict) -> dict:
 
 def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     run = load_run(run_dir)
+    problem = run_problem(run.records, run.environment)
+    if problem:  # such a baseline would make the next interrupted or empty run look unchanged
+        raise HarnessError(f"{run_dir}: not recorded as a baseline: {problem}; record a complete run that measured")
     target = baseline_path(run_dir, baseline)
     header = {"fingerprint": fingerprint(run.environment)}
     write_jsonl(target, [header, *(lean(r) for r in run.records if r["status"] != "skipped")])
@@ -134,6 +139,10 @@ def gate(run_dir: Path, baseline: Path | None = None) -> dict:
     if theirs != fp:
         raise _not_comparable(run_dir, fp, path, [path])
     changes = compare_runs(run.records, previous)
+    problem = run_problem(run.records, run.environment)
+    if problem:  # an interrupted, all-error or all-vacuous run fails whatever its baseline holds
+        changes.insert(0, {"check": "(the run)", "kind": "regression", "what": problem, "before": "-",
+                           "after": "interrupted" if "interrupted" in problem else "nothing shown"})
     regressions = [c for c in changes if c["kind"] == "regression"]
     result = {
         "run": str(run.path), "baseline": str(path), "passed": not regressions,

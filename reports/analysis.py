@@ -17,13 +17,39 @@ def failed(records: list[dict]) -> bool:
     return any(r["status"] in FAILING for r in records)
 
 
+def nothing_shown(records: list[dict]) -> str | None:
+    """Why a run whose checks ran showed nothing either way: every one of them vacuous (could
+    not fail). A few vacuous checks among others are reported, not failed."""
+    ran = [r for r in records if r["status"] != "skipped"]
+    if ran and all(r["status"] == "vacuous" for r in ran):
+        return (f"nothing was shown to hold: all {len(ran)} check(s) that ran were vacuous (could not fail); "
+                f"a run must measure something that could have failed")
+    return None
+
+
+def run_problem(records: list[dict], environment: dict | None = None) -> str | None:
+    """One line on why a run as a whole cannot pass a gate, whatever its baseline says: it was
+    interrupted, nothing ran, every check that ran errored, or every one was vacuous."""
+    if (environment or {}).get("interrupted") or any(r["status"] == "interrupted" for r in records):
+        why = (environment or {}).get("interrupted")
+        return f"the run was interrupted{f' by {why}' if why else ''}: a partial run never passes"
+    ran = [r for r in records if r["status"] != "skipped"]
+    if not ran:
+        return f"nothing ran: all {len(records)} check(s) were skipped"
+    if all(r["status"] == "error" for r in ran):
+        return f"every check that ran errored ({len(ran)} of {len(ran)}): nothing was measured"
+    return nothing_shown(records)
+
+
 def verdict(records: list[dict], changes: list[dict] | None = None) -> str:
-    """FAILED (a check failed, or a regression against the run compared with), NOTHING RAN
-    (every check skipped, or none selected), INTERRUPTED or OK."""
+    """FAILED (a check failed, a regression against the run compared with, or every check
+    that ran was vacuous), NOTHING RAN (every check skipped, or none selected), INTERRUPTED or OK."""
     if any(r["status"] == "interrupted" for r in records):
         return "INTERRUPTED (partial run)"
     if failed(records) or any(c["kind"] == "regression" for c in changes or ()):
         return "FAILED"
+    if nothing_shown(records):
+        return "FAILED (nothing was shown to hold: every check that ran was vacuous)"
     return "NOTHING RAN" if all(r["status"] == "skipped" for r in records) else "OK"
 
 
