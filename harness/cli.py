@@ -1,4 +1,4 @@
-"""`ep-harness`: verify, report, list, gate, baseline, nightly, explore."""
+"""`ep-harness`: verify, report, list, gate, baseline, nightly, explore, selftest."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-report", action="store_true", help="write records only")
     v.add_argument("--allow-empty", action="store_true", help="exit 0 even when every check was skipped")
     v.add_argument("--seed", type=int, help="re-seed every check of the run (recorded in each record's params)")
+    v.add_argument("--fresh-processes", type=int, default=1, metavar="K",
+                   help="launch every check K times, each in new processes, and fail a check whose bits differ")
     v.add_argument("--junit-xml", type=Path, metavar="PATH", help="also write JUnit XML, one testcase per check")
     v.add_argument("--summary-md", type=Path, metavar="PATH",
                    help="append a Markdown verdict (e.g. to $GITHUB_STEP_SUMMARY)")
@@ -89,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
 
+    st = sub.add_parser("selftest", help="plant defects in each subject of a suite and show which checks catch them")
+    st.add_argument("--suite", default="smoke", help="suite name under cases/ or a path to a TOML file")
+    st.add_argument("--injections", default=None, metavar="A,B",
+                    help="injection classes, optionally with parameters (ulp:call=1:rank=2); default: all")
+    st.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N checks that expect to hold")
+    st.add_argument("--check", action="append", default=[], metavar="ID", help="only checks whose id matches (glob)")
+    st.add_argument("--gpus", type=_gpus, default=None)
+    st.add_argument("--cpu-ranks", type=int, default=4)
+    st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
+    st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
+    st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
+
     ls = sub.add_parser("list", help="list the suites and subjects, or a suite's checks and what this machine skips")
     ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
     ls.add_argument("--gpus", type=_gpus, default=None)
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 from harness.launch import follow
 
                 return follow(nodes, args.out)
+            if args.fresh_processes < 1:
+                raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
@@ -128,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
                              from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
                              junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped,
-                             launches=args.launches, nodes=nodes)
+                             launches=args.launches, nodes=nodes, fresh_processes=args.fresh_processes)
             return code
         if args.command == "report":
             from reports.render import render_run
@@ -136,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
         if args.command == "list":
             return _list(args)
+        if args.command == "selftest":
+            from harness.selftest.run import selftest
+
+            return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
+                            selection=args.check, plugins=args.plugin, out_root=args.out,
+                            command=["ep-harness", *argv], render=not args.no_report)[0]
         if args.command == "gate":
             from harness.gate import gate, render_gate
 

@@ -14,6 +14,7 @@ from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import (applicable_env, node_differences, nodes_of, pinned_env, platform_for, redacted,
                                  run_fingerprint)
+from harness.fresh import compare_launches
 from harness.launch import Head, Interrupted, Outcome, interruptible, run_job
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
@@ -181,10 +182,13 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
            render: bool = True, quiet: bool = False, launches: str = "auto",
            emulate_hosts: bool = False, from_record: Path | None = None,
            allow_empty: bool = False, seed: int | None = None, junit_xml: Path | None = None,
-           summary_md: Path | None = None, show_skipped: bool = False, nodes: Nodes = Nodes()) -> tuple[int, Path]:
+           summary_md: Path | None = None, show_skipped: bool = False, nodes: Nodes = Nodes(),
+           fresh_processes: int = 1) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
-    records alone: every effective parameter is in the record. On several nodes this is the
-    head's side (node rank 0); the others run harness.launch.follow."""
+    records alone: every effective parameter is in the record. With fresh_processes = K every
+    launch is made K times, each in new processes, and a check whose bits differ between them
+    fails (harness/fresh.py). On several nodes this is the head's side (node rank 0); the
+    others run harness.launch.follow."""
     nodes = nodes.validate()
     if from_record is not None:
         suite_path = from_record
@@ -212,6 +216,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
 
     stream = Stream(run_dir, run_id, checks, quiet, rerun)
     outcomes: dict[str, Outcome] = {}
+    relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
     interrupted = None
     try:
         head = Head(nodes, run_id)
@@ -230,16 +235,23 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                 grouping = launches
             else:
                 grouping = "one" if platform.backend == "gloo" else "per-world-size"
-            for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
-                world_size = nodes.ranks or world_size
-                env = pinned_env(platform, env_overrides)
-                job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}"
-                fingerprint.setdefault("pinned_env", {})[job_dir.name] = redacted(env)
-                if not quiet:
-                    print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)",
-                          flush=True)
-                outcomes.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        platform.emulated_hosts, on_outcome=stream.finished))
+            def run_all(tag: str, on_outcome) -> dict[str, Outcome]:
+                done: dict[str, Outcome] = {}
+                for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
+                    world_size = nodes.ranks or world_size
+                    env = pinned_env(platform, env_overrides)
+                    job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
+                    fingerprint.setdefault("pinned_env", {})[job_dir.name] = redacted(env)
+                    if not quiet:
+                        print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
+                              f"{tag.replace('-', ' ')}", flush=True)
+                    done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
+                                        platform.emulated_hosts, on_outcome=on_outcome))
+                return done
+
+            outcomes.update(run_all("", stream.finished))
+            for k in range(1, fresh_processes):  # the same checks again, each launch in new processes
+                relaunched.append(run_all(f"-fresh{k}", None))
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
             outcomes.update(exc.outcomes)
             interrupted = exc
@@ -262,6 +274,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
+    if fresh_processes > 1 and interrupted is None:
+        records = [compare_launches(r, [o.get(c.id) for o in relaunched]) for r, c in zip(records, checks)]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(out_root, run_dir)

@@ -251,3 +251,18 @@ class ReverseFold(AllGatherFold):
 
     def order_model(self, backend):
         return None
+
+
+@register
+class ProcessDependentFold(AllGatherFold):
+    """Invariant inside a launch (every rank and repeat agree), but its order changes with the
+    launch: a stand-in for bits that depend on the process (an allocation, a workspace picked
+    at start-up). Launches whose job directory is a first relaunch fold from rank 0 up."""
+
+    name = "planted_process_dependent_fold"
+    summary = "all-gather + fold whose order depends on the launch"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        if "-fresh1" not in os.environ.get("EP_HARNESS_JOB_DIR", ""):
+            return super().reduce_scatter(out, inp, sizes, group)
+        return ReverseFold.reduce_scatter(self, out, inp, sizes, group)

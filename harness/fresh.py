@@ -1,0 +1,42 @@
+"""Golden bits across processes (`verify --fresh-processes K`): the same checks launched K
+times, each launch in new processes (new allocations, new communicators). A deterministic
+check's bits must not depend on that, so a check whose fingerprint differs between launches
+fails, with how many of the K-1 relaunches differ and where the bits first moved. In-process
+repeats (run-to-run) cannot see such drift."""
+from __future__ import annotations
+
+from harness.launch import Outcome
+
+
+def _first_block(a: dict | None, b: dict | None) -> str:
+    if not (a and b) or a.get("block") != b.get("block"):
+        return ""
+    for i, (x, y) in enumerate(zip(a["digests"], b["digests"])):
+        if x != y:
+            return f"; first differing block: compared elements {i * a['block']:,}..{(i + 1) * a['block'] - 1:,}"
+    return ""
+
+
+def compare_launches(record: dict, later: list[Outcome | None]) -> dict:
+    """`record` (the first launch's) with the later launches' fingerprints compared to its own."""
+    mine = record.get("bits_fingerprint")
+    if not mine or record["status"] in ("skipped", "error", "interrupted"):
+        return record
+    theirs, differing, where = [], 0, ""
+    for outcome in later:
+        m = outcome.measured if outcome is not None and outcome.error is None else None
+        if m is None or m.bits_fingerprint is None:
+            return {**record, "status": "error",
+                    "reason": f"a fresh-process relaunch of this check did not measure "
+                              f"({outcome.error if outcome is not None else 'no outcome'}); {record['reason']}"}
+        theirs.append(m.bits_fingerprint)
+        if m.bits_fingerprint != mine:
+            differing += 1
+            where = where or _first_block((record.get("detail") or {}).get("bits_blocks"), m.bits_blocks)
+    out = {**record, "fresh_processes": {"launches": len(later) + 1, "differing": differing,
+                                         "fingerprints": [mine, *theirs]}}
+    if differing:
+        out["status"] = "unexpected"
+        out["reason"] = (f"bits differ across fresh processes: {differing} of {len(later)} relaunches differ from "
+                         f"the first launch{where}; {record['reason']}")
+    return out
