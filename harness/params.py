@@ -59,6 +59,10 @@ class CollectiveParams(CommonParams):
     shards: str = _opt("even", choices=("even", "uneven"))
     data: str = _opt("spread", choices=DATA_KINDS)
     message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
+    # prefill-decode-invariance: prefill probes one row inside each of this many equal parts
+    channel_probes: int = _opt(8, minimum=1)
+    # NCCL: every call of the check must use one channel range (the launch's channel pin)
+    channel_pin: bool = _opt(False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,9 +155,53 @@ class MoeParams(TokenParams):
     gemm: str = _opt("torch_mm")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelParams(CommonParams):
+    """A small random-weight MoE decoder (harness/families/model.py): its shape, its
+    prompts, and the stage subjects it is composed of (by registered name)."""
+
+    dtype: str = _opt("bfloat16", choices=("bfloat16",))
+    vocab: int = _opt(512, minimum=2)
+    hidden: int = _opt(256, minimum=2)
+    layers: int = _opt(4, minimum=1)
+    heads: int = _opt(4, minimum=1)
+    num_experts: int = _opt(8, minimum=1)
+    topk: int = _opt(2, minimum=1)
+    intermediate: int = _opt(128, minimum=1)
+    shared_intermediate: int = _opt(128, minimum=1)
+    prompt_lengths: list[int] = _opt([3, 12], minimum=1, nonempty=True)  # [shortest, longest], seeded between
+    new_tokens: int = _opt(3, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 6], minimum=1, nonempty=True)
+    shuffles: int = _opt(3, minimum=1)
+    repeats: int = _opt(2, minimum=1)
+    layout: str = _opt("contiguous", choices=("contiguous", "masked"))
+    alignment: int = _opt(16, minimum=1)
+    tp_reduce: str = _opt("all_gather_fold")  # stage subjects, by registered name
+    dispatch: str = _opt("torch_a2a_dispatch")
+    gemm: str = _opt("torch_mm")
+    dense_gemm: str = _opt("torch_mm")
+
+    def validate(self, subject):
+        w = self.world_size
+        if self.num_experts % w:
+            return f"num_experts = {self.num_experts} does not split over world_size = {w} ranks"
+        if self.topk > self.num_experts:
+            return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
+        if self.hidden % self.heads:
+            return f"hidden = {self.hidden} is not a multiple of heads = {self.heads}"
+        if self.heads % w:
+            return f"heads = {self.heads} do not split over world_size = {w} TP ranks; use a multiple of {w}"
+        if self.shared_intermediate % w:
+            return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
+        if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
+            return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
+        return None
+
+
 FAMILY_PARAMS: dict[str, type[CommonParams]] = {
     "collective": CollectiveParams, "gemm": GemmParams, "quant": QuantParams,
     "dispatch": DispatchParams, "moe_layer": MoeParams,
+    "model": ModelParams,
 }
 
 

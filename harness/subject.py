@@ -20,7 +20,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from harness.errors import HarnessError
 
-FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
+FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
 ENTRY_POINT_GROUP = "ep_harness.subjects"
 
 
@@ -122,8 +122,16 @@ class MoeLayerSubject(Subject, Protocol):
         """partials [T, H] (this rank's TP partial sums) -> (output [T, H], chosen experts [T, k])."""
 
 
+class ModelSubject(Subject, Protocol):
+    def generate(self, prompts, score_from, new_tokens: int, weights: dict, params: dict, group, tracer):
+        """Serve one batch: prefill `prompts` (lists of token ids), return the log-softmax rows
+        that predict tokens score_from[i] .. len(prompts[i]) of each prompt, then greedily decode
+        `new_tokens` - 1 more (a harness.subjects.model.common.Served). `tracer` (a
+        harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
+
+
 PROTOCOLS = {"collective": CollectiveSubject, "gemm": GemmSubject, "quant": QuantSubject,
-             "dispatch": DispatchSubject, "moe_layer": MoeLayerSubject}
+             "dispatch": DispatchSubject, "moe_layer": MoeLayerSubject, "model": ModelSubject}
 
 _REGISTRY: dict[str, Subject] = {}
 _loaded = False

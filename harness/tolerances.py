@@ -24,6 +24,20 @@ function, not its rounding, so a flipped token is left out, but only where the s
 experts' float64 logits lie within the rounding margin of the router's inputs
 (families/moe_layer.logit_margin); a flip outside it is a failure.
 
+Model (harness/families/model.py; bf16 activations rounded at every stage of every layer,
+bf16 logits, float32 log_softmax), per vocabulary entry v of a scored position:
+
+    B_v = u_out * |logit64_v| + factor * u_out * (|x64| @ |W_lm|^T)_v
+    |lp_v - lp64_v| <= B_v + max_u B_u
+
+x64 is the reference's final normed hidden state: the second term is the LM head's
+product at the scale it works at (as the MoE layer's bound), with factor = per_stage *
+(2 * layers + 1) for the relative error x carries from the residual stream's roundings (two
+residual adds per layer, their stages, the final norm); logsumexp is 1-Lipschitz in the
+max norm, hence + max_u B_u. Counted against a reference that follows the run's own router
+choices and tokens (teacher forcing: a flip changes the function, not its rounding; flips
+are reported apart).
+
 Collectives: a sum of W contributions rounded after every hop obeys
 |s - s64| <= gamma(W-1, u) * sum_r |x_r| with u the wire dtype's unit roundoff.
 """
@@ -38,6 +52,15 @@ GEMM = {
 
 MOE = {"u_out": 2.0 ** -8, "factor": 8.0,
        "rule": "|err| <= u_out*|out64| + factor*u_out*sum_j w_j (|act_j| @ |W_down_j|^T)"}
+
+
+MODEL = {"u_out": 2.0 ** -8, "per_stage": 4.0,
+         "rule": "|err_v| <= B_v + max_u B_u, B_v = u_out*|logit64_v| + factor*u_out*(|x64| @ |W_lm|^T)_v, "
+                 "factor = per_stage*(2*layers+1)"}
+
+
+def model_factor(layers: int) -> float:
+    return MODEL["per_stage"] * (2 * layers + 1)
 
 
 def gamma(n: int, u: float) -> float:

@@ -11,3 +11,4 @@ from harness.subjects.gemm import deepgemm, torch_bmm, torch_grouped_mm, torch_m
 from harness.subjects.quant import deepgemm_fp8, torch_fp8  # noqa: F401
 from harness.subjects.dispatch import deepep, torch_a2a  # noqa: F401
 from harness.subjects.moe import composed  # noqa: F401
+from harness.subjects.model import composed as model_composed  # noqa: F401

@@ -1,0 +1,223 @@
+"""A small random-weight MoE decoder end to end (harness/subjects/model/): the log-softmax
+rows of every generated and rescored token, compared bit for bit, as engines judge
+determinism; and when they differ, the first op whose inputs agreed and outputs did not.
+
+Prompts (seeded lengths and tokens) are served in batches; each prompt greedily generates
+`new_tokens` tokens. Compared rows: for each compared prompt, the `new_tokens` rows that
+predict its generated tokens (float32 [new_tokens, vocab]).
+
+* batch-invariance: the probe prompt (prompt 0) alone, then in the middle of batches of the
+  other prompts (`batch_sizes`);
+* order-invariance: the largest batch in its order and `shuffles` seeded shuffles, every
+  prompt compared;
+* prefill-decode-invariance: the decoded rows against one prefill of prompt + generated
+  tokens (rescoring), every prompt compared;
+* run-to-run: the largest batch `repeats` times;
+* reference: within tolerances.MODEL of reference/model.py (float64, teacher-forced on the
+  run's tokens and router choices; flips reported apart).
+
+Every run traces every op per tracked token on every rank (harness.divergence); a failed
+comparison's record names the first divergence between the first run and the first run that
+differs from it (`detail.first_divergence`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness import inputs as gen
+from harness.compare import compare_bitwise
+from harness.context import RankContext
+from harness.divergence import Tracer, localise
+from harness.families.driver import Copy, Family, Run
+from harness.measurement import Bound, Measurement
+from harness.params import ModelParams
+from harness.subjects.model.common import prompts, to_device, weights
+from harness.tolerances import MODEL, model_factor
+from reference import model as ref
+from reference.orders import order_sensitive
+
+PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance")
+PROBE = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    order: tuple[int, ...]  # the prompt in each batch slot
+    compared: tuple[int, ...]  # the prompts whose rows are compared
+    rescore: bool = False  # one prefill of prompt + generated tokens (of the run before it)
+
+
+def _runs(prop: str, p: dict, world: int) -> list[Run]:
+    everyone = tuple(range(max(p["batch_sizes"])))
+    if prop == "reference":
+        return [Run("batch", (Copy(("batch", everyone)),), Batch(everyone, everyone))]
+    if prop == "run-to-run":
+        return [Run(f"repeat {i}", (Copy(("batch", everyone)),), Batch(everyone, everyone)) for i in range(p["repeats"])]
+    if prop == "batch-invariance":
+        out = []
+        for b in p["batch_sizes"]:
+            order = list(range(1, b))
+            order.insert(b // 2, PROBE)
+            out.append(Run(f"batch of {b}", (Copy(("batch", tuple(order))),), Batch(tuple(order), (PROBE,))))
+        return out
+    if prop == "order-invariance":
+        g = gen.generator(p["seed"], "model-shuffles")
+        orders = [everyone] + [tuple(torch.randperm(len(everyone), generator=g).tolist()) for _ in range(p["shuffles"])]
+        return [Run("in order" if i == 0 else f"shuffle {i}", (Copy(("batch", o)),), Batch(o, everyone))
+                for i, o in enumerate(orders)]
+    if prop == "prefill-decode-invariance":
+        return [Run("decode", (Copy(("decode", everyone)),), Batch(everyone, everyone)),
+                Run("rescore (one prefill)", (Copy(("prefill", everyone)),), Batch(everyone, everyone, rescore=True))]
+    raise ValueError(f"no runs for {prop!r}")
+
+
+def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]) -> list[dict]:
+    """On every rank, per run: rank 0's compared rows, every prompt's generated tokens, this
+    rank's routing (for the reference) and its trace."""
+    w = to_device(weights(p), ctx.device)
+    pr = prompts(p)
+    generated: dict = {}
+    seen, rows = [], []
+    for run in runs:
+        b = run.spec
+        names = {slot: f"prompt {pid}" for slot, pid in enumerate(b.order) if pid in b.compared}
+        tracer = None if prop == "reference" else Tracer(ctx.rank, _namer(names))
+        seqs = [pr[pid] + (generated[pid][:-1] if b.rescore else []) for pid in b.order]
+        served = subject.generate(seqs, [len(pr[pid]) for pid in b.order], 0 if b.rescore else p["new_tokens"],
+                                  w, p, ctx.group, tracer)
+        if not b.rescore:
+            generated = {pid: served.tokens[slot] for slot, pid in enumerate(b.order)}
+        compared = {pid: served.logprobs[slot].cpu() for slot, pid in enumerate(b.order) if pid in b.compared}
+        rows.append(torch.cat([compared[pid].reshape(-1) for pid in b.compared]))
+        seen.append({
+            "logprobs": compared if ctx.rank == 0 else None,
+            "tokens": dict(generated),
+            "routing": {(b.order[slot], pos): r for (slot, pos), r in served.routing.items()} if prop == "reference" else None,
+            "events": tracer.events if tracer else None,
+        })
+    return _ship_traces(ctx, seen, rows)
+
+
+def _ship_traces(ctx: RankContext, seen: list[dict], rows: list) -> list[dict]:
+    """Every run was traced; the traces travel to rank 0 only for the first run and the
+    first run whose rows differ from it (every rank computes every row, so each can tell;
+    the ranks agree on the smallest such run)."""
+    differs = next((i for i in range(1, len(rows)) if rows[i].shape != rows[0].shape
+                    or not torch.equal(rows[i].view(torch.int32), rows[0].view(torch.int32))), None)
+    found = [d for d in ctx.gather(differs) if d is not None]
+    keep = {0, min(found)} if found else set()
+    for i, run in enumerate(seen):
+        if i not in keep:
+            run["events"] = None
+    return seen
+
+
+def _namer(names: dict):
+    """(slot, position) -> "prompt P token J", one string object per token (the gathered
+    trace pickles each once)."""
+    made: dict = {}
+
+    def name(key):
+        slot, pos = key
+        if slot not in names:
+            return None
+        return made.setdefault(key, f"{names[slot]} token {pos}")
+    return name
+
+
+def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    if check.property == "reference":
+        return _measure_reference(p, runs[0].spec, gathered)
+    observed = torch.stack([torch.cat([gathered[0][i]["logprobs"][pid].reshape(-1) for pid in run.spec.compared])
+                            for i, run in enumerate(runs)])
+    m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    rows = observed.shape[1] // p["vocab"]
+    m.detail = {"compared": f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p['vocab']} logprobs per run"}
+    if m.mismatched:
+        other = next((i for i in range(1, len(runs)) if gathered[0][i]["events"] is not None), None)
+        if other is None:
+            m.note = "the ranks' rows differed from rank 0's view of them: no trace was shipped to localise"
+        else:
+            found = localise([g[0]["events"] or {} for g in gathered], [g[other]["events"] or {} for g in gathered])
+            m.detail.update(found, between=[runs[0].label, runs[other].label])
+            m.note = f"{runs[0].label} vs {runs[other].label}: {found['note']}"
+    m.sensitivity, m.sensitivity_what = _sensitivity(p, ctx.world_size), \
+        "of the probe's layer-0 TP partials and q/k/v products change bits under another summation order"
+    if check.property != "run-to-run":
+        m.vacuous_reason = _nothing_moved(p, runs, gathered)
+    return m
+
+
+def _layout(p: dict, b: Batch, tokens: dict) -> dict:
+    """Where each compared token sits in each forward of a run: {(prompt, position):
+    (padded rows of that forward, its row)}. Prefill is one forward; decode one per step."""
+    pr, w = prompts(p), p["world_size"]
+    seqs = {pid: pr[pid] + (tokens[pid][:-1] if b.rescore else []) for pid in b.order}
+    where, row = {}, 0
+    total = sum(len(seqs[pid]) for pid in b.order)
+    for pid in b.order:
+        for pos in range(len(seqs[pid])):
+            if pid in b.compared:
+                where[(pid, pos)] = (-(-total // w) * w, row)
+            row += 1
+    if not b.rescore:
+        for step in range(p["new_tokens"] - 1):
+            for slot, pid in enumerate(b.order):
+                if pid in b.compared:
+                    where[(pid, len(pr[pid]) + step)] = (-(-len(b.order) // w) * w, slot)
+    return where
+
+
+def _nothing_moved(p: dict, runs: list[Run], gathered) -> str | None:
+    """Vacuous when every run puts every compared token at the same row of a message of the
+    same size: no reduction, GEMM or dispatch could see anything change."""
+    layouts = [_layout(p, run.spec, gathered[0][i]["tokens"]) for i, run in enumerate(runs)]
+    if all(lay == layouts[0] for lay in layouts[1:]):
+        return "every run puts the compared tokens at the same rows of messages of the same sizes"
+    return None
+
+
+def _sensitivity(p: dict, world: int) -> int:
+    """Elements of the probe prompt's layer-0 TP partials whose sum changes bits under some
+    rotation of the ranks, plus q/k/v outputs that change when K is summed in two halves."""
+    w = weights(p)
+    tokens = prompts(p)[PROBE]
+    partials = ref.layer0_partials(w, tokens, p["heads"], world)
+    tp = int(order_sensitive(partials.reshape(world, -1)).sum()) if world > 2 else 0
+    x = ref.rmsnorm(w["embed"].double()[torch.tensor(tokens)], w["layers"][0]["attn_norm"]).to(torch.bfloat16).float()
+    b = w["layers"][0]["wqkv"].float()
+    half = x.shape[1] // 2
+    whole = x @ b.T
+    split = x[:, :half] @ b[:, :half].T + x[:, half:] @ b[:, half:].T
+    return tp + int((whole.to(torch.bfloat16) != split.to(torch.bfloat16)).sum())
+
+
+def _measure_reference(p: dict, b: Batch, gathered) -> Measurement:
+    w, pr, seen = weights(p), prompts(p), gathered[0][0]
+    routing: dict = {}
+    for g in gathered:
+        routing.update(g[0]["routing"])
+    got, exact, bound, flips, tokens = [], [], [], 0, 0
+    factor = model_factor(p["layers"])
+    lm = w["lm_head"].double().abs()
+    for pid in b.compared:
+        seq = pr[pid] + seen["tokens"][pid][:-1]
+        out = ref.forward(w, seq, p["heads"], p["topk"], [routing[(pid, pos)] for pos in range(len(seq))])
+        first = len(pr[pid]) - 1
+        lp64, logits, x = out["logprobs"][first:], out["logits"][first:], out["x"][first:]
+        per_v = MODEL["u_out"] * logits.abs() + factor * MODEL["u_out"] * (x.abs() @ lm.T)
+        bound.append(per_v + per_v.max(dim=-1, keepdim=True).values)
+        got.append(seen["logprobs"][pid].double())
+        exact.append(lp64)
+        flips += int(out["flips"].sum())
+        tokens += out["flips"].numel()
+    rule = Bound(rule=MODEL["rule"], terms={"u_out": MODEL["u_out"], "factor": factor, "layers": p["layers"]})
+    return Measurement.within(torch.cat(got), torch.cat(exact), torch.cat(bound), rule,
+                              detail={"router_flips": flips, "routed_tokens": tokens},
+                              note=f"{flips} of {tokens} (token, layer) router choices differ from the float64 "
+                                   f"router's own; the reference follows the run's")
+
+
+FAMILY = Family("model", PROPERTIES, ModelParams, _runs, _observe, _measure)
