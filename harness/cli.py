@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
+    st.add_argument("--every-cell", action="store_true",
+                    help="also plant injections a check need not catch (slower; shows extra catches)")
 
     ls = sub.add_parser("list", help="list the suites and subjects, or a suite's checks and what this machine skips")
     ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
                             selection=args.check, plugins=args.plugin, out_root=args.out,
-                            command=["ep-harness", *argv], render=not args.no_report)[0]
+                            command=["ep-harness", *argv], render=not args.no_report,
+                            every_cell=args.every_cell)[0]
         if args.command == "gate":
             from harness.gate import gate, render_gate
 

@@ -1,0 +1,77 @@
+"""Which injection each property must catch: the table `ep-harness selftest` holds checks to.
+
+A property must catch an injection when the defect changes what the property compares:
+
+* `reference` compares every element with a float64 (or exact) reference within a bound.
+  It must catch NaN and +Inf and a stale value (a value from another problem is far
+  outside any bound), but not 1 ULP: one unit in the last place is inside a summation
+  bound. Where the comparison is exact (`comparison: bitwise`, FP8 quantization, BF16
+  dispatch), it must catch 1 ULP as well.
+* `run-to-run` repeats one call: it must catch a 1-ULP change on the first call (`ulp`)
+  and another order on the k-th call (`kth-call`). Not `stale`: every call has the same
+  inputs, so the previous call's value is the right one.
+* `batch-invariance`, `position-invariance`, `size-invariance`, `others-invariance` compare
+  calls with different inputs: they must catch a change on one call (`ulp`, `kth-call`);
+  batch- and size-invariance also a change above a batch or message size.
+* A stale value is kept per position: only a property that moves the probe to another row
+  between calls (`position-invariance`) or compares every element (`reference`) must see
+  it. Batch-, size- and others-invariance may keep the probe in the same row of every call
+  (the GEMM's probe is always its expert's first row), where the previous call's value is
+  the probe's own, right value.
+* `rank-invariance` compares the probe on different ranks within one call: `one-rank`.
+* `graph-invariance` compares eager and CUDA-graph runs: `in-graph`, and `ulp` (the eager
+  call differs). Not `kth-call`: the k-th call is a warm-up whose output the replay overwrites.
+* Every collective property must catch a write outside the output (`out-of-slice`): the
+  collective contract forbids writing the input outside the output's alias, and the family
+  checks the input after every call. The other families hand their subjects fresh inputs
+  (issue 23 item 6 decides what they guarantee), so no property of theirs is held to it.
+
+An injection a property need not catch is never a miss. A control (`expect` other than
+`holds`) already shows a difference, so an injected one cannot change its verdict: its
+cells are not applicable. A plugin that adds a property declares its row with `declare`.
+"""
+from __future__ import annotations
+
+MUST_CATCH: dict[str, frozenset[str]] = {
+    "reference": frozenset({"nan", "inf", "stale"}),
+    "combine-reference": frozenset({"nan", "inf", "stale"}),
+    "run-to-run": frozenset({"ulp", "kth-call"}),
+    "batch-invariance": frozenset({"ulp", "kth-call", "batch-above", "order-above-size"}),
+    "position-invariance": frozenset({"ulp", "kth-call", "stale"}),
+    "size-invariance": frozenset({"ulp", "kth-call", "order-above-size"}),
+    "others-invariance": frozenset({"ulp", "kth-call"}),
+    "rank-invariance": frozenset({"one-rank"}),
+    "graph-invariance": frozenset({"ulp", "in-graph"}),
+}
+EXACT_REFERENCE = frozenset({"ulp"})  # added where a reference property compares bit for bit
+FAMILY_MUST_CATCH: dict[str, frozenset[str]] = {"collective": frozenset({"out-of-slice"})}
+# (family, property) pairs that compare something no injection touches, and why.
+NOT_TARGETED: dict[tuple[str, str], str] = {
+    ("dispatch", "reference"): "compares the dispatched rows; the injections act on combine's output",
+}
+REFERENCE_PROPERTIES = ("reference", "combine-reference")
+
+
+def declare(prop: str, injections) -> None:
+    """For a plugin's own property: the injections it must catch."""
+    MUST_CATCH[prop] = frozenset(injections)
+
+
+def required(record: dict, injection: str) -> tuple[bool | None, str]:
+    """Whether the check of a baseline `record` must catch `injection`: (True, why),
+    (False, why) or (None, why not applicable)."""
+    prop, family = record["property"], record["family"]
+    if record.get("status") != "ok":
+        return None, f"baseline {record.get('status')}: only a check that is ok without injection can be tested"
+    if record.get("expect") != "holds":
+        return None, f"a control (expect = {record.get('expect')}): an injected difference cannot change its verdict"
+    if (family, prop) in NOT_TARGETED:
+        return None, NOT_TARGETED[(family, prop)]
+    if prop not in MUST_CATCH:
+        return None, f"no row for property {prop!r} in harness/selftest/expectations.py (declare one)"
+    must = MUST_CATCH[prop] | FAMILY_MUST_CATCH.get(family, frozenset())
+    if prop in REFERENCE_PROPERTIES and record.get("comparison") == "bitwise":
+        must |= EXACT_REFERENCE
+    if injection in must:
+        return True, f"{prop} must catch {injection}"
+    return False, f"{prop} need not catch {injection}"

@@ -1,0 +1,107 @@
+"""The defects `ep-harness selftest` plants, one class at a time (no torch here: the head
+plans with these; harness/selftest/wrap.py applies them on the ranks).
+
+An injection is a *defect* (what is wrong with the output), a *place* (which elements) and
+a *trigger* (on which rank, call and batch it happens). Every defect is a value a kernel
+could really produce: a step of one unit in the last place (the bit pattern's integer
+magnitude plus one, the smallest change an order of summation makes; never an xor of
+elements), NaN, +Inf, a value kept from the previous call, or a write into the input.
+
+A call is one call of the subject's output-producing method within one check (the
+collective's reduce_scatter, the GEMM's run, quantize, the dispatcher's combine, the MoE
+layer's forward), counted from 0 on each rank; the harness makes one call per compared run.
+
+Places: `element` is one element of the output (flat index `element`); `column` is element
+`element` of every output row, so that whichever row a check compares (its probe may sit in
+any row) carries it; `all` is every element (another summation order moves many).
+
+Parameters can be changed on the command line: `--injections ulp:call=1:rank=2,nan`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from harness.errors import HarnessError
+
+DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
+PLACES = ("element", "column", "all")
+WHEN = ("always", "rows-above", "bytes-above", "in-graph")
+
+
+@dataclass(frozen=True)
+class Injection:
+    name: str
+    defect: str  # one of DEFECTS
+    place: str  # one of PLACES
+    summary: str
+    rank: int | None = None  # only on this rank (None: every rank)
+    call: int | None = None  # only on this call of the check (None: every call)
+    element: int = 0  # the element (place=element) or the element of each row (place=column)
+    when: str = "always"  # one of WHEN
+    threshold: int | None = None  # rows-above / bytes-above: the size to exceed (None: the check's first call)
+    gpu_only: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Injection:
+        return cls(**d)
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("rank", "call", "element", "threshold")
+                 if getattr(self, k) is not None]
+        return f"{self.name} ({self.summary}{'; ' + ', '.join(parts) if parts else ''})"
+
+
+CLASSES: dict[str, Injection] = {i.name: i for i in (
+    Injection("ulp", "ulp", "column", "1 ULP at one element of every row, on one call", call=0),
+    Injection("nan", "nan", "element", "one output element set to NaN, on one rank", rank=0),
+    Injection("inf", "inf", "element", "one output element set to +Inf, on one rank", rank=0),
+    Injection("order-above-size", "ulp", "all",
+              "another summation order (1 ULP on every element) once the message exceeds a size",
+              when="bytes-above"),
+    Injection("kth-call", "ulp", "all", "another summation order (1 ULP on every element) on the k-th call only",
+              call=2),
+    # Rank 0: it holds a copy of the probe in every family's rank-invariance layout (with
+    # uneven shards the last ranks may own no row at all).
+    Injection("one-rank", "ulp", "all", "1 ULP on every element on one rank only", rank=0),
+    Injection("in-graph", "ulp", "all", "1 ULP on every element only during CUDA-graph capture",
+              when="in-graph", gpu_only=True),
+    Injection("batch-above", "ulp", "all", "1 ULP on every element for batches above a size", when="rows-above"),
+    Injection("out-of-slice", "write-input", "all",
+              "a write outside the output: 1 ULP on every input element outside this rank's output slice"),
+    Injection("stale", "stale", "column",
+              "element `element` of every row keeps the previous call's value (the previous call of the "
+              "same subject on this rank, of any check, with rows of the same width and dtype)"),
+)}
+
+
+def parse(text: str | None) -> list[Injection]:
+    """`ulp,nan` or `ulp:call=1:rank=2,stale` -> injections; None or empty: every class."""
+    if not text:
+        return list(CLASSES.values())
+    out = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        name, *settings = item.split(":")
+        if name not in CLASSES:
+            raise HarnessError(f"unknown injection {name!r}; known: {', '.join(CLASSES)}")
+        changes = {}
+        numeric = {"rank", "call", "element", "threshold"}
+        for setting in settings:
+            key, sep, value = setting.partition("=")
+            if not sep or key not in numeric:
+                raise HarnessError(f"injection {item!r}: {setting!r} is not one of "
+                                   f"{', '.join(sorted(numeric))} = N (e.g. ulp:call=1:rank=2)")
+            try:
+                changes[key] = None if value in ("any", "none") else int(value)
+            except ValueError:
+                raise HarnessError(f"injection {item!r}: {key}={value!r} is not a number (or `any`)") from None
+            if changes[key] is not None and changes[key] < 0:
+                raise HarnessError(f"injection {item!r}: {key} must be >= 0")
+        out.append(replace(CLASSES[name], **changes))
+    names = [i.name for i in out]
+    if len(set(names)) != len(names):
+        raise HarnessError(f"--injections names a class twice ({', '.join(names)}); give each once")
+    return out
+

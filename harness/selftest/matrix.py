@@ -1,0 +1,65 @@
+"""The selftest's verdict per check and injection (a cell), and how it is printed.
+
+Cell states:
+
+* `caught`: required, fired, and the check failed (unexpected or error);
+* `missed`: required, fired, and the check still passed: the check is *blind* to it;
+* `extra`: not required, yet caught (only when such checks were run);
+* `not-fired`: required, but the defect never changed a bit in this check (fewer calls
+  than the injection waits for, no batch above the size, a value that was right already);
+* `not-required`: the property need not catch it (harness/selftest/expectations.py);
+* `n/a`: not applicable (a control, a baseline that was not ok, a GPU-only injection on the
+  CPU, a comparison no injection touches).
+"""
+from __future__ import annotations
+
+FAILED = ("unexpected", "error")
+SYMBOL = {"caught": "C", "missed": "MISS", "extra": "c", "not-fired": "~", "not-required": ".", "n/a": "-"}
+
+
+def cell(required: bool | None, why: str, record: dict | None, fired: bool) -> dict:
+    """One check x injection. `record`: the check's record under the injection (None when it
+    was not run with it); `fired`: whether the defect changed a bit in one of its calls."""
+    if required is None:
+        return {"state": "n/a", "why": why}
+    if record is None:
+        return {"state": "not-required" if not required else "n/a", "why": why}
+    out = {"status": record["status"], "mismatched": record.get("mismatched"), "total": record.get("total"),
+           "reason": record.get("reason")}
+    caught = record["status"] in FAILED
+    if caught:
+        return {"state": "caught" if required else "extra", "why": why, **out}
+    if not fired:
+        return {"state": "not-fired" if required else "not-required", "why": "the defect never changed a bit "
+                "of this check's output (too few calls, no batch above the size, or the value was right already)",
+                **out}
+    return {"state": "missed" if required else "not-required", "why": why, **out}
+
+
+def blind(rows: list[dict]) -> list[dict]:
+    """The checks with a missed cell, each with the injections it missed."""
+    return [{"check": r["check"], "property": r["property"],
+             "missed": [name for name, c in r["cells"].items() if c["state"] == "missed"]}
+            for r in rows if any(c["state"] == "missed" for c in r["cells"].values())]
+
+
+def render(rows: list[dict], injections: list[str]) -> str:
+    """The terminal matrix: one row per check, one column per injection, then each
+    column's totals and the blind checks."""
+    width = max([len(r["check"]) for r in rows] + [5])
+    cols = [max(len(n), 4) for n in injections]
+    lines = ["# selftest matrix: C caught, MISS missed (the check is blind to it), c caught though not required, "
+             "~ required but never fired, . not required, - not applicable",
+             "# " + "check".ljust(width - 2) + "  " + "  ".join(n.rjust(w) for n, w in zip(injections, cols))]
+    for r in rows:
+        lines.append(r["check"].ljust(width) + "  " +
+                     "  ".join(SYMBOL[r["cells"][n]["state"]].rjust(w) for n, w in zip(injections, cols)))
+    for state in ("caught", "missed", "not-fired"):
+        counts = [sum(r["cells"][n]["state"] == state for r in rows) for n in injections]
+        lines.append(("# " + state).ljust(width) + "  " + "  ".join(str(c).rjust(w) for c, w in zip(counts, cols)))
+    for b in blind(rows):
+        lines.append(f"# BLIND: {b['check']} ({b['property']}) missed {', '.join(b['missed'])}")
+        for name in b["missed"]:
+            c = next(r for r in rows if r["check"] == b["check"])["cells"][name]
+            lines.append(f"#   {name}: {c['status']}, {c.get('reason') or ''}")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""`ep-harness selftest --suite S`: does every check catch the defects its property should?
+
+    plan the suite as verify does -> one baseline launch (every check as it is)
+      -> per injection class: one launch of the checks that must catch it, each subject
+         wrapped on the ranks (harness/selftest/wrap.py, through the job's `inject` entry)
+      -> a matrix of checks x injections -> selftest.json, the terminal, exit code
+
+Only checks that are `ok` in the baseline and must catch an injection run with it, so a
+launch per injection costs what its checks cost (about 5 s of start-up for 4 gloo ranks on
+2 cores plus the checks). Exit 0 when no check is blind, 1 when one is, 2 on bad input.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import time
+from pathlib import Path
+
+from harness import subject as registry
+from harness.cases import load_suite, resolve_suite_path
+from harness.check import Check
+from harness.environment import pinned_env, platform_for, run_fingerprint
+from harness.errors import HarnessError
+from harness.launch import Head, Interrupted, interruptible, run_job
+from harness.nodes import Nodes
+from harness.plan import expand, jobs, literal
+from harness.records import read_jsonl, write_json, write_jsonl
+from harness.selftest import expectations, matrix
+from harness.selftest.injections import Injection, parse
+from harness.verify import claim_run_dir, finalize, point_latest, rerun_command
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectedCheck(Check):
+    """A check as sent to the ranks with the defect to plant (harness/worker.py reads `inject`)."""
+
+    inject: dict | None = None
+
+    @classmethod
+    def of(cls, check: Check, injection: Injection) -> InjectedCheck:
+        return cls(**{f.name: getattr(check, f.name) for f in dataclasses.fields(Check)}, inject=injection.to_json())
+
+
+def fired_checks(job_dir: Path) -> set[str]:
+    """Checks in which the injection changed at least one bit on some rank (wrap.py's log)."""
+    return {line["check"] for log in job_dir.glob("injections-rank*.jsonl") for line in read_jsonl(log)}
+
+
+class Launcher:
+    """Runs lists of checks, one launch per environment (per world size on NCCL), in one run
+    directory; keeps their records."""
+
+    def __init__(self, head: Head, run_dir: Path, platform, plugins: list[str], suite_path: Path,
+                 gpus: int | None, quiet: bool):
+        self.head, self.run_dir, self.platform, self.plugins = head, run_dir, platform, plugins
+        self.suite_path, self.gpus, self.quiet = suite_path, gpus, quiet
+
+    def run(self, name: str, checks: list[Check], injection: Injection | None = None) -> tuple[dict, set[str]]:
+        """Records by check id, and the checks the injection reached."""
+        records, fired = {}, set()
+        grouping = "one" if self.platform.backend == "gloo" else "per-world-size"
+        for n, (world_size, env_overrides, group) in enumerate(jobs(checks, grouping)):
+            job_dir = self.run_dir / "jobs" / f"{name}-{n:02d}-ws{world_size}"
+            sent = [InjectedCheck.of(c, injection) for c in group] if injection else group
+            outcomes = run_job(self.head, job_dir, world_size, self.platform.backend, sent,
+                               pinned_env(self.platform, env_overrides), self.plugins)
+            for c in group:
+                records[c.id] = finalize(c, outcomes.get(c.id), self.head.run_id, self.rerun(c, injection))
+            fired |= fired_checks(job_dir)
+        return records, fired
+
+    def rerun(self, check: Check, injection: Injection | None) -> str:
+        if injection is None:
+            return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins)
+        cmd = ["ep-harness", "selftest", "--suite", str(self.suite_path), "--check", literal(check.id),
+               "--injections", injection.name]
+        cmd += ["--gpus", str(self.gpus)] if self.gpus is not None else []
+        for p in self.plugins:
+            cmd += ["--plugin", p]
+        return shlex.join(cmd)
+
+
+def choose(checks: list[Check], limit: int | None) -> list[Check]:
+    """The runnable checks, at most `limit` of those that expect to hold (controls cannot be
+    tested, so they do not count against the limit and are left out when one is given)."""
+    runnable = [c for c in checks if c.skip_reason is None]
+    if limit is None:
+        return runnable
+    return [c for c in runnable if c.expect == "holds"][:limit]
+
+
+def selftest(suite: str, injections: str | None = None, limit: int | None = None, gpus: int | None = None,
+             cpu_ranks: int = 4, selection: list[str] | None = None, plugins: list[str] = (),
+             out_root: Path = Path("reports/out"), command: list[str] = (), quiet: bool = False,
+             render: bool = True, every_cell: bool = False) -> tuple[int, Path]:
+    """Plant each injection in every check that must catch it (every_cell: in every check
+    it applies to, so that catches beyond the table show as `extra`); return the exit code
+    (0: no check blind, 1: a check blind) and the run directory."""
+    chosen_injections = parse(injections)
+    if limit is not None and limit < 1:
+        raise HarnessError(f"--limit {limit}: give at least 1 check")
+    suite_path = resolve_suite_path(suite)
+    loaded = load_suite(suite_path)
+    plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
+    registry.load_all(plugins)
+    platform = platform_for(Nodes(), gpus, cpu_ranks, False)
+    checks = choose(expand(loaded, platform, selection), limit)
+    if not checks:
+        raise HarnessError(f"no runnable check in {suite_path} on this machine; "
+                           f"list them with `ep-harness list --suite {suite_path}`")
+    run_id, run_dir = claim_run_dir(out_root)
+    began = time.time()
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    say(f"# selftest of {suite_path}: {len(checks)} checks, injections {', '.join(i.name for i in chosen_injections)}"
+        f" ({platform.topology.describe()})")
+    head = Head(Nodes(), run_id)
+    launcher = Launcher(head, run_dir, platform, plugins, suite_path, gpus, quiet)
+    baseline, injected, fired, seconds = {}, {}, {}, {}
+    interrupted = None
+    with interruptible():
+        try:
+            t = time.time()
+            baseline, _ = launcher.run("baseline", checks)
+            seconds["baseline"] = round(time.time() - t, 2)
+            ok = sum(r["status"] == "ok" for r in baseline.values())
+            say(f"# baseline: {ok} of {len(checks)} checks ok without injection ({seconds['baseline']} s)")
+            for inj in chosen_injections:
+                if inj.gpu_only and platform.device != "cuda":
+                    say(f"# {inj.name}: not applicable on the CPU")
+                    continue
+                due = [c for c in checks if expectations.required(baseline[c.id], inj.name)[0] in
+                       ((True, False) if every_cell else (True,))]
+                if not due:
+                    say(f"# {inj.name}: no check must catch it")
+                    continue
+                t = time.time()
+                injected[inj.name], fired[inj.name] = launcher.run(inj.name, due, inj)
+                seconds[inj.name] = round(time.time() - t, 2)
+                caught = sum(r["status"] in matrix.FAILED for r in injected[inj.name].values())
+                say(f"# {inj.name}: {caught} of {len(due)} checks caught it ({seconds[inj.name]} s)")
+            if not injected:
+                say("# no injection applies to these checks")
+        except Interrupted as exc:
+            interrupted = exc
+            say(f"# interrupted by {exc}: the matrix below has what finished")
+        finally:
+            head.close()
+
+    rows = []
+    for c in checks:
+        if c.id not in baseline:
+            continue
+        cells = {}
+        for inj in chosen_injections:
+            if inj.gpu_only and platform.device != "cuda":
+                cells[inj.name] = {"state": "n/a", "why": "needs a GPU (CUDA-graph capture)"}
+                continue
+            required, why = expectations.required(baseline[c.id], inj.name)
+            record = injected.get(inj.name, {}).get(c.id)
+            cells[inj.name] = matrix.cell(required, why, record, c.id in fired.get(inj.name, ()))
+            if record is not None:
+                cells[inj.name]["rerun"] = record["rerun"]
+        rows.append({"check": c.id, "case": c.case, "subject": c.subject, "family": c.family, "property": c.property,
+                     "baseline": baseline[c.id]["status"], "cells": cells})
+    names = [i.name for i in chosen_injections]
+    result = {"suite": str(suite_path), "run_id": run_id, "command": list(command),
+              "injections": [i.to_json() | {"describe": i.describe()} for i in chosen_injections],
+              "must_catch": {p: sorted(s) for p, s in expectations.MUST_CATCH.items()},
+              "family_must_catch": {f: sorted(s) for f, s in expectations.FAMILY_MUST_CATCH.items()},
+              "checks": rows, "blind": matrix.blind(rows), "seconds": seconds,
+              "tested": sum(c["state"] in ("caught", "missed", "extra") for r in rows for c in r["cells"].values()),
+              "wall_s": round(time.time() - began, 2), "interrupted": str(interrupted) if interrupted else None}
+    fingerprint = run_fingerprint(platform, list(command))
+    fingerprint.update(suite=str(suite_path), topology=platform.topology.to_dict(), selftest=True)
+    write_json(run_dir / "environment.json", fingerprint)
+    write_jsonl(run_dir / "results.jsonl", [baseline[c.id] for c in checks if c.id in baseline])
+    for name, records in injected.items():
+        write_jsonl(run_dir / "injected" / f"{name}.jsonl", list(records.values()))
+    write_json(run_dir / "selftest.json", result)
+    point_latest(out_root, run_dir)
+    if not quiet:
+        print(matrix.render(rows, names))
+        print(f"# selftest.json: {run_dir / 'selftest.json'}; wall {result['wall_s']} s")
+    if render:
+        from reports.render import render_run
+
+        render_run(run_dir, quiet=True)
+        say(f"# report: {run_dir / 'report.html'}")
+    if interrupted is not None:
+        return 128 + interrupted.signum, run_dir
+    if not result["blind"] and not result["tested"]:  # nothing planted: no check was shown to have teeth
+        say(f"# NOTHING TESTED: no check of {len(rows)} was ok without injection and due to catch one")
+        return 1, run_dir
+    verdict = "BLIND" if result["blind"] else "OK"
+    say(f"# {verdict}: {len(result['blind'])} blind check(s) of {len(rows)}; "
+        f"{result['tested']} check x injection cells tested")
+    return (1 if result["blind"] else 0), run_dir

@@ -1,0 +1,187 @@
+"""On the ranks: a subject wrapped so that its output carries one injected defect.
+
+harness/worker.py calls `wrapped(subject, injection, check_id)` for a check whose job entry
+says `inject` (only `ep-harness selftest` sends one): the real subject runs first, then the
+wrapper changes its output (or input) as harness/selftest/injections.py describes. Every
+other attribute (the order model, unavailable, layouts, ...) is the real subject's.
+
+Each call whose defect changed at least one bit is logged to
+$EP_HARNESS_JOB_DIR/injections-rank<R>.jsonl, so that the head can tell a check that missed
+an injection from one the injection never reached (a check with fewer calls than `call`,
+a batch never above the size, a value that happened to be right already). During CUDA-graph
+capture nothing may synchronise, so such calls are logged with `changed: -1` (unknown).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from harness.selftest.injections import Injection
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_previous: dict[tuple, torch.Tensor] = {}  # the stale defect's memory: (subject, dtype, width) -> last true output
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(t.float() if t.element_size() == 1 else t)  # FP8 has no isfinite
+
+
+def step_ulp(t: torch.Tensor) -> None:
+    """In place: every finite element one unit in the last place away from zero (its bit
+    pattern's magnitude plus one), or towards zero where that would overflow to infinity."""
+    bits = t.view(_INT[t.element_size()])
+    up = bits + 1  # two's complement: for a negative float this also grows the magnitude
+    new = torch.where(_finite(up.view(t.dtype)), up, bits - 1)
+    bits.copy_(torch.where(_finite(t), new, bits))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, t.shape[-1]) if t.dim() else t.view(1, 1)
+
+
+def _region(out: torch.Tensor, inj: Injection) -> torch.Tensor | None:
+    if out.numel() == 0 or not out.is_contiguous():
+        return None
+    if inj.place == "all":
+        return out
+    if inj.place == "element":
+        i = inj.element % out.numel()
+        return out.view(-1)[i:i + 1]
+    return _rows(out)[:, inj.element % max(1, out.shape[-1])]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _Wrapped:
+    """Delegates everything to the real subject; the family subclasses wrap its one method."""
+
+    def __init__(self, subject, injection: Injection, check_id: str):
+        self._subject, self._inj, self._check = subject, injection, check_id
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._calls = 0
+        self._first: tuple[int, int] | None = None  # rows and bytes of the check's first output
+        self._log = Path(os.environ.get("EP_HARNESS_JOB_DIR", ".")) / f"injections-rank{self._rank}.jsonl"
+
+    def __getattr__(self, name):
+        return getattr(self._subject, name)
+
+    def _fires(self, call: int, out: torch.Tensor) -> bool:
+        inj = self._inj
+        rows, size = (out.numel() // out.shape[-1] if out.dim() and out.shape[-1] else out.numel()), out.nbytes
+        if self._first is None:
+            self._first = (rows, size)
+        if inj.rank is not None and self._rank != inj.rank:
+            return False
+        if inj.call is not None and call != inj.call:
+            return False
+        if inj.when == "in-graph":
+            return _capturing()
+        if inj.when == "rows-above":
+            return rows > (self._first[0] if inj.threshold is None else inj.threshold)
+        if inj.when == "bytes-above":
+            return size > (self._first[1] if inj.threshold is None else inj.threshold)
+        return True
+
+    def _inject(self, out: torch.Tensor, inp: torch.Tensor | None = None, slice_rows: tuple[int, int] | None = None):
+        """The defect, after the real call wrote `out`. `inp` and `slice_rows` (this rank's
+        rows of the input, if it has such a slice) are for the write outside the output."""
+        call, self._calls = self._calls, self._calls + 1
+        inj = self._inj
+        key = (self._subject.name, out.dtype, out.shape[-1] if out.dim() else 0)
+        previous = _previous.get(key)
+        capturing = _capturing()
+        if inj.defect == "stale" and not capturing and out.numel() and out.is_contiguous():
+            _previous[key] = out.detach().clone()  # what this call computed: the next call's stale value
+        if not self._fires(call, out):
+            return
+        targets = self._outside(inp, slice_rows) if inj.defect == "write-input" else [_region(out, inj)]
+        targets = [t for t in targets if t is not None and t.numel()]
+        if not targets or (inj.defect == "stale" and (previous is None or capturing)):
+            return
+        before = None if capturing else [t.clone() for t in targets]
+        for target in targets:
+            if inj.defect in ("ulp", "write-input"):
+                step_ulp(target)
+            elif inj.defect == "nan":
+                target.fill_(math.nan)
+            elif inj.defect == "inf":
+                target.fill_(math.inf)
+            elif inj.defect == "stale":
+                old = _rows(previous)
+                target.copy_(old[torch.arange(target.shape[0], device=old.device) % old.shape[0],
+                                 inj.element % old.shape[1]])
+        changed = -1 if before is None else sum(_differ(b, t) for b, t in zip(before, targets))
+        if changed:
+            with open(self._log, "a") as f:
+                f.write(json.dumps({"check": self._check, "rank": self._rank, "call": call,
+                                    "changed": changed}) + "\n")
+
+    @staticmethod
+    def _outside(inp: torch.Tensor | None, slice_rows: tuple[int, int] | None) -> list[torch.Tensor]:
+        """The input rows this rank's output does not come from (all of them without a
+        slice), as views, so that the write lands in the caller's tensor."""
+        if inp is None or not inp.is_floating_point() or not inp.is_contiguous() or inp.numel() == 0:
+            return []
+        if slice_rows is None:
+            return [inp]
+        rows = _rows(inp)
+        return [rows[:slice_rows[0]], rows[slice_rows[1]:]]
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(_INT[a.element_size()]) != b.view(_INT[b.element_size()])).sum())
+
+
+class _Collective(_Wrapped):
+    def reduce_scatter(self, out, inp, sizes, group):
+        import torch.distributed as dist
+
+        self._subject.reduce_scatter(out, inp, sizes, group)
+        rank = dist.get_rank(group)
+        start = sum(sizes[:rank])
+        self._inject(out, inp, (start, start + sizes[rank]))
+
+
+class _Gemm(_Wrapped):
+    def run(self, problem, out):
+        self._subject.run(problem, out)
+        self._inject(out, getattr(problem, "a", None))
+
+
+class _Quant(_Wrapped):
+    def quantize(self, x, ue8m0):
+        q, s = self._subject.quantize(x, ue8m0)
+        self._inject(q, x)
+        return q, s
+
+
+class _Dispatch(_Wrapped):
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
+        return self._subject.dispatch(x, topk_idx, topk_weights, cfg, group)
+
+    def combine(self, expert_out, handle, topk_weights, group):
+        out = self._subject.combine(expert_out, handle, topk_weights, group)
+        self._inject(out, expert_out)
+        return out
+
+
+class _MoeLayer(_Wrapped):
+    def forward(self, partials, weights, params, group):
+        out, experts = self._subject.forward(partials, weights, params, group)
+        self._inject(out, partials)
+        return out, experts
+
+
+WRAPPERS = {"collective": _Collective, "gemm": _Gemm, "quant": _Quant, "dispatch": _Dispatch,
+            "moe_layer": _MoeLayer}
+
+
+def wrapped(subject, injection: dict, check_id: str):
+    """`subject` with the injection (as the job carries it, Injection.to_json) applied."""
+    return WRAPPERS[subject.family](subject, Injection.from_json(injection), check_id)
