@@ -146,6 +146,9 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
             "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels,
             "NCCL_MIN_CTAS": channels, "NCCL_MAX_CTAS": channels,
             "NCCL_COLLNET_ENABLE": "0",
+            # Symmetric-memory kernels for window-registered buffers escape NCCL_ALGO (2.27+):
+            # without window support NCCL never picks them (NVLS is off through FORCED_ENV).
+            "NCCL_WIN_ENABLE": "0",
             "DG_JIT_CACHE_DIR": deep_gemm_cache_dir(),
         })
     env.update(overrides)

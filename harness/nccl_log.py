@@ -29,6 +29,7 @@ _THRESHOLDS = re.compile(r"threadThresholds (.*)$")
 _COLL_CHANNELS = re.compile(r"(\d+) coll channels")
 _CALL = re.compile(r"NCCL INFO (\w+)( \[Symmetric\])?: (\d+) Bytes -> (?:Algo (\S+) proto (\S+) "
                    r"channel\{Lo\.\.Hi\}=\{(\d+)\.\.(\d+)\}|Kernel (\S+) nchannels (\d+))")
+_ENV = re.compile(r"NCCL INFO (NCCL_\w+) set by environment to (.*?)\.?$")
 _ALGO_HEADER = re.compile(r"NCCL INFO\s+Algorithm\s+\|(.*)$")
 _NTHREADS = re.compile(r"NCCL INFO\s+Max NThreads\s+\|(.*)$")
 
@@ -63,12 +64,13 @@ class RankLog:
     max_threads: dict[str, dict[str, int]] = field(default_factory=dict)
     coll_channels: int | None = None
     calls: list[Call] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # the variables NCCL says it read
 
 
 def relevant(line: str) -> bool:
     """Whether `parse` reads this line (to keep committed log excerpts small)."""
     return any(p.search(line) for p in (_VERSION, _COMM, _RING, _TREES, _THRESHOLDS, _COLL_CHANNELS, _CALL,
-                                        _ALGO_HEADER, _NTHREADS)) or bool(_VIA.search(line) and "Channel 00" in line)
+                                        _ALGO_HEADER, _NTHREADS, _ENV)) or bool(_VIA.search(line) and "Channel 00" in line)
 
 
 def _table_row(cells: str) -> list[str]:
@@ -88,6 +90,8 @@ def parse(text: str) -> RankLog:
                 log.calls.append(Call(func, nbytes, m.group(8), "-", (0, n - 1), True))
         elif m := _VERSION.search(line):
             log.version = m.group(1)
+        elif m := _ENV.search(line):
+            log.env[m.group(1)] = m.group(2).strip()
         elif m := _COMM.search(line):
             log.rank, log.nranks, log.nnodes, log.local_ranks = (int(m.group(i)) for i in (1, 2, 3, 4))
         elif m := _RING.search(line):
@@ -129,6 +133,7 @@ class Topology:
     thread_thresholds: dict[str, dict[str, int]]
     max_threads: dict[str, dict[str, int]]
     coll_channels: int | None
+    env: dict[str, str] = field(default_factory=dict)  # rank 0's "NCCL_X set by environment to Y"
 
     def ring(self) -> list[int] | None:
         """The ring when every channel has the same one (the ring models need that)."""
@@ -156,7 +161,7 @@ def merge(ranks: list[RankLog]) -> Topology:
         version=first.version, nranks=first.nranks, nnodes=first.nnodes, local_ranks=first.local_ranks,
         transports=sorted(set().union(*(r.transports for r in ranks))) if ranks else [],
         rings=dict(first.rings), trees=trees, thread_thresholds=first.thread_thresholds,
-        max_threads=first.max_threads, coll_channels=first.coll_channels,
+        max_threads=first.max_threads, coll_channels=first.coll_channels, env=dict(first.env),
     )
 
 
@@ -200,6 +205,47 @@ def pin_violations(calls: list[Call], nccl_algo: str | None) -> list[str]:
             out.append(f"NCCL_ALGO={nccl_algo} pins {c.function} to {'/'.join(sorted(allowed))}, "
                        f"but NCCL ran {c.describe()}")
     return out
+
+
+# Paths NCCL chooses without reading NCCL_ALGO, and the variables NCCL 2.28 reads to turn
+# them off: NVLS and NVLS tree (NCCL_NVLS_ENABLE), symmetric-memory kernels for
+# window-registered buffers (NCCL_WIN_ENABLE: no symmetric support), CollNet (NCCL_COLLNET_ENABLE).
+ESCAPE_ALGORITHMS = ("NVLS", "NVLS_TREE", "COLLNET_DIRECT", "COLLNET_CHAIN")
+ESCAPE_PINS = {"NCCL_NVLS_ENABLE": "0", "NCCL_WIN_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
+
+
+def escaped_paths(calls: list[Call]) -> list[str]:
+    """Calls that ran a path the pins turn off (a symmetric kernel, NVLS, CollNet)."""
+    pins = ", ".join(f"{k}={v}" for k, v in ESCAPE_PINS.items())
+    return [f"NCCL ran {c.describe()}{' (symmetric kernel)' if c.symmetric else ''}, a path the pins turn off "
+            f"({pins})" for c in calls if c.symmetric or c.algorithm.upper() in ESCAPE_ALGORITHMS]
+
+
+def channel_pin(env: dict[str, str]) -> int | None:
+    """The channel count a launch pins: NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS = N (None otherwise)."""
+    lo, hi = env.get("NCCL_MIN_NCHANNELS", ""), env.get("NCCL_MAX_NCHANNELS", "")
+    return int(lo) if lo.strip().isdigit() and lo.strip() == hi.strip() else None
+
+
+def channel_pin_violations(calls: list[Call], pinned: int | None) -> str | None:
+    """Why the calls did not all use one channel range under the channel pin, or None.
+
+    NCCL_MIN/MAX_NCHANNELS fix the communicator's channel count, but NCCL still gives a small
+    message fewer channels (src/enqueue.cc: its thread threshold, and at least 16 KiB of
+    traffic per channel), so the pin holds only where every call used the same range."""
+    if pinned is None:
+        return ("channel_pin = true, but the launch pins no channel count: set NCCL_MIN_NCHANNELS = "
+                "NCCL_MAX_NCHANNELS (and NCCL_MIN_CTAS = NCCL_MAX_CTAS) to one value in the case's env")
+    by_range: dict[tuple[int, int], list[str]] = {}
+    for c in calls:
+        by_range.setdefault(c.channels, []).append(f"{c.function} {c.nbytes:,} B")
+    if len(by_range) <= 1:
+        return None
+    common = max(by_range, key=lambda r: len(by_range[r]))
+    others = "; ".join(f"channels {lo}..{hi} at {', '.join(dict.fromkeys(v))}"
+                       for (lo, hi), v in sorted(by_range.items()) if (lo, hi) != common)
+    return (f"channel pin NCCL_MIN/MAX_NCHANNELS={pinned} does not hold one channel range: most calls used "
+            f"{common[0]}..{common[1]}, but {others}")
 
 
 class LogTail:

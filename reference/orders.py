@@ -11,6 +11,9 @@ Models (all take `inputs` [world_size, N] flat, one row per rank):
   out[d] = ((x[s1] + x[s2]) + ...) + x[d], s1 = next(d), s2 = next(s1), ...
 * `nccl_ring_all_reduce`: the same walk per chunk, but chunks are cut from loops of
   world_size * chunk_elems elements, so an element's order depends on its offset and on N.
+* `nccl_ring_all_reduce_channels`: NCCL's ring all-reduce as it runs: the message split
+  over channels (`reference.nccl_plan`), each channel's part reduced around its own ring
+  in its own loops and chunks.
 * `tree_chain_all_reduce`: single-node NCCL tree, a chain; the leaf is added first and
   the root last, identically for every element.
 * `nccl_tree_all_reduce`: NCCL's tree all-reduce over any trees (one per channel, as NCCL
@@ -115,6 +118,26 @@ def nccl_ring_all_reduce(
     return fold(inputs, order)
 
 
+def nccl_ring_all_reduce_channels(inputs: torch.Tensor, channel_rings: list[list[int]],
+                                  channel_counts: list[int], chunk_elems: int) -> torch.Tensor:
+    """Output of NCCL's ring all-reduce (identical on every rank); inputs [world_size, N].
+
+    Channel c reduces its contiguous part (channel_counts[c] elements, from
+    `reference.nccl_plan.channel_counts`) around channel_rings[c] in loops of
+    world_size * chunk_elems elements; the tail loop's chunk is alignUp(divUp(rest, W), 16 B)
+    (src/device/all_reduce.h runRing: chunk k of a loop starts at ring index k + 1 and is
+    finalised at ring index k).
+    """
+    if sum(channel_counts) != inputs.shape[1]:
+        raise ValueError(f"channel counts {channel_counts} do not add up to {inputs.shape[1]} elements")
+    pieces, offset = [], 0
+    for channel, count in enumerate(channel_counts):
+        part = inputs[:, offset:offset + count]
+        pieces.append(nccl_ring_all_reduce(part, chunk_elems, channel_rings[channel]))
+        offset += count
+    return torch.cat(pieces)
+
+
 def tree_chain_all_reduce(inputs: torch.Tensor, chain: list[int] | None = None) -> torch.Tensor:
     """Single-node NCCL tree all-reduce: chain[0] is the root, chain[-1] the leaf.
 
@@ -126,39 +149,15 @@ def tree_chain_all_reduce(inputs: torch.Tensor, chain: list[int] | None = None) 
 
 def nccl_channel_split(count: int, element_size: int, traffic_per_byte: int, comm_channels: int,
                        max_threads: int, thread_threshold: int) -> list[int]:
-    """Elements per channel (channels 0, 1, ...) of one collective alone in its plan.
-
-    NCCL (src/enqueue.cc, 2.28) first lowers the channel count for small messages
-    (`while nBytes < nc * nthreads * threadThreshold: nc--`), then cuts the message into
-    8 KiB-of-traffic cells and deals them out as one "lo" channel, equal "mid" channels and
-    a "hi" channel (`scheduleCollTasksToPlan`). traffic_per_byte: 2 for all-reduce, W for
-    reduce-scatter and all-gather.
+    """Elements per channel (channels 0, 1, ...) of one Simple-protocol collective alone in
+    its plan: NCCL first lowers the channel count for small messages, then deals the message
+    out in cells (`reference.nccl_plan`, which also covers LL and LL128). traffic_per_byte:
+    2 for all-reduce, W for reduce-scatter and all-gather.
     """
-    min_traffic = 16 << 10
-    nbytes = count * element_size
-    nc = comm_channels
-    while nbytes < nc * max_threads * thread_threshold and nc >= 2:
-        nc -= 1
-    traffic = max(min_traffic, nbytes * traffic_per_byte)
-    per_channel = max(min_traffic, traffic // nc)
-    cell_size = -(-(-(-min_traffic // traffic_per_byte)) // 16) * 16
-    per_cell = cell_size // element_size
-    cells = -(-nbytes // cell_size)
-    cell_traffic = cell_size * traffic_per_byte
-    cells_per_channel = min(cells, -(-per_channel // cell_traffic))
-    lo = cells if comm_channels == 1 else min(cells, -(-per_channel // cell_traffic))
-    mid = (cells - lo) // cells_per_channel if cells_per_channel else 0
-    hi = (cells - lo) % cells_per_channel if cells_per_channel else 0
-    used = (lo != 0) + mid + (hi != 0)
-    if comm_channels < used:  # more cells than channels: spread the rest over the others
-        mid = comm_channels - 2
-        cells_per_channel = (cells - lo) // (mid + 1)
-        hi = cells_per_channel + (cells - lo) % (mid + 1)
-    if hi == 0 and mid != 0:
-        hi, mid = cells_per_channel, mid - 1
-    counts = [lo * per_cell] + [cells_per_channel * per_cell] * mid + ([hi * per_cell] if hi else [])
-    counts[-1] -= cells * per_cell - count  # the last cell is partial
-    return counts
+    from reference import nccl_plan
+
+    allowed = nccl_plan.max_channels(count * element_size, comm_channels, max_threads, thread_threshold)
+    return nccl_plan.channel_counts(count, element_size, traffic_per_byte, "Simple", comm_channels, allowed)
 
 
 def nccl_tree_all_reduce(inputs: torch.Tensor, channel_trees: list[dict[int, tuple[list[int], int]]],

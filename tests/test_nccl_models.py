@@ -158,9 +158,12 @@ def test_pins_are_read_per_function_and_checked_against_the_log():
 def test_no_prediction_names_what_nccl_ran():
     topo = topology("pins", 4)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
-    ring_ar = nccl_log.Call("AllReduce", 16, "RING", "SIMPLE", (0, 0))
-    with pytest.raises(NoPrediction, match="AllReduce 16 B: RING"):
-        all_reduce(x, NcclContext(topo, [ring_ar]))
+    nvls_ar = nccl_log.Call("AllReduce", 16, "NVLS", "SIMPLE", (0, 0))
+    with pytest.raises(NoPrediction, match="AllReduce 16 B: NVLS"):
+        all_reduce(x, NcclContext(topo, [nvls_ar]))
+    ring_elsewhere = nccl_log.Call("AllReduce", 16, "RING", "SIMPLE", (0, 3))  # 16 B fits one channel
+    with pytest.raises(NoPrediction, match="predicts channels 0..0, NCCL used 0..3"):
+        all_reduce(x, NcclContext(topo, [ring_elsewhere]))
     with pytest.raises(NoPrediction, match="no ReduceScatter/Reduce call"):
         reduce_scatter(x, [2] * 4, NcclContext(topo, []))
     with pytest.raises(NoPrediction, match="no NCCL log"):

@@ -13,12 +13,18 @@ the probe. The compared copies of the probe are gathered from the ranks that own
 * graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
 * size-invariance: the probe at row 0 while the whole message grows (message_bytes, e.g.
   decode- to prefill-sized): NCCL picks channels, and so trees, by message size.
+* prefill-decode-invariance: the probe at row 0 of the smallest message (decode) vs the
+  same token at several rows of each larger message (prefill): the first and last rows and
+  one row inside each of `channel_probes` equal parts, so every channel range of NCCL's
+  split holds a copy. Each copy records the channel and tree (or ring chunk) it went
+  through, from NCCL's log; on gloo, its ring chunk.
 * reference: every output element against the float64 sum, within the summation bound.
 
 As in SGLang's test, the first copy is counted in `total` (it always matches itself).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +36,8 @@ from harness.context import RankContext
 from harness.families.driver import Copy, Family, Run, kept
 from harness.graphs import replay_in_graph
 from harness.measurement import Bound, Measurement
-from harness.nccl_log import pin_violations
+from harness import nccl_models
+from harness.nccl_log import channel_pin, channel_pin_violations, escaped_paths, pin_violations
 from harness.nccl_models import NcclContext, NoPrediction
 from harness.params import CollectiveParams
 from harness.tolerances import gamma
@@ -40,7 +47,7 @@ from reference.collectives import shard_offsets
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
-    "rank-invariance", "graph-invariance", "size-invariance",
+    "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance",
 )
 
 @dataclass(frozen=True)
@@ -92,7 +99,26 @@ def layouts(prop: str, p: dict, world_size: int) -> list[Layout]:
     if prop == "size-invariance":
         per_row = p["hidden"] * gen.dtype_of(p["dtype"]).itemsize * world_size
         return [Layout((max(1, size // per_row),) * world_size, (0,), f"{size:,} B") for size in p["message_bytes"]]
+    if prop == "prefill-decode-invariance":
+        return prefill_decode_layouts(p, world_size)
     raise ValueError(f"collective checks have no property {prop!r}")
+
+
+def prefill_decode_layouts(p: dict, world_size: int) -> list[Layout]:
+    """message_bytes[0] is the decode message (the probe at row 0), the others prefill
+    messages with the probe at their first and last rows and in the middle of each of
+    `channel_probes` equal parts: NCCL deals a message out to at most that many channels in
+    contiguous ranges of nearly equal size, so each range holds one of these rows."""
+    row_bytes = p["hidden"] * gen.dtype_of(p["dtype"]).itemsize
+    decode, *prefill = p["message_bytes"]
+    sizes = shard_pattern(p["shards"], world_size, max(1, decode // (row_bytes * world_size)))
+    out = [Layout(sizes, (0,), f"decode {sum(sizes) * row_bytes:,} B")]
+    for nbytes in prefill:
+        sizes = shard_pattern(p["shards"], world_size, max(1, nbytes // (row_bytes * world_size)))
+        total, parts = sum(sizes), p["channel_probes"]
+        rows = {0, total - 1} | {(2 * i + 1) * total // (2 * parts) for i in range(parts)}
+        out.append(Layout(sizes, tuple(sorted(rows)), f"prefill {total * row_bytes:,} B"))
+    return out
 
 
 def rank_input(p: dict, dtype, rank: int, layout: Layout) -> torch.Tensor:
@@ -163,13 +189,22 @@ def _labels(layout: Layout) -> list[str]:
     return out
 
 
-def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list]) -> None:
-    """What NCCL ran for the subject's calls, and an error when it is not what was pinned."""
+def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: dict) -> None:
+    """What NCCL ran for the subject's calls, and an error when it is not what was pinned:
+    another algorithm than NCCL_ALGO names, a path the pins turn off (symmetric kernels,
+    NVLS, CollNet), or, under `channel_pin`, calls on different channel ranges."""
     if ctx.backend != "nccl":
         return
     flat = [c for per_run in calls for c in per_run]
     m.nccl_calls = list(dict.fromkeys(c.describe() for c in flat))[:12]
-    violations = pin_violations(flat, ctx.nccl_algo)
+    violations = pin_violations(flat, ctx.nccl_algo) + escaped_paths(flat)
+    if p.get("channel_pin"):
+        env = {**os.environ, **(ctx.nccl_topology.env if ctx.nccl_topology is not None else {})}
+        pinned = channel_pin(env)
+        m.detail["channel_pin"] = pinned
+        broken = channel_pin_violations(flat, pinned)
+        if broken:
+            violations.append(broken)
     if violations:
         m.error = "; ".join(dict.fromkeys(violations))
 
@@ -184,7 +219,7 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     if prop == "reference":
         m = _measure_reference(p, dtype, layouts_[0], [g[1][0] for g in gathered], world_size)
         m.extra_failure = extra
-        _nccl_record(ctx, m, calls)
+        _nccl_record(ctx, m, calls, p)
         return m
 
     observed, labels = [], []
@@ -213,8 +248,45 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     m.sensitivity = int(orders.order_sensitive(probe).sum())
     m.sensitivity_what = (f"of {p['hidden']:,} probe elements change bits under any reordering of "
                           f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
-    _nccl_record(ctx, m, calls)
+    if prop == "prefill-decode-invariance":
+        _record_paths(m, ctx, p, model, layouts_, calls)
+    _nccl_record(ctx, m, calls, p)
     return m
+
+
+def _copy_paths(ctx: RankContext, p: dict, model, layouts_, calls) -> list[tuple[str, tuple]]:
+    """Per compared copy: what reduced its elements (NCCL: the channel and tree or ring
+    chunk from the logged call and NCCL's split; gloo's ring: the chunk) and a signature
+    equal for copies reduced along the same path in the same-size message."""
+    hidden, size = p["hidden"], gen.dtype_of(p["dtype"]).itemsize
+    out = []
+    for layout, logged in zip(layouts_, calls):
+        count = layout.rows * hidden
+        for row in layout.probes:
+            first, last = row * hidden, (row + 1) * hidden
+            if ctx.backend == "nccl":
+                what, sig = nccl_models.element_path(count, size, NcclContext(ctx.nccl_topology, logged), first, last)
+            elif model is not None and model.name.startswith("gloo ring"):
+                chunk = orders.gloo_segments(count, ctx.world_size)
+                chunks = sorted({min(e // chunk, ctx.world_size - 1) for e in (first, last - 1)})
+                what = f"gloo ring chunk{'s' if len(chunks) > 1 else ''} {'..'.join(map(str, chunks))}"
+                sig = ("gloo", tuple(chunks))
+            else:
+                what, sig = (model.name if model is not None else "no order model"), ("fixed",)
+            out.append((what, (layout.rows, sig)))
+    return out
+
+
+def _record_paths(m: Measurement, ctx: RankContext, p: dict, model, layouts_, calls) -> None:
+    """Every copy's path next to its label; vacuous when every copy sat in the same-size
+    message on the same path (the decode message repeated at the same channel: nothing the
+    check compares could differ)."""
+    paths = _copy_paths(ctx, p, model, layouts_, calls)
+    labels = [label for layout in layouts_ for label in _labels(layout)]
+    m.detail["copies"] = [f"{label}: {what}" for label, (what, _) in zip(labels, paths)]
+    if len({sig for _, sig in paths}) == 1:
+        m.vacuous_reason = (f"every compared copy was reduced in a message of the same size along the same path "
+                            f"({paths[0][0]}): nothing the check compares could differ")
 
 
 def _predicted_probes(model, ctx: RankContext, p, dtype, layouts_, calls) -> list[torch.Tensor]:
