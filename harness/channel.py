@@ -7,6 +7,12 @@ is a client. So no file crosses a host: the job, each rank's progress, errors an
 dumps, rank 0's records, the node launchers' heartbeats and which launch each node should
 start all travel through the store, and only the head node writes the run directory.
 
+Every value is signed: an HMAC-SHA256, under the run's secret, over its key and its JSON
+(EP_HARNESS_RUN_SECRET in the ranks' environment; the head draws one per run, or takes
+`--run-secret`, which the other nodes must be given). The store itself is unauthenticated:
+anything that reaches its port can write to it, and a value that is not signed with the
+run's secret is never taken for the head's (or a rank's) word.
+
 Keys, under `ep-harness/<run>/`:
 
     current                 (at the root) the run the head serves
@@ -20,12 +26,23 @@ Keys, under `ep-harness/<run>/`:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import os
+import re
 import time
+
+from harness.errors import HarnessError
 
 ROOT = "ep-harness"
 CONNECT_TIMEOUT_S = 300.0
+SECRET_ENV = "EP_HARNESS_RUN_SECRET"
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # harness.verify.new_run_id
+
+
+class Forged(HarnessError):
+    """A value in the store that the run's secret did not sign."""
 
 
 def tcp_store(host: str, port: int, is_master: bool, timeout_s: float = CONNECT_TIMEOUT_S):
@@ -43,17 +60,31 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class Channel:
-    """One namespace of the store; values are JSON."""
+def _mac(secret: str, key: str, payload: str) -> str:
+    return hmac.new(secret.encode(), f"{key}\0{payload}".encode(), hashlib.sha256).hexdigest()
 
-    def __init__(self, store, namespace: str):
-        self.store, self.namespace = store, namespace
+
+class Channel:
+    """One namespace of the store; values are JSON, signed with `secret` where there is one.
+
+    strict: a value the secret did not sign raises Forged (a follower, a rank: refuse the
+    job); otherwise it reads as absent and its key is kept in `forged` (the head: a forged
+    progress or record never counts, and the run goes on to its end)."""
+
+    def __init__(self, store, namespace: str, secret: str | None = None, strict: bool = True, forged=None):
+        self.store, self.namespace, self.secret, self.strict = store, namespace, secret, strict
+        self.forged: list[str] = [] if forged is None else forged
+
+    def sub(self, name: str) -> "Channel":
+        """The namespace `name` under this one, with the same secret and policy."""
+        return Channel(self.store, self.key(name), self.secret, self.strict, self.forged)
 
     def key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
 
     def put(self, name: str, value) -> None:
-        self.store.set(self.key(name), json.dumps(value))
+        key, payload = self.key(name), json.dumps(value)
+        self.store.set(key, f"{_mac(self.secret, key, payload)}:{payload}" if self.secret else payload)
 
     def has(self, name: str) -> bool:
         return self.store.check([self.key(name)])
@@ -63,7 +94,18 @@ class Channel:
         key = self.key(name)
         if not self.store.check([key]):
             return default
-        return json.loads(self.store.get(key))
+        raw = self.store.get(key).decode("utf-8", errors="replace")
+        if self.secret is None:
+            return json.loads(raw)
+        mac, _, payload = raw.partition(":")
+        if hmac.compare_digest(mac, _mac(self.secret, key, payload)):
+            return json.loads(payload)
+        if self.strict:
+            raise Forged(f"{key} in the run's store is not signed with this run's secret (another head, a wrong "
+                         f"--run-secret, or a forgery); refusing it")
+        if key not in self.forged:
+            self.forged.append(key)
+        return default
 
     def wait(self, name: str, timeout_s: float, poll_s: float = 0.2):
         """The value once the key exists; None after `timeout_s`."""
@@ -82,8 +124,8 @@ class Channel:
         return self.add(name, 0)
 
 
-def run_channel(store, run: str) -> Channel:
-    return Channel(store, f"{ROOT}/{run}")
+def run_channel(store, run: str, secret: str | None = None, strict: bool = True) -> Channel:
+    return Channel(store, f"{ROOT}/{run}", secret, strict)
 
 
 def current_run(store) -> str | None:

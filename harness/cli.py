@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun",
                    help="torchrun: one `ep-harness verify` per node; slurm: the head (inside an allocation) "
                         "starts every node's torchrun with srun")
+    m.add_argument("--run-secret", default=os.environ.get("EP_HARNESS_RUN_SECRET"), metavar="S",
+                   help="signs the run's store: the head draws one and prints it unless given; the other nodes "
+                        "need it (default: $EP_HARNESS_RUN_SECRET)")
 
     r = sub.add_parser("report", help="render a run directory (terminal table + report.html)")
     r.add_argument("run_dir", type=Path)
@@ -129,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             # Bad node options, a missing or malformed suite and more GPUs than the machine
             # has fail here, before torch loads (on a machine without a GPU driver).
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
-                          args.launcher).validate()
+                          args.launcher, args.run_secret).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
                 from harness.launch import follow
 
-                return follow(nodes, args.out)
+                return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
                 raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
             if args.from_record is None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,10 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.channel import Channel, current_run, parse_endpoint, publish_run, run_channel, tcp_store
+from harness.channel import (RUN_ID, SECRET_ENV, Channel, current_run, parse_endpoint, publish_run, run_channel,
+                             tcp_store)
 from harness.errors import HarnessError
 from harness.measurement import Measurement
-from harness.nodes import START_TIMEOUT_S, Nodes
+from harness.nodes import START_TIMEOUT_S, Nodes, identity, identity_difference
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A node launcher silent this long is gone (EP_HARNESS_NODE_TIMEOUT_S; it beats every 0.5 s).
@@ -37,6 +40,18 @@ NODE_TIMEOUT_S = float(os.environ.get("EP_HARNESS_NODE_TIMEOUT_S", "6"))
 NODE_BEAT_S = 0.5
 POLL_S = 0.1
 STACKS_TIMEOUT_S = 3.0  # how long ranks get to answer a request for their stacks
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a launch's directory: one plain path component
+
+
+def _cache_dir() -> str:
+    from harness.environment import deep_gemm_cache_dir
+
+    return deep_gemm_cache_dir()
+
+
+# Pinned variables that name a place on the node that sets them: never sent to another node
+# (which would refuse a path from the store), each node fills in its own.
+NODE_LOCAL = {"DG_JIT_CACHE_DIR": _cache_dir}
 
 
 @dataclass
@@ -85,15 +100,17 @@ def import_paths() -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes) -> dict[str, str]:
+def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes,
+              secret: str | None = None) -> dict[str, str]:
     # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
     # On several nodes the ranks build their own process-group store (the rendezvous store is
     # the run's); on one they share their agent's, which holds its port from the start (an
     # unshared one is a port the agent picks and frees, which another process can take first).
     store_sharing = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if nodes.multi else {}
+    signing = {SECRET_ENV: secret} if secret else {}  # the ranks sign and check the store's values with it
     return {**os.environ, **env, **node, **store_sharing, "PYTHONUNBUFFERED": "1", **import_paths(),
-            "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir)}
+            "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir), **signing}
 
 
 def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
@@ -102,22 +119,73 @@ def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent)
 
 
-def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0) -> None:
+def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0, namespace: str | None = None) -> None:
     """End torchrun's agent (or srun), the local ranks and whatever they spawned: each is
     killed as a process group (the agent's own session, which its forked ranks share, and
-    that of any local rank that left it), first with SIGTERM and, after a grace period, SIGKILL."""
+    that of any local rank that left it), and so is every process that left those groups (a
+    subject's child started in a session of its own, a daemon reparented to init): the
+    descendants of the agent and of the groups' members, and every process of this user
+    whose environment carries the launch's EP_HARNESS_CHANNEL=`namespace`. First SIGTERM
+    and, after a grace period, SIGKILL."""
     groups = {proc.pid, *groups}
     groups.discard(os.getpgrp())  # never our own group
+    strays: set[int] = set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        strays |= _strays(proc.pid, groups, namespace)  # found again: a child may appear during the grace
         for group in groups:
             try:
                 os.killpg(group, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+        for pid in strays:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.time() + (grace_s if sig == signal.SIGTERM else 0)
-        while time.time() < deadline and (proc.poll() is None or _alive(groups)):
+        while time.time() < deadline and (proc.poll() is None or _alive(groups, strays)):
             time.sleep(0.05)
     proc.wait()
+
+
+def _carries(pid: str, marker: bytes) -> bool:
+    """Whether process `pid`'s environment holds the variable `marker` (NAME=value) exactly."""
+    try:
+        return marker in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return False
+
+
+def _strays(root: int, groups: set[int], namespace: str | None) -> set[int]:
+    """The live processes of a launch outside its process groups: descendants (by parent)
+    of the agent and of the groups' members, and those marked with the launch's namespace.
+    The launcher itself and its ancestors are never among them."""
+    mine = set()
+    pid = os.getpid()
+    while pid > 1:  # the launcher and its ancestors
+        mine.add(pid)
+        found = process_state(pid)
+        pid = found.parent if found else 0
+    marker = f"\0EP_HARNESS_CHANNEL={namespace}\0".encode() if namespace else None
+    states, found = {}, set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            state = process_state(entry.name)
+            if state is not None and state.state not in ENDED_STATES:
+                states[int(entry.name)] = state
+                if marker is not None and _carries(entry.name, marker):
+                    found.add(int(entry.name))
+    tree = {root} | {p for p, s in states.items() if s.group in groups}
+    children: dict[int, list[int]] = {}
+    for p, s in states.items():
+        children.setdefault(s.parent, []).append(p)
+    todo = list(tree)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return (found | tree) - mine - {root}
 
 
 ENDED_STATES = ("Z", "X")  # zombie, dead
@@ -140,14 +208,15 @@ def process_state(pid: int | str) -> ProcessState | None:
         return None
 
 
-def _alive(groups) -> bool:
-    """Whether a process of these groups still runs. A zombie has ended (only its parent's
-    wait is missing): a rank orphaned when its fork server died waits for init to reap it
-    (1.3 s on this machine, forever under an init that never reaps), and waiting on it would
-    only stretch every teardown."""
+def _alive(groups, pids=()) -> bool:
+    """Whether a process of these groups, or one of `pids`, still runs. A zombie has ended
+    (only its parent's wait is missing): a rank orphaned when its fork server died waits for
+    init to reap it (1.3 s on this machine, forever under an init that never reaps), and
+    waiting on it would only stretch every teardown."""
     for entry in Path("/proc").iterdir():
         found = process_state(entry.name) if entry.name.isdigit() else None
-        if found is not None and found.group in groups and found.state not in ENDED_STATES:
+        if found is not None and (found.group in groups or int(entry.name) in pids) and \
+                found.state not in ENDED_STATES:
             return True
     return False
 
@@ -197,6 +266,9 @@ class Head:
 
     def __init__(self, nodes: Nodes, run_id: str):
         self.nodes, self.run_id, self.launches = nodes, run_id, 0
+        # Signs every value of the run's store; drawn here unless given (the other nodes need it).
+        self.generated_secret = None if nodes.run_secret else secrets.token_hex(16)
+        self.secret = nodes.run_secret or self.generated_secret
         if nodes.endpoint:
             host, port = parse_endpoint(nodes.endpoint)
         else:
@@ -207,8 +279,9 @@ class Head:
             raise HarnessError(f"cannot host the run's store at {host}:{port} ({exc}); the head node (node rank 0) "
                                f"must own that address and the port must be free") from None
         self.endpoint = f"{host}:{self.store.port}"
-        self.channel = run_channel(self.store, run_id)
+        self.channel = run_channel(self.store, run_id, self.secret, strict=False)
         publish_run(self.store, run_id)
+        self.identities: dict[tuple, dict] = {}
         self.lost: dict[int, str] = {}  # node -> why it is gone
         self.reported: dict[str, dict] = {}  # launch -> what its rank 0 reported (launch_results)
 
@@ -219,9 +292,17 @@ class Head:
             return
         deadline = time.time() + START_TIMEOUT_S
         for node in range(1, self.nodes.nnodes):
-            if self.channel.wait(f"node/{node}", max(0.0, deadline - time.time())) is None:
-                self.lost[node] = (f"node {node} never joined the run at {self.endpoint} within "
-                                   f"{START_TIMEOUT_S:.0f} s (start `ep-harness verify ... --node-rank {node}` there)")
+            while self.channel.get(f"node/{node}") is None:
+                if self.channel.key(f"node/{node}") in self.channel.forged:
+                    self.lost[node] = (f"node {node} joined the run at {self.endpoint} without its secret (a wrong "
+                                       f"--run-secret there); it is not part of the run")
+                    break
+                if time.time() > deadline:
+                    self.lost[node] = (f"node {node} never joined the run at {self.endpoint} within "
+                                       f"{START_TIMEOUT_S:.0f} s (start `ep-harness verify ... --node-rank {node}` "
+                                       f"there)")
+                    break
+                time.sleep(0.2)
 
     def silent_nodes(self) -> dict[int, str]:
         """Followers whose launcher stopped beating: gone with everything they ran."""
@@ -229,6 +310,10 @@ class Head:
             return {}
         gone = {}
         for node in range(1, self.nodes.nnodes):
+            refused = self.channel.get(f"node/{node}/refused")
+            if refused is not None:
+                gone[node] = f"node {node} refused the run: {str(refused.get('reason'))[:300]}"
+                continue
             beat = self.channel.get(f"node/{node}")
             if beat is not None and time.time() - beat["time"] > NODE_TIMEOUT_S:
                 gone[node] = (f"node {node} (host {beat['host']}) stopped answering: its launcher has been "
@@ -238,10 +323,15 @@ class Head:
     def publish(self, job: dict, env: dict, nproc: int, job_name: str) -> Channel:
         k = self.launches
         self.launches += 1
-        launch = Channel(self.store, self.channel.key(f"launch{k}"))
+        launch = self.channel.sub(f"launch{k}")
         launch.put("job", job)
-        self.channel.put(f"launch/{k}", {"namespace": launch.namespace, "env": env, "nproc": nproc,
-                                         "rdzv_id": f"{self.run_id}-{k}", "job": job_name})
+        plugins = tuple(sorted(job.get("plugins") or ()))
+        if plugins not in self.identities:
+            self.identities[plugins] = identity(plugins)
+        self.channel.put(f"launch/{k}", {
+            "namespace": launch.namespace, "nproc": nproc, "rdzv_id": f"{self.run_id}-{k}", "job": job_name,
+            "env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
+            "node_local": sorted(n for n in env if n in NODE_LOCAL), "identity": self.identities[plugins]})
         return launch
 
     def follower_exits(self, k: int, timeout_s: float = 30.0) -> None:
@@ -264,6 +354,9 @@ class Head:
             for node in range(1, self.nodes.nnodes):
                 if node not in self.lost:
                     self.channel.wait(f"node/{node}/done", timeout_s)
+        if self.channel.forged:
+            print(f"# WARNING: {len(self.channel.forged)} value(s) in the run's store were not signed with its "
+                  f"secret and were ignored (first: {self.channel.forged[0][:120]})", file=sys.stderr, flush=True)
 
 
 def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
@@ -399,7 +492,8 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         launch = head.publish({
             "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "start": start,
             "emulate_hosts": emulate_hosts,
-            "pinned_env": env,  # every rank checks that it sees these (harness/worker.py)
+            # every rank checks that it sees these (harness/worker.py); a node's own paths excepted
+            "pinned_env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.
             "collective_timeout_s": longest + 60,
         }, env, nproc, job_dir.name)
@@ -408,7 +502,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         proc = start_launch = None
         try:
             proc = spawn(agent_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint),
-                         child_env(env, head.endpoint, launch.namespace, job_dir, nodes), log_path)
+                         child_env(env, head.endpoint, launch.namespace, job_dir, nodes, head.secret), log_path)
             start_launch = time.time()
             failed_at, error, details = _watch(head, proc, launch, world_size, checks, start, start_launch, log_path,
                                                report)
@@ -419,7 +513,8 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         finally:  # whatever happened, no process of this launch outlives it, on any node
             launch.put("abort", True)
             if proc is not None:
-                kill_launch(proc, _local_groups(_states(launch, world_size), nodes.node_rank))
+                kill_launch(proc, _local_groups(_states(launch, world_size), nodes.node_rank),
+                            namespace=launch.namespace)
             head.follower_exits(k)
             head.reported[f"{job_dir.name}/launch{k}"] = launch_results(launch)
         report()
@@ -456,10 +551,43 @@ def launch_results(launch: Channel) -> dict:
     return {"ranks": launch.get("ranks"), "nccl_topology": launch.get("nccl-topology")}
 
 
-def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
+def _validated_launch(launch, channel: Channel, run: str, k: int, nodes: Nodes, plugins) -> dict:
+    """A launch as the head published it, checked before anything of it is used: its
+    namespace, rendezvous id and ranks per node are this run's, its directory name is one
+    plain path component, its variables are allowlisted (no LD_PRELOAD, no library or file,
+    no path), and the head runs the same harness and plugins as this node."""
+    from harness.environment import applicable_env
+
+    where = f"node {nodes.node_rank}: launch {k} from the head at {nodes.endpoint}"
+    if not isinstance(launch, dict):
+        raise HarnessError(f"{where} is not a table; refusing it")
+    difference = identity_difference(launch.get("identity"), plugins)
+    if difference:
+        raise HarnessError(f"node {nodes.node_rank}: refusing the head's run {run}: {difference}; run the same "
+                           f"ep-harness checkout and plugins on every node")
+    expected = {"namespace": channel.key(f"launch{k}"), "rdzv_id": f"{run}-{k}", "nproc": nodes.nproc_per_node}
+    for key, value in expected.items():
+        if launch.get(key) != value:
+            raise HarnessError(f"{where}: {key} = {str(launch.get(key))[:80]!r}, expected {value!r}; refusing it")
+    if not isinstance(launch.get("job"), str) or not JOB_NAME.fullmatch(launch["job"]):
+        raise HarnessError(f"{where}: its directory {str(launch.get('job'))[:80]!r} is not one plain name under "
+                           f"--out; refusing it")
+    local = launch.get("node_local") or []
+    if not isinstance(local, list) or not set(local) <= set(NODE_LOCAL):
+        raise HarnessError(f"{where}: node-local variables {str(local)[:80]} are not the harness's; refusing them")
+    env = applicable_env(launch.get("env"), where)
+    env.update({name: NODE_LOCAL[name]() for name in local})  # this node's own cache directory
+    return {**launch, "env": env}
+
+
+def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
     """A non-head node of a torchrun-launched run: join the head's store, start this node's
     torchrun agent for every launch the head publishes, report how it ended, and stop when
-    the head says done or is gone. Logs stay on this node, under out_dir."""
+    the head says done or is gone. Logs stay on this node, under out_dir.
+
+    Nothing is taken from the store unchecked: every value must be signed with the run's
+    secret (--run-secret), and every launch pass _validated_launch; anything else ends this
+    node with a one-line error (and a note to the head) before it starts anything."""
     host, port = parse_endpoint(nodes.endpoint)
     try:
         store = tcp_store(host, port, is_master=False, timeout_s=START_TIMEOUT_S)
@@ -473,7 +601,10 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
         time.sleep(0.2)
     if run is None:
         raise HarnessError(f"node {nodes.node_rank}: the store at {nodes.endpoint} serves no ep-harness run")
-    channel = run_channel(store, run)
+    if not RUN_ID.fullmatch(run):
+        raise HarnessError(f"node {nodes.node_rank}: the store at {nodes.endpoint} names run {run[:80]!r}, which is "
+                           f"not a run id; refusing it")
+    channel = run_channel(store, run, nodes.run_secret)
     stop = threading.Event()
     beat = threading.Thread(target=_node_beat, args=(channel, nodes.node_rank, stop), daemon=True)
     beat.start()
@@ -487,16 +618,25 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
             while True:
                 try:
                     launch = channel.wait(f"launch/{k}", 24 * 3600.0)
+                    if launch is not None and launch.get("done"):
+                        channel.put(f"node/{nodes.node_rank}/done", True)
+                        break
+                    if launch is not None:
+                        launch = _validated_launch(launch, channel, run, k, nodes, plugins)
+                except HarnessError as exc:  # forged, or not ours to run: tell the head, start nothing
+                    with contextlib.suppress(Exception):
+                        channel.put(f"node/{nodes.node_rank}/refused", {"reason": str(exc)})
+                    raise
                 except Exception:
                     raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone") from None
-                if launch is None or launch.get("done"):
+                if launch is None:
                     channel.put(f"node/{nodes.node_rank}/done", True)
                     break
                 job_dir = out_dir / launch["job"]
                 job_dir.mkdir(parents=True, exist_ok=True)
-                ns = Channel(store, launch["namespace"])
+                ns = channel.sub(f"launch{k}")
                 proc = spawn(agent_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint),
-                             child_env(launch["env"], nodes.endpoint, launch["namespace"], job_dir, nodes),
+                             child_env(launch["env"], nodes.endpoint, ns.namespace, job_dir, nodes, nodes.run_secret),
                              job_dir / f"torchrun-launch{k}.log")
                 try:
                     while proc.poll() is None:
@@ -508,7 +648,9 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False) -> int:
                             raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone; "
                                                f"this node's ranks were ended") from None
                 finally:
-                    kill_launch(proc, _local_groups(_states(ns, launch["nproc"] * nodes.nnodes), nodes.node_rank))
+                    lenient = Channel(store, ns.namespace, nodes.run_secret, strict=False)  # teardown never stops
+                    kill_launch(proc, _local_groups(_states(lenient, launch["nproc"] * nodes.nnodes), nodes.node_rank),
+                                namespace=ns.namespace)
                 channel.put(f"node/{nodes.node_rank}/launch/{k}", {"exit": proc.returncode})
                 k += 1
     except Interrupted as exc:

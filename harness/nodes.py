@@ -3,6 +3,8 @@
 Torch-free, so that the command line rejects bad node options before torch loads."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ class Nodes:
     endpoint: str | None = None
     node_rank: int = 0
     launcher: str = "torchrun"
+    run_secret: str | None = None  # what signs the run's store (harness/channel.py); never recorded
 
     @property
     def multi(self) -> bool:
@@ -54,4 +57,67 @@ class Nodes:
                 parse_endpoint(self.endpoint)
             except ValueError as exc:
                 raise HarnessError(f"--rdzv-endpoint: {exc}; e.g. --rdzv-endpoint node0.example:29400") from None
+        if self.run_secret is not None and (len(self.run_secret) < 16 or not self.run_secret.isascii()
+                                            or not all(c.isalnum() or c in "-_." for c in self.run_secret)):
+            raise HarnessError("--run-secret must be at least 16 letters, digits, '-', '_' or '.'; "
+                               "e.g. the one the head prints, or `openssl rand -hex 16`")
+        if self.node_rank > 0 and self.launcher == "torchrun" and not self.run_secret:
+            raise HarnessError(f"node {self.node_rank} needs --run-secret S (or EP_HARNESS_RUN_SECRET): the secret "
+                               f"the head printed with the command for the other nodes, or the one it was given")
         return self
+
+    def follower_command(self, endpoint: str, generated_secret: str | None) -> str:
+        """What to run on node k of this run (the head prints it)."""
+        secret = generated_secret or "<the secret given to the head>"
+        return (f"ep-harness verify --nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node} --rdzv-endpoint "
+                f"{endpoint} --node-rank K --run-secret {secret}")
+
+
+# --- what a follower must share with its head -----------------------------------------
+
+_COMMIT: list = []
+
+
+def _commit() -> str | None:
+    if not _COMMIT:  # two git processes: once per launcher
+        from harness.environment import git_commit
+
+        _COMMIT.append(git_commit())
+    return _COMMIT[0]
+
+
+def _source_hash(module: str) -> str:
+    """sha256 (12 hex digits) of a plugin module's source as this node would import it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return "missing"
+    with open(spec.origin, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def identity(plugins) -> dict:
+    """What must be the same on every node of a run: the harness's version and commit, and
+    the source of every plugin the run imports."""
+    from harness import __version__
+
+    return {"version": __version__, "commit": _commit(), "plugins": {p: _source_hash(p) for p in sorted(plugins)}}
+
+
+def identity_difference(head: dict, own_plugins=()) -> str | None:
+    """One line naming how this node differs from the head's `identity`, or None."""
+    if not isinstance(head, dict) or not isinstance(head.get("plugins"), dict):
+        return "the head sent no identity (version, commit, plugins)"
+    mine = identity([*head["plugins"], *own_plugins])
+    for key, what in (("version", "harness version"), ("commit", "harness commit")):
+        if head.get(key) != mine[key]:
+            return f"{what} differs (here {mine[key]}, on the head {head.get(key)})"
+    for plugin in sorted(mine["plugins"]):
+        theirs = head["plugins"].get(plugin)
+        if theirs is None:
+            return f"plugin {plugin} is loaded here but not on the head"
+        if theirs != mine["plugins"][plugin]:
+            return f"plugin {plugin} differs (source sha256 {mine['plugins'][plugin]} here, {theirs} on the head)"
+    return None

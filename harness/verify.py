@@ -226,6 +226,9 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if nodes.multi and not quiet:
         print(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at {head.endpoint}; "
               f"waiting for the other nodes", flush=True)
+        if nodes.launcher == "torchrun":
+            print(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}",
+                  flush=True)
     with interruptible():
         try:
             head.wait_for_nodes()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import harness.subjects  # noqa: F401  (the built-in subjects, imported before the ranks fork)
 from harness import subject as registry
-from harness.channel import Channel, local_node, parse_endpoint, tcp_store
+from harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from harness.check import Check
 from harness.context import RankContext
 from harness.environment import rank_fingerprint
@@ -52,7 +52,8 @@ def use_deterministic_algorithms() -> None:
 
 def _channel() -> Channel:
     host, port = parse_endpoint(os.environ["EP_HARNESS_STORE"])
-    return Channel(tcp_store(host, port, is_master=False, timeout_s=60), os.environ["EP_HARNESS_CHANNEL"])
+    return Channel(tcp_store(host, port, is_master=False, timeout_s=60), os.environ["EP_HARNESS_CHANNEL"],
+                   secret=os.environ.get(SECRET_ENV))  # the job is taken only if the run's secret signed it
 
 
 class Watcher(threading.Thread):

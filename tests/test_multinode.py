@@ -42,6 +42,9 @@ def free_port() -> int:
     raise RuntimeError(f"no free port below {ephemeral_low}")
 
 
+RUN_SECRET = "two-node-test-secret-0123456789"
+
+
 @pytest.fixture
 def node():
     """node(rank, port, cwd, *args): `ep-harness verify` for one node of a 2-node run (a
@@ -51,10 +54,13 @@ def node():
 
     def launch(node_rank: int, port: int, cwd: Path, *args, env=None) -> subprocess.Popen:
         cwd.mkdir(parents=True, exist_ok=True)
+        # Both nodes hold the run's secret, and name one commit (a commit made in this shared
+        # checkout between the two starts would otherwise make the follower refuse the head).
         started.append(subprocess.Popen(
             [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--node-rank", str(node_rank), "--gpus", "0", *args], cwd=cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, env={**os.environ, **(env or {})}))
+             "--node-rank", str(node_rank), "--gpus", "0", "--run-secret", RUN_SECRET, *args], cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "EP_HARNESS_COMMIT": "two-node-test", **(env or {})}))
         return started[-1]
 
     yield launch

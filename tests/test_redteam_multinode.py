@@ -1,0 +1,153 @@
+"""Red-team holes of a multi-node run (issue 23, item 6): a follower used to take its `env`,
+job and launch parameters from the unauthenticated rendezvous store, so a fake head made it
+run an LD_PRELOAD library and write outside --out. Here a fake head writes forged launches
+into a real TCPStore, and a real follower (`ep-harness verify --node-rank 1`) must refuse
+each with one line, having started nothing and written nothing outside its --out."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import __version__
+from harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
+from harness.errors import HarnessError
+from harness.launch import _validated_launch
+from harness.nodes import Nodes, identity_difference
+from tests.conftest import REPO_ON_PYTHONPATH
+from tests.test_multinode import EXE, free_port
+
+RUN = "20261201-120000-abcd"
+SECRET = "redteam-secret-0123456789abcdef"
+COMMIT = "redteam-commit"
+
+
+def genuine_launch(**changes) -> dict:
+    """What a real head of this checkout publishes as launch 0 of RUN, with `changes`."""
+    launch = {"namespace": f"ep-harness/{RUN}/launch0", "nproc": 2, "rdzv_id": f"{RUN}-0", "job": "00-ws4",
+              "env": {"NCCL_ALGO": "allreduce:tree", "PYTHONHASHSEED": "0"}, "node_local": [],
+              "identity": {"version": __version__, "commit": COMMIT, "plugins": {}}}
+    launch.update(changes)
+    return launch
+
+
+@pytest.fixture
+def fake_head():
+    """A TCPStore at a free port that serves RUN, as a head would; put(launch, secret) writes
+    launch 0 signed with `secret` (None: unsigned)."""
+    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
+    publish_run(store, RUN)
+
+    def put(launch, secret=SECRET):
+        run_channel(store, RUN, secret).put("launch/0", launch)
+        return store
+
+    return store, put
+
+
+def follower(tmp_path, port, *extra, secret=SECRET):
+    env = {**os.environ, **REPO_ON_PYTHONPATH, "EP_HARNESS_COMMIT": COMMIT, "EP_HARNESS_START_TIMEOUT_S": "20"}
+    env.pop("EP_HARNESS_RUN_SECRET", None)
+    args = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--node-rank", "1", "--gpus", "0", "--out", str(tmp_path / "out"), *extra]
+    if secret:
+        args += ["--run-secret", secret]
+    (tmp_path / "work").mkdir(exist_ok=True)
+    return subprocess.run(args, cwd=tmp_path / "work", capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("launch, secret, named", [
+    # no secret, or another one: a forged launch, whatever it says
+    (genuine_launch(env={"LD_PRELOAD": "/tmp/evil.so"}), None, "not signed with this run's secret"),
+    (genuine_launch(), "another-secret-0123456789", "not signed with this run's secret"),
+    # signed (a head that has the secret but is not ours to obey in this): validated all the same
+    (genuine_launch(env={"LD_PRELOAD": "/tmp/evil.so"}), SECRET, "LD_PRELOAD"),
+    (genuine_launch(env={"NCCL_NET_PLUGIN": "evil"}), SECRET, "NCCL_NET_PLUGIN"),
+    (genuine_launch(job="../../escape"), SECRET, "'../../escape' is not one plain name"),
+    (genuine_launch(namespace="ep-harness/other/launch0"), SECRET, "namespace"),
+    (genuine_launch(nproc=64), SECRET, "nproc = '64', expected 2"),
+    (genuine_launch(node_local=["LD_PRELOAD"]), SECRET, "node-local variables"),
+    (genuine_launch(identity={"version": __version__, "commit": "0" * 40, "plugins": {}}), SECRET,
+     f"harness commit differs (here {COMMIT}, on the head {'0' * 40})"),
+    (genuine_launch(identity={"version": "9.9.9", "commit": COMMIT, "plugins": {}}), SECRET,
+     f"harness version differs (here {__version__}, on the head 9.9.9)"),
+    (genuine_launch(identity={"version": __version__, "commit": COMMIT, "plugins": {"tests.planted": "0" * 12}}),
+     SECRET, "plugin tests.planted differs"),
+])
+def test_a_follower_refuses_a_forged_or_foreign_launch(tmp_path, fake_head, launch, secret, named):
+    store, put = fake_head
+    put(launch, secret)
+    proc = follower(tmp_path, store.port)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "out" / "escape").exists()
+    assert not list(tmp_path.rglob("torchrun-*.log"))  # no agent was started
+    written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
+    assert written == [], written  # nothing but its own (empty) log directory under --out
+    # the follower said why to the head (signed with its secret, so a real head can read it)
+    refusal = run_channel(store, RUN, SECRET).get("node/1/refused")
+    assert refusal is not None and named in refusal["reason"]
+
+
+def test_a_follower_with_a_plugin_the_head_lacks_is_refused(tmp_path, fake_head):
+    store, put = fake_head
+    put(genuine_launch())
+    proc = follower(tmp_path, store.port, "--plugin", "tests.planted")
+    assert proc.returncode == 2 and "plugin tests.planted is loaded here but not on the head" in proc.stderr, \
+        proc.stderr
+
+
+def test_a_follower_without_the_secret_is_refused_before_it_connects(tmp_path):
+    proc = follower(tmp_path, 1, secret=None)
+    assert proc.returncode == 2 and "needs --run-secret" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fake_head_cannot_name_a_run_outside_out(tmp_path):
+    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
+    publish_run(store, "../../escape")
+    proc = follower(tmp_path, store.port)
+    assert proc.returncode == 2 and "which is not a run id" in proc.stderr, proc.stderr
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_genuine_launch_passes_and_gets_this_nodes_own_paths(monkeypatch):
+    """The positive control of the refusals above: what a real head publishes is accepted."""
+    monkeypatch.setenv("EP_HARNESS_COMMIT", COMMIT)
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", "/this/node/cache")
+    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
+    channel = run_channel(store, RUN, SECRET)
+    nodes = Nodes(2, 2, "127.0.0.1:1", 1, "torchrun", SECRET)
+    launch = _validated_launch(genuine_launch(node_local=["DG_JIT_CACHE_DIR"]), channel, RUN, 0, nodes, [])
+    assert launch["env"] == {"NCCL_ALGO": "allreduce:tree", "PYTHONHASHSEED": "0",
+                             "DG_JIT_CACHE_DIR": "/this/node/cache"}
+    assert identity_difference(genuine_launch()["identity"]) is None
+
+
+def test_every_value_is_bound_to_its_key_and_the_secret():
+    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
+    signed = Channel(store, "ns", SECRET)
+    signed.put("job", {"plugins": ["x"]})
+    assert signed.get("job") == {"plugins": ["x"]}
+    store.set("ns/other", store.get("ns/job"))  # a genuine value replayed under another key
+    with pytest.raises(Forged, match="ns/other"):
+        signed.get("other")
+    store.set("ns/plain", json.dumps({"plugins": ["evil"]}))  # an unsigned value
+    with pytest.raises(Forged):
+        signed.get("plain")
+    with pytest.raises(Forged):
+        Channel(store, "ns", "another-secret-0123456789").get("job")
+    lenient = Channel(store, "ns", SECRET, strict=False)  # the head: a forgery reads as absent, and is noted
+    assert lenient.get("plain", "absent") == "absent" and lenient.forged == ["ns/plain"]
+    assert issubclass(Forged, HarnessError)
+
+
+def test_the_secret_is_never_recorded(tmp_path):
+    from harness.environment import recorded_env
+
+    assert recorded_env({"EP_HARNESS_RUN_SECRET": SECRET, "NCCL_ALGO": "ring"}) == {"NCCL_ALGO": "ring"}
+    # the head's rerun commands never carry it (the other nodes are started as before)
+    from harness.verify import rerun_command
+
+    assert SECRET not in rerun_command("s.toml", "c", None, [], nodes=Nodes(2, 2, "h:1", 0, "torchrun", SECRET))
