@@ -112,12 +112,16 @@ class Divergence:
     diverged: int  # of those, with other output bits
     first_item: str
     parts: list[str]  # the first item's output parts that differ
-    ranks: list[int]  # the ranks that produced them, in the first run then the other
+    ranks: list[int]  # the ranks that produced them in the first run
+    other_ranks: list[int]  # ... and in the other run
 
     def describe(self) -> str:
-        return (f"first divergence: {self.op}, rank {'/'.join(map(str, self.ranks))}: outputs differ for "
-                f"{self.diverged} of the {self.same_inputs} items whose inputs agreed ({self.items} compared; "
-                f"first {self.first_item}, {', '.join(self.parts)})")
+        where = "/".join(map(str, self.ranks))
+        if self.other_ranks != self.ranks:
+            where += f" (rank {'/'.join(map(str, self.other_ranks))} in the other run)"
+        return (f"first divergence: {self.op} on rank {where}: outputs differ for {self.diverged} of the "
+                f"{self.same_inputs} items whose inputs agreed ({self.items} compared; first: {self.first_item}, "
+                f"{', '.join(self.parts)})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,9 +138,9 @@ def first_divergence(a: dict, b: dict) -> Divergence | None:
             first = differ[0]
             out_a, out_b = a[op][first]["out"], b[op][first]["out"]
             parts = sorted(p for p in set(out_a) | set(out_b) if out_a.get(p, (None,))[0] != out_b.get(p, (None,))[0])
-            ranks = list(dict.fromkeys(side[p][1] for side in (out_a, out_b) for p in parts if p in side))
+            ranks = [sorted({side[p][1] for p in parts if p in side}) for side in (out_a, out_b)]
             return Divergence(op.describe(), op.layer, op.stage, op.subject, op.collective, len(common), len(same),
-                              len(differ), first, parts, ranks)
+                              len(differ), first, parts, *ranks)
     return None
 
 

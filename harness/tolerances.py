@@ -33,10 +33,14 @@ bf16 logits, float32 log_softmax), per vocabulary entry v of a scored position:
 x64 is the reference's final normed hidden state: the second term is the LM head's
 product at the scale it works at (as the MoE layer's bound), with factor = per_stage *
 (2 * layers + 1) for the relative error x carries from the residual stream's roundings (two
-residual adds per layer, their stages, the final norm); logsumexp is 1-Lipschitz in the
-max norm, hence + max_u B_u. Counted against a reference that follows the run's own router
-choices and tokens (teacher forcing: a flip changes the function, not its rounding; flips
-are reported apart).
+residual adds per layer, their stages, the final norm), per_stage = 1; logsumexp is
+1-Lipschitz in the max norm, hence + max_u B_u. A coarse first-order bound, with its teeth
+measured: the default CPU model (4 layers) reaches 0.06 of it; the same model without one
+layer's shared expert is 2x over it, so it tells a model that computes something from noise. Counted against a reference that follows the run's own router
+choices and tokens (teacher forcing: a flip changes the function, not its rounding). A
+choice that differs from the float64 router's own is admitted only where the two experts'
+float64 logits lie within factor * u_out * (|x64| @ |W_router|^T) (+ 8 float32 ulp) of each
+other, the same relative error carried to the router's input; any other flip is a failure.
 
 Collectives: a sum of W contributions rounded after every hop obeys
 |s - s64| <= gamma(W-1, u) * sum_r |x_r| with u the wire dtype's unit roundoff.
@@ -54,7 +58,7 @@ MOE = {"u_out": 2.0 ** -8, "factor": 8.0,
        "rule": "|err| <= u_out*|out64| + factor*u_out*sum_j w_j (|act_j| @ |W_down_j|^T)"}
 
 
-MODEL = {"u_out": 2.0 ** -8, "per_stage": 4.0,
+MODEL = {"u_out": 2.0 ** -8, "per_stage": 1.0,
          "rule": "|err_v| <= B_v + max_u B_u, B_v = u_out*|logit64_v| + factor*u_out*(|x64| @ |W_lm|^T)_v, "
                  "factor = per_stage*(2*layers+1)"}
 

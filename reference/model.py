@@ -37,28 +37,29 @@ def attention_heads(x: torch.Tensor, wqkv: torch.Tensor, heads: int) -> torch.Te
 
 
 def forced_route(logits: torch.Tensor, k: int, chosen: torch.Tensor | None):
-    """(experts [T, k], weights [T, k], flips [T] bool): the float64 router's own top-k, or
-    `chosen` where given, with softmax weights renormalised over the experts used."""
+    """(experts [T, k], weights [T, k], own [T, k]): `chosen` where given, else the float64
+    router's own top-k (`own`), with softmax weights renormalised over the experts used."""
     own, _ = ref_moe.route(logits, k)
     idx = own if chosen is None else chosen
     probs = torch.softmax(logits.double(), dim=-1).gather(1, idx)
-    flips = torch.tensor([set(a) != set(b) for a, b in zip(own.tolist(), idx.tolist())], dtype=torch.bool)
-    return idx, probs / probs.sum(-1, keepdim=True), flips
+    return idx, probs / probs.sum(-1, keepdim=True), own
 
 
 def forward(w: dict, tokens: list[int], heads: int, topk: int, routing: list | None = None) -> dict:
     """The whole model over one sequence. routing: per position, per layer, the experts to
     use (None: the reference's own). Returns logprobs [T, V], logits [T, V], the final
-    normed hidden states x [T, H], and router flips per layer [L, T]."""
+    normed hidden states x [T, H], and per layer the router's view: its float64 logits
+    [T, E], their scale |x| @ |W_router|^T [T, E], its own top-k and the experts used [T, k]."""
     h = w["embed"].double()[torch.tensor(tokens)]
-    flips = []
+    router = []
     for layer, L in enumerate(w["layers"]):
         x = rmsnorm(h, L["attn_norm"])
         h = h + attention_heads(x, L["wqkv"], heads) @ L["wo"].double().T
         x = rmsnorm(h, L["moe_norm"])
         chosen = None if routing is None else torch.tensor([r[layer] for r in routing])
-        idx, wts, flip = forced_route(x @ L["router"].double().T, topk, chosen)
-        flips.append(flip)
+        logits = x @ L["router"].double().T
+        idx, wts, own = forced_route(logits, topk, chosen)
+        router.append({"logits": logits, "scale": x.abs() @ L["router"].double().abs().T, "own": own, "used": idx})
         routed = torch.zeros_like(x)
         for e in idx.unique().tolist():
             rows, slots = (idx == e).nonzero(as_tuple=True)
@@ -66,7 +67,7 @@ def forward(w: dict, tokens: list[int], heads: int, topk: int, routing: list | N
         h = h + routed + swiglu(x, L["shared_gate_up"], L["shared_down"])
     x = rmsnorm(h, w["final_norm"])
     logits = x @ w["lm_head"].double().T
-    return {"logprobs": torch.log_softmax(logits, dim=-1), "logits": logits, "x": x, "flips": torch.stack(flips)}
+    return {"logprobs": torch.log_softmax(logits, dim=-1), "logits": logits, "x": x, "router": router}
 
 
 def layer0_partials(w: dict, tokens: list[int], heads: int, world: int) -> torch.Tensor:
