@@ -13,9 +13,11 @@ A property must catch an injection when the defect changes what the property com
 * `batch-invariance`, `position-invariance`, `size-invariance`, `others-invariance` compare
   calls with different inputs: they must catch a change on one call (`ulp`, `kth-call`);
   batch- and size-invariance also a change above a batch or message size.
+* `prefill-decode-invariance` compares the probe in a decode-sized message with copies
+  in several rows of larger ones: as size-invariance, and a stale value (the probe moves).
 * A stale value is kept per position: only a property that moves the probe to another row
-  between calls (`position-invariance`) or compares every element (`reference`) must see
-  it. Batch-, size- and others-invariance may keep the probe in the same row of every call
+  between calls (`position-invariance`, `prefill-decode-invariance`) or compares every
+  element (`reference`) must see it. Batch-, size- and others-invariance may keep the probe in the same row of every call
   (the GEMM's probe is always its expert's first row), where the previous call's value is
   the probe's own, right value.
 * `rank-invariance` compares the probe on different ranks within one call: `one-rank`.
@@ -32,6 +34,8 @@ cells are not applicable. A plugin that adds a property declares its row with `d
 """
 from __future__ import annotations
 
+from harness.selftest.injections import WRAPPED_FAMILIES
+
 MUST_CATCH: dict[str, frozenset[str]] = {
     "reference": frozenset({"nan", "inf", "stale"}),
     "combine-reference": frozenset({"nan", "inf", "stale"}),
@@ -39,6 +43,7 @@ MUST_CATCH: dict[str, frozenset[str]] = {
     "batch-invariance": frozenset({"ulp", "kth-call", "batch-above", "order-above-size"}),
     "position-invariance": frozenset({"ulp", "kth-call", "stale"}),
     "size-invariance": frozenset({"ulp", "kth-call", "order-above-size"}),
+    "prefill-decode-invariance": frozenset({"ulp", "kth-call", "order-above-size", "stale"}),
     "others-invariance": frozenset({"ulp", "kth-call"}),
     "rank-invariance": frozenset({"one-rank"}),
     "graph-invariance": frozenset({"ulp", "in-graph"}),
@@ -65,6 +70,8 @@ def required(record: dict, injection: str) -> tuple[bool | None, str]:
         return None, f"baseline {record.get('status')}: only a check that is ok without injection can be tested"
     if record.get("expect") != "holds":
         return None, f"a control (expect = {record.get('expect')}): an injected difference cannot change its verdict"
+    if family not in WRAPPED_FAMILIES:
+        return None, f"no injection wrapper for the {family} family (harness/selftest/wrap.py)"
     if (family, prop) in NOT_TARGETED:
         return None, NOT_TARGETED[(family, prop)]
     if prop not in MUST_CATCH:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 from harness.errors import HarnessError
 
+# Families whose subjects harness/selftest/wrap.py can wrap (its WRAPPERS; a test keeps the two equal).
+WRAPPED_FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
 DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
 PLACES = ("element", "column", "all")
 WHEN = ("always", "rows-above", "bytes-above", "in-graph")

@@ -1,0 +1,249 @@
+"""`ep-harness selftest`: the injections, the table of what each property must catch, the
+verdict per cell, and a narrowed selftest end to end (a planted weak check is blind)."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.bits import ulp_distance
+from harness.errors import HarnessError
+from harness.families import collective, dispatch, gemm, moe_layer, quant
+from harness.selftest import expectations, matrix
+from harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
+from harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
+from tests.conftest import REPO, run_cli
+
+FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
+                     "dispatch": dispatch.PROPERTIES, "moe_layer": moe_layer.PROPERTIES}
+
+
+def record(prop="batch-invariance", family="collective", status="ok", expect="holds", comparison="bitwise"):
+    return {"property": prop, "family": family, "status": status, "expect": expect, "comparison": comparison}
+
+
+# --- the table -----------------------------------------------------------------------
+
+def test_every_property_of_every_wrapped_family_has_a_row():
+    assert set(WRAPPERS) == set(WRAPPED_FAMILIES) == set(FAMILY_PROPERTIES)
+    missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props if p not in expectations.MUST_CATCH}
+    assert not missing
+
+
+def test_every_injection_class_is_required_by_some_property():
+    required = set().union(*expectations.MUST_CATCH.values(), *expectations.FAMILY_MUST_CATCH.values(),
+                           expectations.EXACT_REFERENCE)
+    assert required == set(CLASSES)
+
+
+def test_what_a_property_must_catch():
+    # A bounded reference need not see 1 ULP (inside its bound), an exact one must.
+    assert expectations.required(record("reference", comparison="bounded"), "ulp")[0] is False
+    assert expectations.required(record("reference", family="quant", comparison="bitwise"), "ulp")[0] is True
+    assert expectations.required(record("reference", comparison="bounded"), "nan")[0] is True
+    assert expectations.required(record("rank-invariance"), "one-rank")[0] is True
+    assert expectations.required(record("run-to-run"), "one-rank")[0] is False  # same rank every repeat
+    assert expectations.required(record("run-to-run"), "kth-call")[0] is True
+    assert expectations.required(record("batch-invariance"), "batch-above")[0] is True
+    assert expectations.required(record("position-invariance"), "batch-above")[0] is False
+    # The collective contract forbids writing the input; the other families are not held to it.
+    assert expectations.required(record("run-to-run", family="collective"), "out-of-slice")[0] is True
+    assert expectations.required(record("run-to-run", family="gemm"), "out-of-slice")[0] is False
+
+
+def test_cells_that_cannot_be_tested_are_not_applicable():
+    assert expectations.required(record(expect="violated"), "ulp")[0] is None  # a control
+    assert expectations.required(record(status="vacuous"), "ulp")[0] is None
+    assert expectations.required(record(status="unexpected"), "ulp")[0] is None
+    assert expectations.required(record("reference", family="dispatch"), "nan")[0] is None
+    assert expectations.required(record("no-such-property"), "ulp")[0] is None
+    assert expectations.required(record(family="model"), "ulp")[0] is None
+
+
+def test_a_plugin_declares_its_property():
+    prop = "test-declared-property"
+    try:
+        expectations.declare(prop, ["one-rank"])
+        assert expectations.required(record(prop), "one-rank")[0] is True
+        assert expectations.required(record(prop), "ulp")[0] is False
+    finally:
+        expectations.MUST_CATCH.pop(prop, None)
+
+
+# --- the cells ---------------------------------------------------------------------------
+
+def test_cell_states():
+    ok, bad = {"status": "ok", "reason": "holds"}, {"status": "unexpected", "reason": "1 / 8 differ"}
+    assert matrix.cell(True, "", bad, fired=True)["state"] == "caught"
+    assert matrix.cell(True, "", ok, fired=True)["state"] == "missed"
+    assert matrix.cell(True, "", ok, fired=False)["state"] == "not-fired"  # never a miss
+    assert matrix.cell(False, "", ok, fired=True)["state"] == "not-required"  # never a miss
+    assert matrix.cell(False, "", bad, fired=True)["state"] == "extra"
+    assert matrix.cell(None, "a control", None, fired=False)["state"] == "n/a"
+    assert matrix.cell(False, "", None, fired=False)["state"] == "not-required"
+    rows = [{"check": "a", "property": "p", "cells": {"ulp": {"state": "missed"}, "nan": {"state": "caught"}}},
+            {"check": "b", "property": "p", "cells": {"ulp": {"state": "caught"}, "nan": {"state": "n/a"}}}]
+    assert matrix.blind(rows) == [{"check": "a", "property": "p", "missed": ["ulp"]}]
+
+
+# --- the injections ------------------------------------------------------------------------
+
+def test_parse_with_parameters_and_bad_input():
+    ulp, nan = parse("ulp:call=1:rank=2, nan")
+    assert (ulp.name, ulp.call, ulp.rank, ulp.element) == ("ulp", 1, 2, 0)
+    assert (nan.name, nan.rank) == ("nan", 0)
+    assert parse("one-rank:rank=any")[0].rank is None
+    assert [i.name for i in parse(None)] == list(CLASSES)
+    for bad, words in (("ulpp", "unknown injection"), ("ulp:calls=1", "is not one of"), ("ulp:call=x", "not a number"),
+                       ("ulp:call=-1", ">= 0"), ("ulp,ulp", "twice")):
+        with pytest.raises(HarnessError, match=words):
+            parse(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_step_ulp_moves_every_finite_element_by_one_ulp(dtype):
+    g = torch.Generator().manual_seed(7)
+    top = 448.0 if dtype == torch.float8_e4m3fn else torch.finfo(dtype).max
+    x = torch.cat([torch.randn(64, generator=g) * 3, torch.tensor([0.0, -0.0, top, -top])]).to(dtype)
+    if dtype != torch.float8_e4m3fn:
+        x = torch.cat([x, torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)])
+    y = x.clone()
+    step_ulp(y)
+    finite = torch.isfinite(x.float())
+    assert (ulp_distance(y[finite], x[finite]) == 1).all()
+    assert torch.isfinite(y[finite].float()).all()  # the largest value steps down, never to infinity
+    assert torch.equal(y[~finite].float().isnan(), x[~finite].float().isnan())
+    assert torch.equal(y[~finite & ~x.float().isnan()].float(), x[~finite & ~x.float().isnan()].float())
+
+
+class FakeGemm:
+    """A GEMM subject whose output row i is the input row's sum, and distinct per row."""
+
+    family, summary, layouts, dtypes = "gemm", "test", ("contiguous",), ("float32",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def unavailable(self, platform, params):
+        return None
+
+    def run(self, problem, out):
+        out.copy_(problem.a.sum(1, keepdim=True) + torch.arange(out.shape[1], dtype=out.dtype))
+
+
+def calls(subject, injection, batches, tmp_path, monkeypatch, rank=0):
+    """Run the wrapped subject on batches of the given row counts; the outputs and the
+    wrapper's log of which calls the defect changed."""
+    monkeypatch.setenv("EP_HARNESS_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", str(rank))
+    w = wrapped(subject, injection.to_json(), "the-check")
+    outs, inputs = [], []
+    for n, rows in enumerate(batches):
+        a = torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 100 * n
+        out = torch.empty(rows, 8)
+        w.run(SimpleNamespace(a=a), out)
+        outs.append(out)
+        inputs.append(a)
+    log = tmp_path / f"injections-rank{rank}.jsonl"
+    logged = [json.loads(line)["call"] for line in log.read_text().splitlines()] if log.exists() else []
+    return outs, inputs, logged
+
+
+def clean(subject, batches):
+    out = []
+    for n, rows in enumerate(batches):
+        a = torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 100 * n
+        o = torch.empty(rows, 8)
+        subject.run(SimpleNamespace(a=a), o)
+        out.append(o)
+    return out
+
+
+def differing_calls(outs, ref):
+    return [i for i, (o, r) in enumerate(zip(outs, ref)) if not torch.equal(o.view(torch.int32), r.view(torch.int32))]
+
+
+def test_triggers_fire_only_where_they_say(tmp_path, monkeypatch):
+    s = FakeGemm("fake-triggers")
+    batches = [2, 2, 5, 2]
+    ref = clean(s, batches)
+    for name, expected in (("kth-call", [2]), ("ulp", [0]), ("batch-above", [2]), ("order-above-size", [2]),
+                           ("one-rank", [0, 1, 2, 3]), ("nan", [0, 1, 2, 3])):
+        (tmp_path / name).mkdir()
+        outs, _, logged = calls(s, CLASSES[name], batches, tmp_path / name, monkeypatch)
+        assert differing_calls(outs, ref) == expected == logged, name
+    outs, _, logged = calls(s, CLASSES["one-rank"], batches, tmp_path, monkeypatch, rank=1)
+    assert differing_calls(outs, ref) == [] == logged  # rank 0 only
+
+
+def test_places(tmp_path, monkeypatch):
+    s = FakeGemm("fake-places")
+    ref = clean(s, [3])[0]
+    (tmp_path / "ulp").mkdir()
+    (ulp_out,), _, _ = calls(s, parse("ulp:element=5")[0], [3], tmp_path / "ulp", monkeypatch)
+    assert torch.nonzero(ulp_out != ref).tolist() == [[0, 5], [1, 5], [2, 5]]  # one element of every row
+    (nan_out,), _, _ = calls(s, parse("nan:element=9")[0], [3], tmp_path, monkeypatch)
+    assert torch.nonzero(nan_out.isnan()).tolist() == [[1, 1]]  # one element in all
+    assert torch.equal(nan_out[~nan_out.isnan()], ref[~nan_out.isnan()])
+
+
+def test_stale_keeps_the_previous_calls_value(tmp_path, monkeypatch):
+    s = FakeGemm("fake-stale")
+    ref = clean(s, [3, 3, 2])
+    outs, _, logged = calls(s, CLASSES["stale"], [3, 3, 2], tmp_path, monkeypatch)
+    assert torch.equal(outs[0], ref[0]) and logged == [1, 2]  # nothing before the first call
+    assert torch.equal(outs[1][:, 0], ref[0][:, 0]) and torch.equal(outs[1][:, 1:], ref[1][:, 1:])
+    assert torch.equal(outs[2][:, 0], ref[1][:2, 0])  # the previous call's true value, not its stale one
+
+
+def test_out_of_slice_writes_the_input_not_the_output(tmp_path, monkeypatch):
+    s = FakeGemm("fake-slice")
+    ref = clean(s, [3])
+    outs, inputs, logged = calls(s, CLASSES["out-of-slice"], [3], tmp_path, monkeypatch)
+    pristine = torch.arange(12, dtype=torch.float32).view(3, 4)
+    assert torch.equal(outs[0], ref[0]) and logged == [0]
+    assert (ulp_distance(inputs[0], pristine) == 1).all()
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_selftest_finds_the_planted_weak_check(tmp_path):
+    """tests/cases/selftest.toml on 3 gloo ranks: the sound checks catch what their property
+    must, the weak batch-invariance (element 0 never compared) is blind to `ulp` and only
+    to it, and the control's cells are not applicable."""
+    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--injections",
+                   "ulp,kth-call,one-rank,nan,in-graph", "--no-report", "--out", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
+    assert "# selftest matrix" in proc.stdout
+    result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
+    assert result["blind"] == [{"check": "weak/weak-batch-invariance", "property": "weak-batch-invariance",
+                                "missed": ["ulp"]}]
+    cells = {r["check"]: {k: c["state"] for k, c in r["cells"].items()} for r in result["checks"]}
+    assert all(r["baseline"] == "ok" for r in result["checks"])
+    assert cells["weak/weak-batch-invariance"]["kth-call"] == "caught"  # not blind to a change of every element
+    assert cells["fold/batch-invariance"] == {"ulp": "caught", "kth-call": "caught", "one-rank": "not-required",
+                                              "nan": "not-required", "in-graph": "n/a"}
+    assert cells["fold/rank-invariance"]["one-rank"] == "caught"
+    assert cells["fold/run-to-run"]["ulp"] == cells["fold/run-to-run"]["kth-call"] == "caught"
+    assert cells["fold/reference"]["nan"] == "caught"
+    assert set(cells["native-control/rank-invariance"].values()) == {"n/a"}
+    assert (tmp_path / "latest" / "injected" / "ulp.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_selftest_passes_when_no_check_is_blind(tmp_path):
+    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "fold/*",
+                   "--injections", "one-rank", "--no-report", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
+    assert result["blind"] == [] and result["tested"] == 1
+
+
+def test_bad_injection_is_one_line_and_exit_2(tmp_path):
+    proc = run_cli("selftest", "--suite", "smoke", "--injections", "ulpp", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown injection 'ulpp'" in proc.stderr
+    assert not any(tmp_path.iterdir())
