@@ -8,6 +8,7 @@ from harness.subjects.collective import (  # noqa: F401
     reduce_scatterv_native,
 )
 from harness.subjects.gemm import deepgemm, torch_bmm, torch_grouped_mm, torch_mm  # noqa: F401
+from harness.subjects.gemm import triton_bi_matmul  # noqa: F401
 from harness.subjects.quant import deepgemm_fp8, torch_fp8  # noqa: F401
 from harness.subjects.dispatch import deepep, torch_a2a  # noqa: F401
 from harness.subjects.moe import composed  # noqa: F401

@@ -1,0 +1,175 @@
+"""What a GEMM or a quantizer costs on the GPU, measured the same way for every subject.
+
+Timing: CUDA events around each call, after warm-up calls; the subjects of one shape are
+interleaved call by call (the first subject rotates every repeat, so none always runs
+right after another's cache footprint), and each subject's median of k calls is kept.
+Operands are reused between calls, so L2 is as warm for one subject as for the other.
+
+Rates: TFLOP/s for GEMMs (2*M*N*K useful products, padding rows not counted), GB/s for
+the memory-bound quantizers (bytes read + written). Each is put against the H200's
+spec-sheet peak (dense, no sparsity) and against a baseline measured in the same
+interleaved loop: cuBLAS for GEMMs, a device copy of the same bytes for quantizers.
+
+A cost is either measured or absent: `gemm_cost` / `quant_cost` refuse a non-positive
+time, so no record ever carries a cost of zero.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+# H200 SXM spec-sheet peaks, dense (the sheet's headline figures are with 2:4 sparsity).
+H200_PEAKS = {
+    "bf16": 989.5e12,  # FLOP/s
+    "fp8": 1979e12,  # FLOP/s
+    "hbm": 4.8e12,  # bytes/s, HBM3e
+}
+PEAK_SOURCE = "H200 SXM spec sheet, dense: bf16 989.5 TFLOP/s, fp8 1979 TFLOP/s, HBM3e 4.8 TB/s"
+
+
+class Clock(Protocol):
+    """Where timestamps come from: CUDA events on the GPU, a scripted clock in tests."""
+
+    def event(self): ...  # an object with record()
+
+    def elapsed_ms(self, start, end) -> float: ...
+
+    def synchronize(self) -> None: ...
+
+    def hold(self) -> None: ...  # keep the device busy while a round of calls is queued
+
+
+class CudaClock:
+    """CUDA events. Before each round a spin kernel holds the GPU for `hold_ms`, so the
+    round's launches queue behind it and each event pair times the kernel, not the host's
+    launch overhead (which for a small GEMM is longer than the GEMM itself)."""
+
+    def __init__(self, hold_ms: float = 2.0):
+        import torch
+
+        self._torch = torch
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        clock_khz = getattr(props, "clock_rate", 0) or 1_980_000  # H200 boost clock when torch lacks it
+        self._hold_cycles = int(hold_ms * clock_khz)
+
+    def hold(self) -> None:
+        self._torch.cuda._sleep(self._hold_cycles)
+
+    def event(self):
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize()
+
+
+def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, warmup: int = 3,
+                     clock: Clock | None = None) -> dict[str, list[float]]:
+    """Milliseconds of each call, `repeats` per subject, subjects interleaved call by call."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if not calls:
+        raise ValueError("nothing to time: no calls given")
+    clock = clock or CudaClock()
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    clock.synchronize()
+    marks: dict[str, list[tuple]] = {name: [] for name in names}
+    for r in range(repeats):
+        clock.hold()
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start, end = clock.event(), clock.event()
+            start.record()
+            calls[name]()
+            end.record()
+            marks[name].append((start, end))
+    clock.synchronize()
+    return {name: [clock.elapsed_ms(s, e) for s, e in pairs] for name, pairs in marks.items()}
+
+
+def median_ms(samples: list[float]) -> float:
+    if not samples:
+        raise ValueError("no timing samples")
+    value = statistics.median(samples)
+    if not value > 0:  # also catches NaN
+        raise ValueError(f"a median time of {value} ms is not a measurement; the call did not run on the device")
+    return value
+
+
+def gemm_flops(rows: int, n: int, k: int) -> int:
+    """Useful floating-point operations of rows x K times K x N (a multiply and an add each)."""
+    return 2 * rows * n * k
+
+
+def rate(amount: float, ms: float) -> float:
+    """amount per second, from a time in milliseconds."""
+    return amount / (ms * 1e-3)
+
+
+def gemm_cost(samples: list[float], flops: int, peak: str, baseline_samples: list[float] | None = None,
+              baseline: str = "torch_mm") -> dict:
+    """The `cost` of one GEMM: median time, TFLOP/s, % of the `peak` ("bf16" or "fp8") and
+    the time relative to the baseline's median (> 1: slower than cuBLAS)."""
+    ms = median_ms(samples)
+    per_s = rate(flops, ms)
+    out = {"median_ms": ms, "repeats": len(samples), "tflops": per_s / 1e12,
+           "peak": peak, "pct_of_peak": 100.0 * per_s / H200_PEAKS[peak]}
+    if baseline_samples is not None:
+        out["baseline"] = baseline
+        out["time_vs_baseline"] = ms / median_ms(baseline_samples)
+    return out
+
+
+def quant_cost(samples: list[float], bytes_moved: int, copy_samples: list[float] | None = None) -> dict:
+    """The `cost` of one quantizer call: median time, GB/s of bytes read + written, % of
+    HBM peak, and the time relative to a device copy moving the same number of bytes."""
+    ms = median_ms(samples)
+    per_s = rate(bytes_moved, ms)
+    out = {"median_ms": ms, "repeats": len(samples), "gbps": per_s / 1e9,
+           "peak": "hbm", "pct_of_peak": 100.0 * per_s / H200_PEAKS["hbm"]}
+    if copy_samples is not None:
+        out["baseline"] = "copy"
+        out["time_vs_baseline"] = ms / median_ms(copy_samples)
+    return out
+
+
+def quant_bytes(rows: int, cols: int, group: int = 128) -> int:
+    """bf16 read, e4m3 written, one float32 scale written per group."""
+    return rows * cols * 2 + rows * cols + rows * (cols // group) * 4
+
+
+@dataclass
+class Column:
+    title: str
+    key: str
+    fmt: Callable[[object], str] = str
+
+
+def fmt_float(digits: int) -> Callable[[object], str]:
+    def render(value) -> str:
+        return "" if value is None else f"{value:,.{digits}f}"
+    return render
+
+
+def markdown_table(columns: list[Column], rows: list[dict]) -> str:
+    """A GitHub Markdown table; a key a row lacks renders as an empty cell (never 0)."""
+    head = "| " + " | ".join(c.title for c in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(c.fmt(row[c.key]) if row.get(c.key) is not None else "" for c in columns) + " |"
+            for row in rows]
+    return "\n".join([head, rule, *body])
+
+
+def invariance_verdict(mismatched: int, total: int, order_sensitive: int, runs: int) -> str:
+    """Batch invariance of a probe row across M: `holds` only when it could have failed (at
+    least two runs, and some probe output whose bits change under another K order)."""
+    if mismatched:
+        return "violated"
+    if runs < 2 or order_sensitive == 0 or total == 0:
+        return "vacuous"
+    return "holds"

@@ -1,0 +1,35 @@
+"""This project's batch-invariant dense matmul (harness/kernels/bi_matmul.py) as a GEMM subject.
+
+The fix for cuBLAS's batch variance on the dense projections that are not grouped GEMMs
+(attention, shared experts, LM head): one tile configuration per (N, K, dtype), no
+split-K, K walked in one fixed order for every output element.
+"""
+from harness.kernels import bi_matmul as kernel
+from harness.subject import register
+from harness.subjects.gemm.common import unsupported
+
+
+@register
+class TritonBiMatmul:
+    name = "triton_bi_matmul"
+    family = "gemm"
+    summary = "batch-invariant Triton matmul (fixed tiles per N, K, dtype; no split-K)"
+    layouts = ("dense",)
+    dtypes = ("bfloat16", "float32")
+
+    def unavailable(self, platform, params):
+        reason = unsupported(self, params)
+        if reason:
+            return reason
+        if platform.device != "cuda":
+            return ("needs a CUDA GPU; this run is on the CPU (Triton's interpreter computes bf16 "
+                    "wrongly, see DESIGN.md, so it is no stand-in)")
+        if kernel.triton is None:
+            return "triton cannot be imported; pip install 'ep-harness[gpu]'"
+        return None
+
+    def compiles_kernels(self, params):  # Triton compiles one kernel per (N, K, dtype) on first use
+        return True
+
+    def run(self, problem, out):
+        kernel.bi_matmul(problem.a, problem.b, out=out)

@@ -1,0 +1,187 @@
+"""harness.cost and the pure parts of harness.bench_gemm_cost, with scripted timings (no GPU)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import bench_gemm_cost as bench
+from harness import cost
+
+
+class FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self):
+        self.at = self.clock.now
+
+
+class FakeClock:
+    """Time advances only when a fake subject runs; holds and syncs are logged."""
+
+    def __init__(self):
+        self.now, self.log = 0.0, []
+
+    def event(self):
+        return FakeEvent(self)
+
+    def elapsed_ms(self, start, end):
+        return end.at - start.at
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def hold(self):
+        self.log.append("hold")
+
+
+def scripted(clock, name, durations):
+    """A subject whose i-th call takes durations[i] ms (warm-up calls included)."""
+    calls = iter(durations)
+
+    def run():
+        clock.log.append(name)
+        clock.now += next(calls)
+    return run
+
+
+def test_interleaved_timing_rotates_subjects_and_skips_warmup():
+    clock = FakeClock()
+    calls = {"a": scripted(clock, "a", [100, 100, 1, 2, 3, 4]), "b": scripted(clock, "b", [100, 100, 10, 20, 30, 40])}
+    samples = cost.time_interleaved(calls, repeats=4, warmup=2, clock=clock)
+    assert samples == {"a": [1, 2, 3, 4], "b": [10, 20, 30, 40]}  # the 100 ms warm-up calls are not timed
+    timed = [e for e in clock.log[clock.log.index("sync") + 1:] if e in ("a", "b", "hold")]
+    # one hold per round, then both subjects; the first subject alternates round by round
+    assert timed == ["hold", "a", "b", "hold", "b", "a", "hold", "a", "b", "hold", "b", "a"]
+    assert clock.log[:4] == ["a", "b", "a", "b"] and clock.log[-1] == "sync"
+
+
+def test_interleaved_timing_rejects_nonsense():
+    with pytest.raises(ValueError, match="repeats"):
+        cost.time_interleaved({"a": lambda: None}, repeats=0, clock=FakeClock())
+    with pytest.raises(ValueError, match="nothing to time"):
+        cost.time_interleaved({}, clock=FakeClock())
+
+
+def test_median_is_the_middle_and_a_zero_time_is_no_measurement():
+    assert cost.median_ms([5.0, 1.0, 3.0]) == 3.0
+    assert cost.median_ms([4.0, 1.0, 3.0, 2.0]) == 2.5
+    for bad in ([], [0.0, 0.0, 0.0], [math.nan]):
+        with pytest.raises(ValueError):
+            cost.median_ms(bad)
+
+
+def test_gemm_cost_rates_peak_and_ratio():
+    # 2 * 1024 * 4096 * 4096 flops in 0.05 ms: 687.19... TFLOP/s
+    flops = cost.gemm_flops(1024, 4096, 4096)
+    assert flops == 2 * 1024 * 4096 * 4096
+    c = cost.gemm_cost([0.06, 0.05, 0.04], flops, "bf16", baseline_samples=[0.02, 0.025, 0.03])
+    assert c["median_ms"] == 0.05 and c["repeats"] == 3
+    assert c["tflops"] == pytest.approx(flops / 0.05e-3 / 1e12)
+    assert c["pct_of_peak"] == pytest.approx(100 * c["tflops"] / 989.5)
+    assert c["time_vs_baseline"] == pytest.approx(0.05 / 0.025) and c["baseline"] == "torch_mm"
+    fp8 = cost.gemm_cost([0.05], flops, "fp8")
+    assert fp8["pct_of_peak"] == pytest.approx(100 * fp8["tflops"] / 1979)
+    assert "time_vs_baseline" not in fp8 and "baseline" not in fp8  # absent, not zero
+
+
+def test_quant_cost_counts_bytes_read_and_written():
+    moved = cost.quant_bytes(8192, 7168)
+    assert moved == 8192 * 7168 * 2 + 8192 * 7168 + 8192 * 56 * 4
+    c = cost.quant_cost([0.5, 0.7, 0.6], moved, copy_samples=[0.05, 0.06, 0.04])
+    assert c["gbps"] == pytest.approx(moved / 0.6e-3 / 1e9)
+    assert c["pct_of_peak"] == pytest.approx(100 * c["gbps"] * 1e9 / 4.8e12)
+    assert c["time_vs_baseline"] == pytest.approx(0.6 / 0.05)
+
+
+def test_markdown_table_leaves_missing_values_empty():
+    cols = [cost.Column("M", "m"), cost.Column("TFLOP/s", "t", cost.fmt_float(1))]
+    text = cost.markdown_table(cols, [{"m": 1, "t": 2.25}, {"m": 2}])
+    assert text.splitlines() == ["| M | TFLOP/s |", "|---|---|", "| 1 | 2.2 |", "| 2 |  |"]
+
+
+@pytest.mark.parametrize("mismatched,total,sensitive,runs,verdict", [
+    (3, 100, 5, 4, "violated"),
+    (0, 100, 5, 4, "holds"),
+    (0, 100, 0, 4, "vacuous"),  # no output could change: the check had no teeth
+    (0, 100, 5, 1, "vacuous"),  # one run compares nothing
+    (1, 100, 0, 4, "violated"),  # a difference is a difference, sensitive or not
+])
+def test_invariance_verdict(mismatched, total, sensitive, runs, verdict):
+    assert cost.invariance_verdict(mismatched, total, sensitive, runs) == verdict
+
+
+def test_contiguous_layout_puts_token_zero_first_in_each_of_its_experts():
+    g = torch.Generator().manual_seed(3)
+    experts, topk = 16, 4
+    routing = torch.rand(50, experts, generator=g).topk(topk, 1).indices
+    for tokens in (1, 7, 50):
+        rows, counts, starts, total = bench.contiguous_layout(routing[:tokens], experts, 8)
+        flat = rows.reshape(-1)
+        assert flat.unique().numel() == flat.numel()  # every (token, slot) has its own row
+        assert counts == torch.bincount(routing[:tokens].reshape(-1), minlength=experts).tolist()
+        assert all(s % 8 == 0 for s in starts) and total % 8 == 0
+        for t in range(tokens):
+            for j in range(topk):
+                e = int(routing[t, j])
+                r = int(rows[t, j])
+                assert starts[e] <= r < starts[e] + counts[e]  # inside its expert's segment
+                # rows follow token order within an expert
+                assert r - starts[e] == int((routing[:t] == e).sum())
+        assert [int(rows[0, j]) for j in range(topk)] == [starts[int(e)] for e in routing[0]]
+
+
+def test_cancelling_probe_makes_the_order_sensitivity_non_zero():
+    g = torch.Generator().manual_seed(0)
+    k, n = 4096, 256
+    row = torch.randn(k, generator=g).bfloat16()
+    weight = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
+    bench.plant_cancellation(row, weight, k)
+    # about 4 % of bf16 outputs cross a rounding boundary when the two halves are summed
+    # apart (float32 errors at the +-4096 magnitude against a bf16 ULP of the O(1) result)
+    assert 0 < bench.order_sensitive(row, weight, torch.bfloat16) < n
+    assert torch.equal(weight[:, 1], weight[:, 1 + k // 2]) and float(row[1]) == -float(row[1 + k // 2])
+    # a row of zeros has no order at all
+    assert bench.order_sensitive(torch.zeros(k), weight, torch.bfloat16) == 0
+
+
+def test_probe_summary_counts_differences_against_the_smallest_m():
+    base = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    moved = base.clone()
+    moved.view(torch.int16)[2] += 1  # the next bf16 up: one ULP
+    probes = {1: base, 64: base.clone(), 4096: moved}
+    summary = bench.summarize("x", probes, sensitive=3)
+    assert summary["per_m"] == {"1": 0, "64": 0, "4096": 1}
+    assert (summary["mismatched"], summary["total"], summary["verdict"]) == (1, 9, "violated")
+    assert bench.summarize("x", {1: base, 64: base.clone()}, sensitive=3)["verdict"] == "holds"
+
+
+def _section():
+    c = cost.gemm_cost([0.1], cost.gemm_flops(256, 64, 64), "bf16", [0.05])
+    return {"kind": "dense", "title": "dense 64 x 64", "unavailable": {"deepgemm_bf16_dense": "needs sm90"},
+            "points": [{"m": 256, "cost": {"triton_bi_matmul": c}, "failed": {"other": "RuntimeError: boom"},
+                        "probe": {"triton_bi_matmul": {"mismatched": 0, "total": 64}}}],
+            "invariance": {"triton_bi_matmul": bench.summarize("triton_bi_matmul", {1: torch.ones(64),
+                                                                                     256: torch.ones(64)}, 5)}}
+
+
+def test_rendered_section_shows_verdict_cost_and_what_did_not_run():
+    text = bench.render_section(_section())
+    assert "triton_bi_matmul: batch invariance **holds**: 0 / 128" in text
+    assert "deepgemm_bf16_dense: not run (needs sm90)" in text
+    row = next(line for line in text.splitlines() if "| triton_bi_matmul |" in line)
+    assert "| 256 | triton_bi_matmul | 100.0 |" in row and "| 2.00x | 0 / 64 |" in row
+    failed = next(line for line in text.splitlines() if "| other |" in line)
+    assert "failed: RuntimeError: boom" in failed and "0.0" not in failed  # no cost, not a zero cost
+    skipped = bench.render_section({"kind": "skipped", "title": "t", "skipped": "budget spent", "points": []})
+    assert "Not measured: budget spent" in skipped
+
+
+def test_bench_refuses_bad_input_and_a_machine_without_gpu(capsys):
+    assert bench.main(["--out", "x", "--sections", "dense,bogus"]) == 2
+    assert "unknown section(s) bogus" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", "x"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

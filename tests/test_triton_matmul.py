@@ -1,0 +1,147 @@
+"""The batch-invariant Triton matmul: its configuration rule and subject on any machine, and
+its index logic in float32 under Triton's interpreter (skipped where triton is absent).
+
+The interpreter is no bit oracle for bf16 (DESIGN.md: it computes bf16 arithmetic and bf16
+`tl.dot` wrongly), so it runs float32 only, in a child process: `TRITON_INTERPRET` is read
+when a kernel is decorated, i.e. when harness.kernels.bi_matmul is first imported, and this
+test process may already have imported it (every subject registers on import).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness.kernels import bi_matmul as kernel
+from harness.subject import Platform, load_all
+from tests.conftest import REPO, REPO_ON_PYTHONPATH
+
+CPU = Platform("gloo", "cpu", 1)
+H200 = Platform("nccl", "cuda", 1, "NVIDIA H200", (9, 0), gpus=1)
+
+
+def test_tile_configuration_takes_no_m():
+    assert list(inspect.signature(kernel.tile_config).parameters) == ["n", "k", "dtype"]
+    for n, k, dtype in ((4096, 4096, "bfloat16"), (2048, 7168, "bfloat16"), (100, 36, "bfloat16"), (48, 200, "float32")):
+        plans = {m: kernel.launch_plan(m, n, k, dtype, torch.device("cpu")) for m in (1, 7, 64, 129, 1000, 8192)}
+        assert len({cfg for cfg, _ in plans.values()}) == 1  # one configuration for every M
+        assert plans[1][0] == kernel.tile_config(n, k, dtype)
+    assert kernel.tile_config(4096, 4096, "bfloat16").tma and not kernel.tile_config(100, 36, "bfloat16").tma
+
+
+def test_bad_operands_get_one_line_errors():
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        kernel.tile_config(64, 64, "float16")
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\]"):
+        kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(4, 9))
+    with pytest.raises(ValueError, match="both operands"):
+        kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be \[4, 3\]"):
+        kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(3, 8), out=torch.zeros(3, 4))
+
+
+def test_registered_as_a_dense_gemm_subject():
+    subject = load_all()["triton_bi_matmul"]
+    assert (subject.family, subject.layouts, subject.dtypes) == ("gemm", ("dense",), ("bfloat16", "float32"))
+    reason = subject.unavailable(CPU, {"layout": "dense", "dtype": "bfloat16"})
+    assert reason.startswith("needs a CUDA GPU") and "interpreter computes bf16 wrongly" in reason
+    assert "no contiguous layout" in subject.unavailable(H200, {"layout": "contiguous", "dtype": "bfloat16"})
+    assert "does not take float8_e4m3fn" in subject.unavailable(H200, {"layout": "dense", "dtype": "float8_e4m3fn"})
+
+
+def test_gpu_without_triton_says_so(monkeypatch):
+    subject = load_all()["triton_bi_matmul"]
+    monkeypatch.setattr(kernel, "triton", None)
+    assert "triton cannot be imported" in subject.unavailable(H200, {"layout": "dense", "dtype": "bfloat16"})
+    with pytest.raises(RuntimeError, match="needs triton"):
+        kernel.bi_matmul(torch.zeros(2, 8), torch.zeros(3, 8))
+
+
+# --- float32 under the interpreter (child process) --------------------------------------------
+
+SMALL = {  # blocks small enough for many tiles and K steps at test sizes
+    "pointers": dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2),
+    "tma": dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2, tma=True),
+    "pointers-k16": dict(block_m=32, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2),
+}
+M_VALUES = (1, 2, 5, 16, 17, 33, 64)
+M_MAX = 64
+# Rows move by whole tiles of every variant: the interpreter's tl.dot is numpy's BLAS, whose
+# bits for a row may depend on where in the block the row sits, which is not the kernel's logic.
+ROLL = 32
+
+
+def interpreter_checks() -> dict:
+    """Run in a child with TRITON_INTERPRET=1; returns plain numbers for the parent to assert."""
+    from harness.tolerances import gemm_bound
+
+    g = torch.Generator().manual_seed(7)
+    k, n, m_max = 200, 40, M_MAX  # K not a multiple of BLOCK_K (masked tail), N not of BLOCK_N
+    spread = 2.0 ** torch.randint(-6, 7, (m_max, k), generator=g)  # exponents far apart: order shows
+    a_all = (torch.randn(m_max, k, generator=g) * spread).float()
+    b = torch.randn(n, k, generator=g).float()
+    exact = a_all.double() @ b.double().T
+    tol = gemm_bound("float32", k)
+    bound = tol["u_out"] * exact.abs() + tol["gamma"] * (a_all.double().abs() @ b.double().abs().T)
+    out = {}
+    for name, fields in SMALL.items():
+        cfg = kernel.TileConfig(**fields)
+        full = kernel.bi_matmul(a_all, b, config=cfg)
+        per_m = {}
+        for m in M_VALUES:
+            part = kernel.bi_matmul(a_all[:m].contiguous(), b, config=cfg)
+            per_m[m] = int((part.view(torch.int32) != full[:m].view(torch.int32)).sum())
+        rolled = kernel.bi_matmul(a_all.roll(ROLL, 0).contiguous(), b, config=cfg)
+        out[name] = {
+            "worst_fraction_of_bound": float(((full.double() - exact).abs() / bound).max()),
+            "batch_mismatches": per_m,
+            "position_mismatches": int((rolled.view(torch.int32) != full.roll(ROLL, 0).view(torch.int32)).sum()),
+            "programs": sorted({kernel.launch_plan(m, n, k, "float32", a_all.device, cfg)[1] for m in M_VALUES}),
+            "tiles_at_m_max": -(-m_max // cfg.block_m) * -(-n // cfg.block_n),
+            "tile_rows": cfg.block_m,
+            "bits": full.view(torch.int32).tolist(),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton", reason="triton is not installed here (pip install triton: ~190 MB wheel)")
+    env = {**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_matmul"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", list(SMALL))
+def test_interpreter_float32_within_the_reference_bound(interpreted, variant):
+    assert interpreted[variant]["worst_fraction_of_bound"] <= 1.0
+
+
+@pytest.mark.parametrize("variant", list(SMALL))
+def test_interpreter_float32_rows_do_not_depend_on_m_or_tile(interpreted, variant):
+    result = interpreted[variant]
+    assert ROLL % result["tile_rows"] == 0 and M_MAX % result["tile_rows"] == 0
+    assert result["batch_mismatches"] == {str(m): 0 for m in M_VALUES}
+    assert result["position_mismatches"] == 0
+    # not vacuous: persistent programs walked several tiles, and their number changed with M
+    assert max(result["programs"]) < result["tiles_at_m_max"] and len(result["programs"]) > 1
+
+
+def test_interpreter_comparison_sees_another_k_order(interpreted):
+    """Positive control: the same product with 16-wide K steps instead of 32 (a different
+    summation order) changes output bits, so the zero counts above could have been non-zero."""
+    k32 = torch.tensor(interpreted["pointers"]["bits"])
+    k16 = torch.tensor(interpreted["pointers-k16"]["bits"])
+    assert int((k32 != k16).sum()) > 0
+    assert torch.equal(k32, torch.tensor(interpreted["tma"]["bits"]))  # same walk through TMA: same bits
+
+
+if __name__ == "__main__":  # the child process of `interpreted`
+    print(json.dumps(interpreter_checks()))
