@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from harness import nccl_log, nccl_models
 from harness.families.collective import Layout, _record_paths, layouts
@@ -79,15 +80,19 @@ def test_vacuous_only_when_every_copy_took_the_same_path_in_the_same_size_messag
     gloo = OrderModel("gloo ring all-reduce + slice", None, exact=True)
     p = params(hidden=256)
     same = [Layout((1, 1, 1, 1), (0,), "decode"), Layout((1, 1, 1, 1), (0,), "prefill")]
+    rows = torch.tensor([[1.0, 2.0], [1.0, 3.0]], dtype=torch.bfloat16)
     m = _measurement()
-    _record_paths(m, ctx, p, gloo, same, [[], []])
+    _record_paths(m, ctx, p, gloo, same, [[], []], rows, None)
     assert "same path (gloo ring chunk 0)" in m.vacuous_reason
-    assert m.detail["copies"] == ["decode: rank 0 row 0: gloo ring chunk 0", "prefill: rank 0 row 0: gloo ring chunk 0"]
+    assert m.detail["copies"] == [
+        {"copy": "decode: rank 0 row 0", "path": "gloo ring chunk 0", "measured": 0, "predicted": None},
+        {"copy": "prefill: rank 0 row 0", "path": "gloo ring chunk 0", "measured": 1, "predicted": None}]
     # Positive controls: another chunk of the same message, or row 0 of a larger message.
     for other in (Layout((1, 1, 1, 1), (3,), "prefill"), Layout((2, 2, 2, 2), (0,), "prefill")):
         m = _measurement()
-        _record_paths(m, ctx, p, gloo, [same[0], other], [[], []])
+        _record_paths(m, ctx, p, gloo, [same[0], other], [[], []], rows, rows)
         assert m.vacuous_reason is None
+        assert [c["predicted"] for c in m.detail["copies"]] == [0, 1]
 
 
 def test_channel_pin_holds_only_where_every_size_used_one_range():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import inputs as gen
-from harness.bits import unit_roundoff
+from harness.bits import int_view, unit_roundoff
 from harness.compare import compare_bitwise
 from harness.context import RankContext
 from harness.families.driver import Copy, Family, Run, kept
@@ -234,12 +234,14 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
 
     # The prediction comes from the inputs alone: every rank's input is regenerated here.
     model = subject.order_model(ctx.backend)
+    pred_rows = None
     if model is not None:
         try:
             pred_rows = torch.stack(_predicted_probes(model, ctx, p, dtype, layouts_, calls))
             m.predicted_mismatched = compare_bitwise(pred_rows, _expected(prop, pred_rows, layouts_)).mismatched
             m.order_model, m.order_model_exact = model.name, model.exact
         except NoPrediction as exc:
+            pred_rows = None
             m.order_model, m.note = model.name, f"no order-model prediction: {exc}"
 
     probe = torch.stack([
@@ -249,7 +251,7 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     m.sensitivity_what = (f"of {p['hidden']:,} probe elements change bits under any reordering of "
                           f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
     if prop == "prefill-decode-invariance":
-        _record_paths(m, ctx, p, model, layouts_, calls)
+        _record_paths(m, ctx, p, model, layouts_, calls, observed, pred_rows)
     _nccl_record(ctx, m, calls, p)
     return m
 
@@ -277,13 +279,25 @@ def _copy_paths(ctx: RankContext, p: dict, model, layouts_, calls) -> list[tuple
     return out
 
 
-def _record_paths(m: Measurement, ctx: RankContext, p: dict, model, layouts_, calls) -> None:
-    """Every copy's path next to its label; vacuous when every copy sat in the same-size
-    message on the same path (the decode message repeated at the same channel: nothing the
-    check compares could differ)."""
+def _differing(rows: torch.Tensor | None) -> list[int]:
+    """Per copy, how many elements differ in bits from the first (the decode copy); [] without rows."""
+    if rows is None:
+        return []
+    bits = int_view(rows)
+    return (bits != bits[0]).sum(dim=1).tolist()
+
+
+def _record_paths(m: Measurement, ctx: RankContext, p: dict, model, layouts_, calls,
+                  observed: torch.Tensor, predicted: torch.Tensor | None) -> None:
+    """Every copy's path, measured and predicted differing elements next to its label;
+    vacuous when every copy sat in the same-size message on the same path (the decode
+    message repeated at the same channel: nothing the check compares could differ)."""
     paths = _copy_paths(ctx, p, model, layouts_, calls)
     labels = [label for layout in layouts_ for label in _labels(layout)]
-    m.detail["copies"] = [f"{label}: {what}" for label, (what, _) in zip(labels, paths)]
+    measured = _differing(observed)
+    expected = _differing(predicted) or [None] * len(labels)
+    m.detail["copies"] = [{"copy": label, "path": what, "measured": n, "predicted": e}
+                          for label, (what, _), n, e in zip(labels, paths, measured, expected)]
     if len({sig for _, sig in paths}) == 1:
         m.vacuous_reason = (f"every compared copy was reduced in a message of the same size along the same path "
                             f"({paths[0][0]}): nothing the check compares could differ")
