@@ -91,6 +91,9 @@ def shard_cols(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Per row in float32, rounded once to bf16."""
+    """Per row in float32, rounded once to bf16. The mean square is summed in float64 (the
+    float32 squares are exact there) and rounded once: a GPU reduction picks its threads per
+    row from the number of rows, so a float32 sum would depend on the batch."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight.float()).to(torch.bfloat16)
+    ms = x.double().pow(2).mean(-1, keepdim=True).float()
+    return (xf * torch.rsqrt(ms + NORM_EPS) * weight.float()).to(torch.bfloat16)

@@ -174,6 +174,9 @@ class _Forward:
                      self._chains(("layer", l), tokens, items, h[:real]))
 
         x = rmsnorm(h, L["attn_norm"])
+        if r == 0:  # every rank normalises every token alike; rank 0 speaks for them
+            self.rec(ops["attention.norm"], items, "in", "h", h)
+            self.rec(ops["attention.norm"], items, "out", "x", x)
         qkv = self.dense(x[:real], S["wqkv"])
         self.rec(ops["qkv"], items, "in", f"x@{r}", x[:real])
         self.rec(ops["qkv"], items, "out", f"rank {r}", qkv)
@@ -188,6 +191,8 @@ class _Forward:
         self.rec(ops["attention.residual"], mine, "out", "h", h_mine)
 
         x_mine = rmsnorm(h_mine, L["moe_norm"])
+        self.rec(ops["moe.norm"], mine, "in", "h", h_mine)
+        self.rec(ops["moe.norm"], mine, "out", "x", x_mine)
         routed = self.moe(l, L, x_mine, tokens, items, lo, local, ops)
         x_all = torch.empty((padded, h.shape[1]), dtype=BF16, device=h.device)
         dist.all_gather_into_tensor(x_all, x_mine.contiguous(), group=self.group)
@@ -313,8 +318,8 @@ def _sources(received, items: list, local: int) -> dict:
 def _layer_ops(l: int, p: dict) -> dict:
     """The ops of layer l, in program order; the layer itself orders after its stages."""
     tp, disp, gemm, dense = p["tp_reduce"], p["dispatch"], p["gemm"], p["dense_gemm"]
-    stages = [("qkv", dense, False), ("attention", None, False), ("o_proj", dense, False),
-              ("attention.tp_reduce", tp, True), ("attention.residual", None, False),
+    stages = [("attention.norm", None, False), ("qkv", dense, False), ("attention", None, False), ("o_proj", dense, False),
+              ("attention.tp_reduce", tp, True), ("attention.residual", None, False), ("moe.norm", None, False),
               ("moe.router", None, False), ("moe.dispatch", disp, True), ("moe.gate_up", gemm, False),
               ("moe.act", None, False), ("moe.down", gemm, False), ("moe.combine", disp, True),
               ("moe.gather", "all_gather_into_tensor", True), ("moe.shared", dense, False),
