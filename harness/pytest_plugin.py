@@ -6,11 +6,19 @@
   returns every rank's result; an exception on any rank is raised here, unchanged.
 * `assert_bitwise_equal` / `assert_invariant`: the harness's comparison and mismatch text.
 * `pytest --ep-suite smoke`: one pytest item per check of a suite, all measured by one verify
-  run of every collected check (one launch on gloo), shared by pytest-xdist's workers.
+  run of every collected check (one launch on gloo), shared by pytest-xdist's workers through
+  a private directory (mkdtemp, 0700) that the session's controller makes and names to its
+  workers, never a guessable one: records found anywhere else, or not stamped with the
+  session's nonce, are never read.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
+import shutil
+import stat
 import tempfile
 import time
 import traceback
@@ -211,10 +219,70 @@ def pytest_addoption(parser):
     group.addoption("--ep-gpus", type=int, default=None, help="GPUS for --ep-suite (default: all visible)")
 
 
+SUITE_DIR = pytest.StashKey[tuple]()  # (private directory, nonce) of this session's --ep-suite run
+
+
 def pytest_configure(config):
     # Nothing else: a session that uses none of the plugin's options imports nothing and
     # changes nothing (--ep-suite's one verify run sees every GPU, whichever worker makes it).
     config.addinivalue_line("markers", "gpus(n): needs n GPUs; skipped with the reason when fewer are visible")
+    if config.getoption("--ep-suite", None):
+        worker = getattr(config, "workerinput", None)
+        if worker is not None:  # an xdist worker: the controller named the directory
+            config.stash[SUITE_DIR] = (Path(worker["ep_suite_dir"]), worker["ep_suite_nonce"])
+        else:  # the controller, or a session without xdist: mode 0700, an unguessable name
+            config.stash[SUITE_DIR] = (Path(tempfile.mkdtemp(prefix="ep-harness-suite-")), secrets.token_hex(16))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist: each worker is told the controller's directory and nonce."""
+    if SUITE_DIR in node.config.stash:
+        shared, nonce = node.config.stash[SUITE_DIR]
+        node.workerinput["ep_suite_dir"], node.workerinput["ep_suite_nonce"] = str(shared), nonce
+
+
+def pytest_unconfigure(config):
+    if SUITE_DIR in config.stash and getattr(config, "workerinput", None) is None:
+        shutil.rmtree(config.stash[SUITE_DIR][0], ignore_errors=True)
+
+
+class ForeignResults(Exception):
+    """--ep-suite records that this session cannot show to be its own."""
+
+
+RUN_NAME = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")
+
+
+def _private(shared: Path) -> None:
+    info = os.lstat(shared)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ForeignResults(f"{shared} is not a private directory of this user (mode {oct(info.st_mode)}, "
+                             f"owner {info.st_uid}); its records are not read")
+
+
+def suite_records(shared: Path, nonce: str, run_verify) -> dict[str, dict]:
+    """The records of the session's one verify run, by check id. The first caller runs it
+    (run_verify(out_root) -> run directory) and stamps the run with the session's nonce;
+    every caller reads only a run so stamped, in `shared`, whose records are all its own."""
+    from filelock import FileLock
+
+    from harness.records import read_jsonl, write_atomic
+
+    _private(shared)
+    claim = shared / "ep-suite.json"
+    with FileLock(str(shared / "ep-suite.lock")):
+        if not claim.exists():
+            run_dir = run_verify(shared / "ep-suite")
+            write_atomic(claim, json.dumps({"nonce": nonce, "run": run_dir.name}))
+        stamp = json.loads(claim.read_text())
+    if not secrets.compare_digest(str(stamp.get("nonce")), nonce) or not RUN_NAME.fullmatch(str(stamp.get("run"))):
+        raise ForeignResults(f"{claim} is not this session's (its nonce differs); its records are not read")
+    run_dir = shared / "ep-suite" / stamp["run"]
+    records = read_jsonl(run_dir / "results.jsonl")
+    if not records or any(r.get("run_id") != run_dir.name for r in records):
+        raise ForeignResults(f"{run_dir}/results.jsonl holds records of another run; they are not read")
+    return {r["check"]: r for r in records}
 
 
 def pytest_report_teststatus(report, config):
@@ -245,25 +313,19 @@ class CheckItem(pytest.Item):
     def _record(self) -> dict:
         """This check's record from one verify run of every collected check (one launch on
         gloo, one per world size on NCCL), made when the first item runs. Under pytest-xdist
-        the first worker to get here runs it and the others read its records (a file lock in a
-        directory named by the run's PYTEST_XDIST_TESTRUNUID)."""
+        the first worker to get here runs it and the others read its records (suite_records:
+        a file lock in the session's private directory)."""
         if SUITE_RECORDS not in self.config.stash:
-            from filelock import FileLock
-
             from harness.plan import literal
-            from harness.records import read_jsonl
             from harness.verify import verify
 
-            session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}-{int(time.time())}"
-            shared = Path(tempfile.gettempdir()) / f"ep-harness-suite-{session}"
-            shared.mkdir(exist_ok=True)
-            with FileLock(str(shared / "ep-suite.lock")):
-                done = shared / "ep-suite" / "latest" / "results.jsonl"
-                if not done.exists():
-                    batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
-                    verify(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
-                           out_root=shared / "ep-suite", render=False, quiet=True)
-                self.config.stash[SUITE_RECORDS] = {r["check"]: r for r in read_jsonl(done)}
+            def run_verify(out_root: Path) -> Path:
+                batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
+                return verify(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch], out_root=out_root,
+                              render=False, quiet=True)[1]
+
+            shared, nonce = self.config.stash[SUITE_DIR]
+            self.config.stash[SUITE_RECORDS] = suite_records(shared, nonce, run_verify)
         return self.config.stash[SUITE_RECORDS][self.check.id]
 
     def runtest(self):
