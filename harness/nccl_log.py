@@ -227,15 +227,18 @@ def channel_pin(env: dict[str, str]) -> int | None:
     return int(lo) if lo.strip().isdigit() and lo.strip() == hi.strip() else None
 
 
-def channel_pin_violations(calls: list[Call], pinned: int | None) -> str | None:
+def channel_pin_violations(calls: list[Call], pinned: int | None, comm_channels: int | None = None) -> str | None:
     """Why the calls did not all use one channel range under the channel pin, or None.
 
-    NCCL_MIN/MAX_NCHANNELS fix the communicator's channel count, but NCCL still gives a small
-    message fewer channels (src/enqueue.cc: its thread threshold, and at least 16 KiB of
-    traffic per channel), so the pin holds only where every call used the same range."""
+    NCCL_MIN/MAX_NCHANNELS and NCCL_MIN/MAX_CTAS fix the communicator's channel count
+    (src/graph/connect.cc), but NCCL still gives a small message fewer channels
+    (src/enqueue.cc: its thread threshold, and at least 16 KiB of traffic per channel), so
+    the pin holds only where every call used the same range."""
     if pinned is None:
         return ("channel_pin = true, but the launch pins no channel count: set NCCL_MIN_NCHANNELS = "
                 "NCCL_MAX_NCHANNELS (and NCCL_MIN_CTAS = NCCL_MAX_CTAS) to one value in the case's env")
+    if comm_channels is not None and comm_channels != pinned:
+        return f"channel pin NCCL_MIN/MAX_NCHANNELS={pinned}, but NCCL built {comm_channels} coll channels"
     by_range: dict[tuple[int, int], list[str]] = {}
     for c in calls:
         by_range.setdefault(c.channels, []).append(f"{c.function} {c.nbytes:,} B")

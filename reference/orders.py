@@ -130,12 +130,31 @@ def nccl_ring_all_reduce_channels(inputs: torch.Tensor, channel_rings: list[list
     """
     if sum(channel_counts) != inputs.shape[1]:
         raise ValueError(f"channel counts {channel_counts} do not add up to {inputs.shape[1]} elements")
-    pieces, offset = [], 0
+    world_size = inputs.shape[0]
+    align = max(1, 16 // inputs.element_size())
+    out = torch.empty(inputs.shape[1], dtype=inputs.dtype)
+    offset = 0
     for channel, count in enumerate(channel_counts):
-        part = inputs[:, offset:offset + count]
-        pieces.append(nccl_ring_all_reduce(part, chunk_elems, channel_rings[channel]))
+        ring = _check(inputs, channel_rings[channel])
+        for start, end, k in nccl_ring_chunks(count, world_size, chunk_elems, align):
+            out[offset + start:offset + end] = chain_fold(inputs[:, offset + start:offset + end], ring_walk(ring, ring[k]))
         offset += count
-    return torch.cat(pieces)
+    return out
+
+
+def nccl_ring_chunks(n: int, world_size: int, chunk_elems: int, align_elems: int) -> list[tuple[int, int, int]]:
+    """(start, end, k) of every non-empty chunk of an N-element ring all-reduce: elements
+    [start, end) are finalised at ring index k (the same cut as `nccl_ring_chunk_of`)."""
+    out, start, loop = [], 0, world_size * chunk_elems
+    while start < n:
+        remaining = n - start
+        size = chunk_elems if remaining >= loop else -(-(-(-remaining // world_size)) // align_elems) * align_elems
+        for k in range(world_size):
+            lo, hi = start + k * size, min(n, start + (k + 1) * size)
+            if lo < hi:
+                out.append((lo, hi, k))
+        start = min(n, start + world_size * size)
+    return out
 
 
 def tree_chain_all_reduce(inputs: torch.Tensor, chain: list[int] | None = None) -> torch.Tensor:

@@ -106,6 +106,7 @@ def test_channel_pin_holds_only_where_every_size_used_one_range():
     assert "channels 0..0 at AllReduce 4,096 B" in broken and "channels 0..1 at AllReduce 65,536 B" in broken
     assert nccl_log.channel_pin_violations([c for c in calls if c.channels == (0, 7)], 8) is None
     assert "pins no channel count" in nccl_log.channel_pin_violations(calls, None)
+    assert "NCCL built 8 coll channels" in nccl_log.channel_pin_violations(calls[:1], 1, 8)
 
 
 def test_paths_that_escape_nccl_algo_are_named():

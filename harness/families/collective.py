@@ -202,7 +202,8 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: dict) -
         env = {**os.environ, **(ctx.nccl_topology.env if ctx.nccl_topology is not None else {})}
         pinned = channel_pin(env)
         m.detail["channel_pin"] = pinned
-        broken = channel_pin_violations(flat, pinned)
+        comm = ctx.nccl_topology.coll_channels if ctx.nccl_topology is not None else None
+        broken = channel_pin_violations(flat, pinned, comm)
         if broken:
             violations.append(broken)
     if violations:
