@@ -13,6 +13,7 @@ import pandas as pd
 
 from reports import plots
 from reports.analysis import FAILING, counts, pairs, verdict
+from reports.selftest import selftest_context
 from reports.text import DASH, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
@@ -141,5 +142,6 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
         "rows": [_row(r) for r in records], "details": [_detail(r) for r in records if _has_detail(r)],
         "failures": [{"status": r["status"], "check": _text(r["check"]), "reason": _text(r.get("reason"))}
                      for r in records if r["status"] in (*FAILING, "interrupted")],
+        "selftest": selftest_context(run.path),  # only an `ep-harness selftest` run has one
     }
     return _TEMPLATES.get_template("report.html.j2").render(context)

@@ -214,7 +214,7 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     must, the weak batch-invariance (element 0 never compared) is blind to `ulp` and only
     to it, and the control's cells are not applicable."""
     proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--injections",
-                   "ulp,kth-call,one-rank,nan,in-graph", "--no-report", "--out", str(tmp_path))
+                   "ulp,kth-call,one-rank,nan,in-graph", "--out", str(tmp_path))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
     assert "# selftest matrix" in proc.stdout
@@ -231,6 +231,8 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     assert cells["fold/reference"]["nan"] == "caught"
     assert set(cells["native-control/rank-invariance"].values()) == {"n/a"}
     assert (tmp_path / "latest" / "injected" / "ulp.jsonl").exists()
+    page = (tmp_path / "latest" / "report.html").read_text()
+    assert "Selftest: 1 blind check(s)" in page and '<td class="st-missed"' in page
 
 
 @pytest.mark.slow
