@@ -16,9 +16,16 @@ predict its generated tokens (float32 [new_tokens, vocab]).
 * reference: within tolerances.MODEL of reference/model.py (float64, teacher-forced on the
   run's tokens and router choices; flips reported apart).
 
-Every run traces every op per tracked token on every rank (harness.divergence); a failed
-comparison's record names the first divergence between the first run and the first run that
-differs from it (`detail.first_divergence`).
+Every run traces every op per tracked token on every rank (harness.divergence); the traces
+travel to rank 0 only for the first run and the first run whose rows differ from it (every
+rank computes every row, so each can tell), and then the record names the first divergence
+between them (`detail.first_divergence`: layer, stage, subject, whether a collective, the
+ranks that held the differing outputs in both runs, and how many tokens diverged of those
+whose inputs agreed).
+
+Vacuity: the driver's rules, plus runs that put every compared token at the same row of
+messages of the same sizes (nothing a reduction, GEMM or dispatch sees has moved), and a
+probe whose layer-0 TP partials and q/k/v products no summation order could change.
 """
 from __future__ import annotations
 

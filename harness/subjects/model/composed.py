@@ -258,6 +258,13 @@ class _Forward:
         self.rec(op, items, "out", f"rank {r}", out)
         return out
 
+    def experts_gemm(self, received, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The `gemm` subject over this rank's experts; a rank that received no row (a decode
+        step of one prompt routes to k experts of E) skips the call: kernels need M > 0."""
+        if a.numel() == 0:
+            return torch.zeros((*a.shape[:-1], b.shape[1]), dtype=BF16, device=a.device)
+        return ComposedMoE._gemm(self.s["gemm"], received, a, b, self.p)
+
     def tp_reduce(self, partial, local, op, items, mine) -> torch.Tensor:
         out = partial.new_empty((local, partial.shape[1]))
         self.s["tp_reduce"].reduce_scatter(out, partial, [local] * self.world, self.group)
@@ -284,10 +291,10 @@ class _Forward:
         self.rec(ops["moe.dispatch"], mine, "in", "x", x)
         self.rec(ops["moe.dispatch"], mine, "in", "experts", idx)
         src = _sources(received, items, local)
-        h = ComposedMoE._gemm(self.s["gemm"], received, received.x, L["gate_up"][self.experts], p)
+        h = self.experts_gemm(received, received.x, L["gate_up"][self.experts])
         inter = L["down"].shape[-1]
         act = (torch.nn.functional.silu(h[..., :inter].float()) * h[..., inter:].float()).to(BF16)
-        y = ComposedMoE._gemm(self.s["gemm"], received, act, L["down"][self.experts], p)
+        y = self.experts_gemm(received, act, L["down"][self.experts])
         flat = [t.reshape(-1, t.shape[-1]) for t in (received.x, h, act, y)]
         for (op, a, b) in ((ops["moe.dispatch"], None, flat[0]), (ops["moe.gate_up"], flat[0], flat[1]),
                            (ops["moe.act"], flat[1], flat[2]), (ops["moe.down"], flat[2], flat[3])):
