@@ -46,3 +46,36 @@ class CombineReordersInNoLayer(CombineReordersInOneLayer):
     name = "planted_no_layer_combine"
     summary = "the layer-3 planted combine, planted nowhere"
     planted_layer = None
+
+
+def _rounded(a, b):
+    """a @ b.T summed in float64 and rounded once to bf16: the same bits whatever M is."""
+    return (a.double() @ b.double().T).to(torch.bfloat16)
+
+
+@register
+class Bf16SplitKPastFewRows:
+    """An expert GEMM whose output for a row depends on how many rows share its expert: past
+    `rows` it sums the two K halves as separate bf16 products (a split-K with bf16 partials
+    that kicks in with M), as a library choosing its kernel by M might."""
+
+    name = "planted_bf16_split_k"
+    family = "gemm"
+    summary = "expert GEMM that splits K into bf16 halves past 8 rows"
+    layouts = ("contiguous",)
+    dtypes = ("bfloat16",)
+    rows = 8
+
+    def unavailable(self, platform, params):
+        return None
+
+    def run(self, problem, out):
+        half = problem.a.shape[1] // 2
+        for g, count in enumerate(problem.counts):
+            s = problem.starts[g]
+            a, b = problem.a[s:s + count], problem.b[g]
+            if count > self.rows:
+                d = (_rounded(a[:, :half], b[:, :half]).float() + _rounded(a[:, half:], b[:, half:]).float())
+                out[s:s + count] = d.to(torch.bfloat16)
+            else:
+                out[s:s + count] = _rounded(a, b)

@@ -1,6 +1,7 @@
 """The model probe (harness/families/model.py, harness/subjects/model/): one shared launch of
-tests/cases/model.toml (4 gloo ranks) for the fold model, the native reduce-scatter control
-and a combine planted to reorder in layer 3 only; and the localiser, the reference's bound
+tests/cases/model.toml (4 gloo ranks) for the fold model, the native reduce-scatter control,
+a combine planted to reorder in layer 3 only and an expert GEMM planted to split K past 8
+rows; and the localiser, the reference's bound
 and the vacuity rule on their own."""
 import copy
 import json
@@ -63,6 +64,17 @@ def test_a_combine_planted_in_layer_3_is_named_as_such(model_run):
     assert first["parts"] == ["routed"] and first["diverged"] > 0
     control = model_run["planted-nowhere/batch-invariance"]  # the same plugin, planted in no layer
     assert (control["status"], control["mismatched"]) == ("ok", 0)
+
+
+@pytest.mark.slow
+def test_an_expert_gemm_that_changes_with_m_is_named(model_run):
+    for prop in ("batch-invariance", "prefill-decode-invariance"):
+        r = model_run[f"planted-split-k/{prop}"]
+        assert r["status"] == "ok" and r["held"] is False and r["mismatched"] > 0
+        first = r["detail"]["first_divergence"]
+        assert (first["stage"], first["subject"], first["collective"]) == \
+            ("moe.gate_up", "planted_bf16_split_k", False), first
+        assert all(part.startswith("slot ") for part in first["parts"])
 
 
 # --- the localiser on traces built by hand
