@@ -517,6 +517,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
                             namespace=launch.namespace)
             head.follower_exits(k)
             head.reported[f"{job_dir.name}/launch{k}"] = launch_results(launch)
+            redact_logs(job_dir)
         report()
         if error is None and proc.returncode != 0:
             failed_at, error, details = _rank_error(launch, world_size, proc.returncode, start, log_path, nodes.multi)
@@ -544,6 +545,28 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
                                              details={"log": _log_tail(job_dir / f"torchrun-{attempt}.log")}))
     report()
     return outcomes
+
+
+# NCCL's ENV subsystem (logged on every GPU run) writes each variable it reads with its value.
+SET_BY_ENVIRONMENT = re.compile(r"\b(?P<name>[A-Z][A-Z0-9_]*) set by environment to (?P<value>[^\n]*)")
+
+
+def redact_logs(job_dir: Path) -> None:
+    """The value of every credential-named variable in a launch's NCCL logs replaced, as in
+    environment.json: the logs stay in the run directory, which CI uploads."""
+    from harness.environment import REDACTED, is_secret
+
+    def hide(m):
+        return f"{m['name']} set by environment to {REDACTED}" if is_secret(m["name"]) else m.group(0)
+
+    for log in job_dir.glob("nccl-rank*.log"):
+        try:
+            text = log.read_text(errors="replace")
+            hidden = SET_BY_ENVIRONMENT.sub(hide, text)
+            if hidden != text:
+                log.write_text(hidden)
+        except OSError:
+            pass
 
 
 def launch_results(launch: Channel) -> dict:
@@ -651,6 +674,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
                     lenient = Channel(store, ns.namespace, nodes.run_secret, strict=False)  # teardown never stops
                     kill_launch(proc, _local_groups(_states(lenient, launch["nproc"] * nodes.nnodes), nodes.node_rank),
                                 namespace=ns.namespace)
+                redact_logs(job_dir)
                 channel.put(f"node/{nodes.node_rank}/launch/{k}", {"exit": proc.returncode})
                 k += 1
     except Interrupted as exc:

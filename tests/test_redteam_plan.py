@@ -104,3 +104,17 @@ def test_credentials_are_redacted_by_pattern_wherever_env_is_recorded(tmp_path):
     # ... and in the command line environment.json keeps
     assert redacted_command(["ep-harness", "verify", "--run-secret", "s3cr3t", "--run-secret=s3cr3t"]) == [
         "ep-harness", "verify", "--run-secret", "<redacted>", "--run-secret=<redacted>"]
+
+
+def test_credentials_in_nccls_own_log_are_redacted(tmp_path):
+    """NCCL's ENV subsystem logs every variable it reads with its value, into the run directory."""
+    from harness.launch import redact_logs
+
+    log = tmp_path / "nccl-rank0-0.log"
+    log.write_text("h:1:1 [0] NCCL INFO NCCL_IB_PASSWD set by environment to hunter2\n"
+                   "h:1:1 [0] NCCL INFO NCCL_ALGO set by environment to allreduce:tree\n"
+                   "h:1:1 [0] NCCL INFO NCCL_SOCKET_CREDENTIAL set by environment to hunter2\n")
+    redact_logs(tmp_path)
+    text = log.read_text()
+    assert "hunter2" not in text and text.count("set by environment to <redacted>") == 2
+    assert "NCCL_ALGO set by environment to allreduce:tree" in text
