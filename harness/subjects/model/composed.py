@@ -187,6 +187,7 @@ class _Forward:
         self.rec(ops["o_proj"], items, "out", f"rank {r}", partial)
         attn = self.tp_reduce(partial, local, ops["attention.tp_reduce"], items, mine)
         h_mine = h[lo:lo + local] + attn
+        self.rec(ops["attention.residual"], mine, "in", "h", h[lo:lo + local])
         self.rec(ops["attention.residual"], mine, "in", "attn", attn)
         self.rec(ops["attention.residual"], mine, "out", "h", h_mine)
 
@@ -209,6 +210,7 @@ class _Forward:
         # the routed output joins after the reduction: added into one rank's partial instead,
         # its place in the sum would follow the token's rank, which follows the batch
         moe = (shared.float() + routed.float()).to(BF16)
+        self.rec(ops["moe.residual"], mine, "in", "h", h_mine)
         h_mine = h_mine + moe
         self.rec(ops["moe.residual"], mine, "in", "shared", shared)
         self.rec(ops["moe.residual"], mine, "in", "routed", routed)
