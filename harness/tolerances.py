@@ -35,7 +35,7 @@ product at the scale it works at (as the MoE layer's bound), with factor = per_s
 (2 * layers + 1) for the relative error x carries from the residual stream's roundings (two
 residual adds per layer, their stages, the final norm), per_stage = 1; logsumexp is
 1-Lipschitz in the max norm, hence + max_u B_u. A coarse first-order bound, with its teeth
-measured: the default CPU model (4 layers) reaches 0.04 (4 ranks) to 0.06 (1 rank) of it;
+measured: the default CPU model (4 layers) reaches about 0.05 of it (0.047 on 4 ranks);
 the same model without one layer's shared expert is 2x over it, so it tells a model that
 computes something from noise. Counted against a reference that follows the run's own
 router choices and tokens (teacher forcing: a flip changes the function, not its rounding). A
