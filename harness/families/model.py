@@ -180,10 +180,13 @@ def _layout(p: dict, b: Batch, tokens: dict) -> dict:
 
 def _nothing_moved(p: dict, runs: list[Run], gathered) -> str | None:
     """Vacuous when every run puts every compared token at the same row of a message of the
-    same size: no reduction, GEMM or dispatch could see anything change."""
+    same size in every forward: the TP reductions, the projections and the LM head see the
+    compared tokens exactly where and among as many rows as before (a check of the batch that
+    changes nothing they see; what the experts see alone is not a reason to run it)."""
     layouts = [_layout(p, run.spec, gathered[0][i]["tokens"]) for i, run in enumerate(runs)]
     if all(lay == layouts[0] for lay in layouts[1:]):
-        return "every run puts the compared tokens at the same rows of messages of the same sizes"
+        return ("every run puts the compared tokens at the same rows of messages of the same sizes: no TP "
+                "reduction or projection sees them elsewhere")
     return None
 
 
