@@ -170,7 +170,7 @@ def rank_main() -> None:
             if injection is not None:
                 from harness.selftest.wrap import wrapped
 
-                subject = wrapped(subject, injection, check.id)
+                subject = wrapped(subject, injection, check)
             measured = execute(check, subject, check_ctx).to_json()
             if len(contexts) > 1:
                 dist.barrier()  # every rank leaves the check together, the idle ones included

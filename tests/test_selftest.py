@@ -56,7 +56,6 @@ def test_cells_that_cannot_be_tested_are_not_applicable():
     assert expectations.required(record(expect="violated"), "ulp")[0] is None  # a control
     assert expectations.required(record(status="vacuous"), "ulp")[0] is None
     assert expectations.required(record(status="unexpected"), "ulp")[0] is None
-    assert expectations.required(record("reference", family="dispatch"), "nan")[0] is None
     assert expectations.required(record("no-such-property"), "ulp")[0] is None
     assert expectations.required(record(family="model"), "ulp")[0] is None
 
@@ -137,7 +136,7 @@ def calls(subject, injection, batches, tmp_path, monkeypatch, rank=0):
     wrapper's log of which calls the defect changed."""
     monkeypatch.setenv("EP_HARNESS_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", str(rank))
-    w = wrapped(subject, injection.to_json(), "the-check")
+    w = wrapped(subject, injection.to_json(), SimpleNamespace(id="the-check", property="batch-invariance"))
     outs, inputs = [], []
     for n, rows in enumerate(batches):
         a = torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 100 * n
@@ -249,3 +248,18 @@ def test_bad_injection_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown injection 'ulpp'" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_limit_keeps_the_first_checks_that_expect_to_hold():
+    from dataclasses import replace
+
+    from harness import subject as registry
+    from harness.check import single_check
+    from harness.selftest.run import choose
+
+    registry.load_all()
+    base = single_check(registry.get("all_gather_fold"), "rank-invariance", {"dtype": "bfloat16", "world_size": 3})
+    checks = [replace(base, id="control", expect="violated"), replace(base, id="skipped", skip_reason="needs a GPU"),
+              replace(base, id="a"), replace(base, id="b"), replace(base, id="c")]
+    assert [c.id for c in choose(checks, None)] == ["control", "a", "b", "c"]
+    assert [c.id for c in choose(checks, 2)] == ["a", "b"]

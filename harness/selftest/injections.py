@@ -8,8 +8,10 @@ magnitude plus one, the smallest change an order of summation makes; never an xo
 elements), NaN, +Inf, a value kept from the previous call, or a write into the input.
 
 A call is one call of the subject's output-producing method within one check (the
-collective's reduce_scatter, the GEMM's run, quantize, the dispatcher's combine, the MoE
-layer's forward), counted from 0 on each rank; the harness makes one call per compared run.
+collective's reduce_scatter, the GEMM's run, quantize, the dispatcher's combine, or its
+dispatch for `reference`, which compares the dispatched rows, the MoE layer's forward),
+counted from 0 on each rank; the harness makes one call per compared run (CUDA-graph
+warm-ups, whose output the replay overwrites, are not counted).
 
 Places: `element` is one element of the output (flat index `element`); `column` is element
 `element` of every output row, so that whichever row a check compares (its probe may sit in

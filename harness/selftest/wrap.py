@@ -1,6 +1,6 @@
 """On the ranks: a subject wrapped so that its output carries one injected defect.
 
-harness/worker.py calls `wrapped(subject, injection, check_id)` for a check whose job entry
+harness/worker.py calls `wrapped(subject, injection, check)` for a check whose job entry
 says `inject` (only `ep-harness selftest` sends one): the real subject runs first, then the
 wrapper changes its output (or input) as harness/selftest/injections.py describes. Every
 other attribute (the order model, unavailable, layouts, ...) is the real subject's.
@@ -68,8 +68,8 @@ def _graph_warm_up(out: torch.Tensor) -> bool:
 class _Wrapped:
     """Delegates everything to the real subject; the family subclasses wrap its one method."""
 
-    def __init__(self, subject, injection: Injection, check_id: str):
-        self._subject, self._inj, self._check = subject, injection, check_id
+    def __init__(self, subject, injection: Injection, check):
+        self._subject, self._inj, self._check, self._property = subject, injection, check.id, check.property
         self._rank = int(os.environ.get("RANK", "0"))
         self._calls = 0
         self._first: tuple[int, int] | None = None  # rows and bytes of the check's first output
@@ -171,12 +171,19 @@ class _Quant(_Wrapped):
 
 
 class _Dispatch(_Wrapped):
+    """`reference` compares the dispatched rows: the defect goes there; every other property
+    compares combine's output: it goes there (never both, so that each check sees one)."""
+
     def dispatch(self, x, topk_idx, topk_weights, cfg, group):
-        return self._subject.dispatch(x, topk_idx, topk_weights, cfg, group)
+        received = self._subject.dispatch(x, topk_idx, topk_weights, cfg, group)
+        if self._property == "reference":
+            self._inject(received.x, x)
+        return received
 
     def combine(self, expert_out, handle, topk_weights, group):
         out = self._subject.combine(expert_out, handle, topk_weights, group)
-        self._inject(out, expert_out)
+        if self._property != "reference":
+            self._inject(out, expert_out)
         return out
 
 
@@ -191,6 +198,8 @@ WRAPPERS = {"collective": _Collective, "gemm": _Gemm, "quant": _Quant, "dispatch
             "moe_layer": _MoeLayer}
 
 
-def wrapped(subject, injection: dict, check_id: str):
-    """`subject` with the injection (as the job carries it, Injection.to_json) applied."""
-    return WRAPPERS[subject.family](subject, Injection.from_json(injection), check_id)
+def wrapped(subject, injection: dict, check):
+    """`subject` with the injection (as the job carries it, Injection.to_json) applied for
+    one harness.check.Check (its id names the check in the log; its property says, for a
+    dispatcher, which output the property compares)."""
+    return WRAPPERS[subject.family](subject, Injection.from_json(injection), check)
