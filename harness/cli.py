@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--check", action="append", default=[], metavar="ID", help="only checks whose id matches (glob)")
     st.add_argument("--gpus", type=_gpus, default=None)
     st.add_argument("--cpu-ranks", type=int, default=4)
+    st.add_argument("--emulate-hosts", action="store_true", help="as for verify: NCCL ranks beyond the GPUs")
     st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
                             selection=args.check, plugins=args.plugin, out_root=args.out,
                             command=["ep-harness", *argv], render=not args.no_report,
-                            every_cell=args.every_cell)[0]
+                            every_cell=args.every_cell, emulate_hosts=args.emulate_hosts)[0]
         if args.command == "gate":
             from harness.gate import gate, render_gate
 

@@ -63,7 +63,7 @@ class Launcher:
             job_dir = self.run_dir / "jobs" / f"{name}-{n:02d}-ws{world_size}"
             sent = [InjectedCheck.of(c, injection) for c in group] if injection else group
             outcomes = run_job(self.head, job_dir, world_size, self.platform.backend, sent,
-                               pinned_env(self.platform, env_overrides), self.plugins)
+                               pinned_env(self.platform, env_overrides), self.plugins, self.platform.emulated_hosts)
             for c in group:
                 records[c.id] = finalize(c, outcomes.get(c.id), self.head.run_id, self.rerun(c, injection))
             fired |= fired_checks(job_dir)
@@ -71,10 +71,11 @@ class Launcher:
 
     def rerun(self, check: Check, injection: Injection | None) -> str:
         if injection is None:
-            return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins)
+            return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins, self.platform.emulated_hosts)
         cmd = ["ep-harness", "selftest", "--suite", str(self.suite_path), "--check", literal(check.id),
                "--injections", injection.name]
         cmd += ["--gpus", str(self.gpus)] if self.gpus is not None else []
+        cmd += ["--emulate-hosts"] if self.platform.emulated_hosts else []
         for p in self.plugins:
             cmd += ["--plugin", p]
         return shlex.join(cmd)
@@ -92,7 +93,7 @@ def choose(checks: list[Check], limit: int | None) -> list[Check]:
 def selftest(suite: str, injections: str | None = None, limit: int | None = None, gpus: int | None = None,
              cpu_ranks: int = 4, selection: list[str] | None = None, plugins: list[str] = (),
              out_root: Path = Path("reports/out"), command: list[str] = (), quiet: bool = False,
-             render: bool = True, every_cell: bool = False) -> tuple[int, Path]:
+             render: bool = True, every_cell: bool = False, emulate_hosts: bool = False) -> tuple[int, Path]:
     """Plant each injection in every check that must catch it (every_cell: in every check
     it applies to, so that catches beyond the table show as `extra`); return the exit code
     (0: no check blind, 1: a check blind) and the run directory."""
@@ -103,7 +104,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
     loaded = load_suite(suite_path)
     plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
     registry.load_all(plugins)
-    platform = platform_for(Nodes(), gpus, cpu_ranks, False)
+    platform = platform_for(Nodes(), gpus, cpu_ranks, emulate_hosts)
     checks = choose(expand(loaded, platform, selection), limit)
     if not checks:
         raise HarnessError(f"no runnable check in {suite_path} on this machine; "
