@@ -51,9 +51,9 @@ def kernel_names(device: torch.device, enabled: bool):
     names.update(e.name for e in prof.events() if e.device_type == kind)
 
 
-def summarize(per_rank: list[set[str]]) -> list[str]:
-    """Every rank's kernels, distinct, sorted, shortened: what the record lists."""
-    union = sorted(set().union(*per_rank))
+def summarize(per_rank: list[set[str]], wanted: tuple[str, ...] = ()) -> list[str]:
+    """Every rank's kernels, distinct, shortened, the declared ones first: what the record lists."""
+    union = sorted(set().union(*per_rank), key=lambda n: (not any(w in n for w in wanted), n))
     return [n if len(n) <= MAX_NAME_CHARS else n[:MAX_NAME_CHARS - 3] + "..." for n in union[:MAX_NAMES]]
 
 

@@ -115,3 +115,51 @@ def test_explore_finds_and_shrinks_the_planted_combine(tmp_path):
     assert again.returncode == 1 and "unexpected" in again.stdout
     replay = run_cli(*args)
     assert "1 known counterexample(s) replayed first" in replay.stdout and replay.returncode == 1
+
+
+def test_deepep_v1_rows_carry_their_sources_and_the_config_used(one_rank, fake):
+    """The dispatch reference compares every received row with the row sent, sorted by
+    (expert, source rank, token, slot): with the sources filled it is not vacuous."""
+    m = run_check(deepep.DeepEPNormal(), "reference", one_rank)
+    assert m.held and m.total > 0, m
+    dispatched = next(v for k, v in fake if k == "Buffer.dispatch")
+    assert dispatched["config"].fields == deepep.V1_CONFIGS[2][0]
+    assert m.detail["subject_info"]["dispatch_config"]["num_sms"] == 20
+    assert m.detail["subject_info"]["fill_uninitialized_memory"].startswith("off")
+
+
+def test_deepep_v1_without_its_kernels_is_an_error(one_rank, fake, monkeypatch):
+    """A DeepEP check during which no DeepEP kernel ran (a silent fallback) is an error; the
+    fake emits profiler ranges named like DeepEP's kernels, or none."""
+    m = run_check(deepep.DeepEPNormal(), "combine-reference", one_rank)
+    assert m.error is None and any("intranode::combine<" in k for k in m.kernels)
+    monkeypatch.setattr(fake_deep_ep, "EMIT_KERNELS", False)
+    m = run_check(deepep.DeepEPNormal(), "combine-reference", one_rank)
+    assert m.held and m.error and "deepep_v1 declares kernels" in m.error and "none ran" in m.error
+
+
+def test_deepep_v1_predicts_its_combine_exactly(one_rank, fake):
+    m = run_check(deepep.DeepEPNormal(), "position-invariance", one_rank)
+    assert m.order_model_exact and m.predicted_mismatched == m.mismatched == 0
+
+
+def test_deepep_skips_say_why(fake):
+    from harness.subject import Platform
+
+    gpu = Platform("nccl", "cuda", 8, gpus=1, emulated_hosts=True)
+    assert deepep.DeepEPLowLatency().unavailable(gpu, {"world_size": 4}).startswith(
+        "DeepEP's low-latency mode needs NVSHMEM with IBGDA and one GPU per rank; this run has 4 ranks on 1 GPU")
+    assert "take 2, 4 or 8 ranks" in deepep.DeepEPNormal().unavailable(gpu, {"world_size": 3, "hidden": 256})
+    assert "up to 8176 wide" in deepep.DeepEPNormal().unavailable(gpu, {"world_size": 4, "hidden": 8192})
+    assert deepep.DeepEPNormal().unavailable(gpu, {"world_size": 4, "hidden": 2048}) is None
+
+
+def test_deepep_v2_skips_where_deep_ep_has_no_elastic_buffer(monkeypatch):
+    from harness.subject import Platform
+
+    class V1Only:
+        pass
+
+    monkeypatch.setattr(deepep._DeepEP, "module", staticmethod(lambda: V1Only))
+    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4, gpus=4), {})
+    assert reason.startswith("deep_ep") and "has no ElasticBuffer" in reason

@@ -115,13 +115,16 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
                                                                  result.sensitivity_what)
         if trace:
             _prove_kernels(result, subject, p, kernels)
+        if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration
+            result.detail["subject_info"] = subject.describe(p)
     return ctx.share_from_rank0(result)  # every rank reaches the same verdict
 
 
 def _prove_kernels(result: Measurement, subject, p: dict, kernels: list[set[str]]) -> None:
     """List what ran; a declared kernel that ran on no rank makes the check an error."""
-    result.kernels = kernel_trace.summarize(kernels)
-    absent = kernel_trace.missing(kernel_trace.declared(subject, p), kernels)
+    wanted = kernel_trace.declared(subject, p)
+    result.kernels = kernel_trace.summarize(kernels, wanted)
+    absent = kernel_trace.missing(wanted, kernels)
     if absent:
         ran = ", ".join(result.kernels[:6]) or "none"
         result.error = (f"{subject.name} declares kernels {absent} but none ran during the measured calls "

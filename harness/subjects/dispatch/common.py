@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class Received:
     src_slot: torch.Tensor
     grouped_layout: torch.Tensor | None = None
     masked_m: torch.Tensor | None = None
+    native: Any = None
 
     def rows(self) -> torch.Tensor:
         """The received rows flattened to [rows, H] (a view)."""

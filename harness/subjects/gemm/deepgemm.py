@@ -75,6 +75,12 @@ class _DeepGemm:
     def compiles_kernels(self, params):  # DeepGEMM JIT-compiles a kernel per shape on first use
         return True
 
+    def kernels(self, params):  # every sm90 GEMM kernel DeepGEMM builds (bf16 and fp8 1d2d) is named so
+        return ("deep_gemm::sm90_",)
+
+    def describe(self, params) -> dict:
+        return {"deep_gemm": settings()}
+
 
 def _fp8(problem):
     return (problem.a, problem.a_scale), (problem.b, problem.b_scale)

@@ -58,6 +58,16 @@ class ComposedMoE:
 
         return any(compiles_kernels(s, params) for s in stages(params).values())
 
+    def kernels(self, params):
+        """What each stage subject declares it must launch: the layer proves its stages ran."""
+        from harness.kernel_trace import declared
+
+        return tuple(dict.fromkeys(k for s in stages(params).values() for k in declared(s, params)))
+
+    def describe(self, params) -> dict:
+        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
+                for stage, s in stages(params).items()}
+
     def forward(self, partials, weights, params, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
