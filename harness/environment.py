@@ -22,7 +22,7 @@ NCCL_LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
 # nothing else of the environment reaches environment.json, which CI uploads).
 RECORDED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "TORCH_CUDA_ARCH_LIST", "CUBLAS_", "CUDA_VISIBLE_DEVICES",
                      "CUDA_LAUNCH_BLOCKING", "CUDA_VERSION", "DG_", "NVSHMEM_", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA",
-                     "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT")
+                     "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT", "EP_HARNESS_DEEPEP_VERSION")
 # A name holding any of these is a credential: its value is never written anywhere.
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASS", "PASSWD", "CREDENTIAL", "AUTH")
 REDACTED = "<redacted>"
@@ -222,7 +222,9 @@ def applicable_env(env, where: str) -> dict[str, str]:
 
 
 def library_versions() -> dict[str, str]:
-    out = {}
+    """Installed distributions that decide bits, and DeepEP as its builder stated it (a
+    source build has no distribution metadata)."""
+    out = {"deep_ep": os.environ["EP_HARNESS_DEEPEP_VERSION"]} if os.environ.get("EP_HARNESS_DEEPEP_VERSION") else {}
     for name in LIBRARIES:
         try:
             out[name] = importlib.metadata.version(name)

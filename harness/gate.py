@@ -62,6 +62,9 @@ def fingerprint(environment: dict) -> dict:
         "deep_gemm": libs.get("sgl-deep-gemm") or libs.get("deep-gemm"),
         "gpus": environment.get("gpus") or [], "driver": environment.get("driver"),
     }
+    deep_ep = libs.get("deep_ep") or libs.get("deep-ep") or libs.get("sgl-deep-ep")
+    if deep_ep:  # only where DeepEP is there, so runs without it keep their baselines
+        fp["deep_ep"] = deep_ep
     if environment.get("backend") != "nccl":  # CPU GEMMs and reductions: the CPU decides the bits
         fp["cpu"] = environment.get("cpu")
     if topology.get("nodes", 1) > 1:  # ranks over several nodes: other transports, other orders
@@ -92,8 +95,13 @@ def baseline_path(run_dir: Path, baseline: Path | None) -> Path:
 
 
 def lean(record: dict) -> dict:
-    """What the gate compares: verdicts and counts, without the bulky detail."""
-    return {k: v for k, v in record.items() if k not in ("detail", "rerun", "run_id")}
+    """What the gate compares: verdicts, counts and the bits' fingerprints (whole and per
+    block, which say where bits moved), without the bulky detail."""
+    kept = {k: v for k, v in record.items() if k not in ("detail", "rerun", "run_id")}
+    blocks = (record.get("detail") or {}).get("bits_blocks")
+    if blocks:
+        kept["detail"] = {"bits_blocks": blocks}
+    return kept
 
 
 def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
