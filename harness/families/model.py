@@ -142,7 +142,7 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
                             for i, run in enumerate(runs)])
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
     rows = observed.shape[1] // p["vocab"]
-    m.detail = {"compared": f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p['vocab']} logprobs per run"}
+    m.detail["compared"] = f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p['vocab']} logprobs per run"
     if m.mismatched:
         other = next((i for i in range(1, len(runs)) if gathered[0][i]["events"] is not None), None)
         if other is None:

@@ -78,6 +78,16 @@ class ComposedModel:
 
         return any(compiles_kernels(s, params) for s in stages(params).values())
 
+    def kernels(self, params):
+        """What each stage subject declares it must launch: the model proves its stages ran."""
+        from harness.kernel_trace import declared
+
+        return tuple(dict.fromkeys(k for s in stages(params).values() for k in declared(s, params)))
+
+    def describe(self, params) -> dict:
+        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
+                for stage, s in stages(params).items()}
+
     def generate(self, prompts, score_from, new_tokens, weights, params, group, tracer):
         fwd = _Forward(stages(params), weights, params, group, tracer)
         seqs = [list(p) for p in prompts]
