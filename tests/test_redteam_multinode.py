@@ -16,7 +16,7 @@ from harness.errors import HarnessError
 from harness.launch import _validated_launch
 from harness.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH
-from tests.test_multinode import EXE, free_port
+from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
 
 RUN = "20261201-120000-abcd"
 SECRET = "redteam-secret-0123456789abcdef"
@@ -151,3 +151,24 @@ def test_the_secret_is_never_recorded(tmp_path):
     from harness.verify import rerun_command
 
     assert SECRET not in rerun_command("s.toml", "c", None, [], nodes=Nodes(2, 2, "h:1", 0, "torchrun", SECRET))
+
+
+@pytest.mark.slow
+def test_the_head_names_a_follower_that_refused_its_run(tmp_path, node):
+    """A real head and a follower of another commit: the follower refuses with one line, and
+    every check of the head's run is an error that says why."""
+    port = free_port()
+    head = node(0, port, tmp_path / "node0", "--suite", "smoke", "--check", "rs-native/rank-invariance/*",
+                "--no-report", env={"EP_HARNESS_COMMIT": "head-commit"})
+    other = node(1, port, tmp_path / "node1", env={"EP_HARNESS_COMMIT": "other-commit"})
+    other_out, _ = other.communicate(timeout=120)
+    head_out, _ = head.communicate(timeout=120)
+    assert other.returncode == 2, other_out[-2000:]
+    assert "harness commit differs (here other-commit, on the head head-commit)" in other_out.splitlines()[-1]
+    assert head.returncode == 1, head_out[-2000:]
+    records = [json.loads(line) for line in
+               (tmp_path / "node0" / "reports" / "out" / "latest" / "results.jsonl").read_text().splitlines()]
+    assert records and all(r["status"] == "error" for r in records)
+    assert "node 1 refused the run" in records[0]["reason"] and "harness commit differs" in records[0]["reason"]
+    environment = (tmp_path / "node0" / "reports" / "out" / "latest" / "environment.json").read_text()
+    assert "--run-secret <redacted>" in environment and RUN_SECRET not in environment  # the command, recorded
