@@ -1,10 +1,13 @@
-"""A deliberately weak check for `ep-harness selftest`'s tests, registered as a plugin
-(`--plugin tests.selftest_planted` or a suite's `plugins`).
+"""Deliberately weak checks for `ep-harness selftest`'s tests, registered as a plugin
+(`--plugin tests.selftest_planted` or a suite's `plugins`), as two collective properties:
 
-`weak-batch-invariance` is the collective family's batch-invariance with one flaw: before
-comparing, it overwrites element 0 of every gathered probe copy, so a defect confined to
-that element (the `ulp` injection's default place) cannot show, while one that moves every
-element (`kth-call`) still does. The selftest must report it blind, naming `ulp`.
+* `weak-batch-invariance`: batch-invariance with one flaw: before comparing, it overwrites
+  element 0 of every gathered probe copy, so a defect confined to that element (the `ulp`
+  injection's default place) cannot show, while one that moves every element (`kth-call`)
+  still does. The selftest must report it blind, naming `ulp`.
+* `weak-reference`: the bounded reference as it was before issue 23 item 1: an element
+  counts only where |err| > bound, and every comparison with NaN is false, so NaN and Inf
+  outputs pass. The selftest must report it blind, naming `nan` and `inf`.
 """
 from dataclasses import replace
 
@@ -13,10 +16,16 @@ from harness.families import collective
 from harness.selftest import expectations
 
 WEAK = "weak-batch-invariance"
+WEAK_REFERENCE = "weak-reference"
+AS = {WEAK: "batch-invariance", WEAK_REFERENCE: "reference"}
 
 
 def _runs(prop, p, world_size):
-    return collective.FAMILY.runs("batch-invariance" if prop == WEAK else prop, p, world_size)
+    return collective.FAMILY.runs(AS.get(prop, prop), p, world_size)
+
+
+def _observe(subject, ctx, p, prop, runs):
+    return collective.FAMILY.observe(subject, ctx, p, AS.get(prop, prop), runs)
 
 
 def _blinded(gathered):
@@ -30,11 +39,18 @@ def _blinded(gathered):
 def _measure(check, subject, ctx, p, runs, gathered):
     if check.property == WEAK:
         gathered = _blinded(gathered)
-    return collective.FAMILY.measure(check, subject, ctx, p, runs, gathered)
+    m = collective.FAMILY.measure(replace(check, property=AS.get(check.property, check.property)), subject, ctx, p,
+                                  runs, gathered)
+    if check.property == WEAK_REFERENCE and m.nonfinite:  # the flaw: non-finite outputs are not counted
+        m.mismatched -= sum(n for kind, n in m.nonfinite.items() if kind in ("nan", "+inf", "-inf"))
+        m.held = m.mismatched == 0
+    return m
 
 
 if WEAK not in families.PROPERTIES["collective"]:
-    families.FAMILIES["collective"] = replace(collective.FAMILY, properties=(*collective.FAMILY.properties, WEAK),
-                                              runs=_runs, measure=_measure)
+    families.FAMILIES["collective"] = replace(collective.FAMILY,
+                                              properties=(*collective.FAMILY.properties, WEAK, WEAK_REFERENCE),
+                                              runs=_runs, observe=_observe, measure=_measure)
     families.PROPERTIES["collective"] = families.FAMILIES["collective"].properties
 expectations.declare(WEAK, expectations.MUST_CATCH["batch-invariance"])
+expectations.declare(WEAK_REFERENCE, expectations.MUST_CATCH["reference"])

@@ -210,28 +210,31 @@ def test_out_of_slice_writes_the_input_not_the_output(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_selftest_finds_the_planted_weak_check(tmp_path):
     """tests/cases/selftest.toml on 3 gloo ranks: the sound checks catch what their property
-    must, the weak batch-invariance (element 0 never compared) is blind to `ulp` and only
-    to it, and the control's cells are not applicable."""
+    must; the weak batch-invariance (element 0 never compared) is blind to `ulp` and only
+    to it; the weak reference (non-finite outputs not counted, as before issue 23 item 1)
+    is blind to `nan` and `inf`; the control's cells are not applicable."""
     proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--injections",
-                   "ulp,kth-call,one-rank,nan,in-graph", "--out", str(tmp_path))
+                   "ulp,kth-call,one-rank,nan,inf,in-graph", "--out", str(tmp_path))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
+    assert "BLIND: weak-ref/weak-reference (weak-reference) missed nan, inf" in proc.stdout
     assert "# selftest matrix" in proc.stdout
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
-    assert result["blind"] == [{"check": "weak/weak-batch-invariance", "property": "weak-batch-invariance",
-                                "missed": ["ulp"]}]
+    assert result["blind"] == [
+        {"check": "weak/weak-batch-invariance", "property": "weak-batch-invariance", "missed": ["ulp"]},
+        {"check": "weak-ref/weak-reference", "property": "weak-reference", "missed": ["nan", "inf"]}]
     cells = {r["check"]: {k: c["state"] for k, c in r["cells"].items()} for r in result["checks"]}
     assert all(r["baseline"] == "ok" for r in result["checks"])
     assert cells["weak/weak-batch-invariance"]["kth-call"] == "caught"  # not blind to a change of every element
     assert cells["fold/batch-invariance"] == {"ulp": "caught", "kth-call": "caught", "one-rank": "not-required",
-                                              "nan": "not-required", "in-graph": "n/a"}
+                                              "nan": "not-required", "inf": "not-required", "in-graph": "n/a"}
     assert cells["fold/rank-invariance"]["one-rank"] == "caught"
     assert cells["fold/run-to-run"]["ulp"] == cells["fold/run-to-run"]["kth-call"] == "caught"
-    assert cells["fold/reference"]["nan"] == "caught"
+    assert cells["fold/reference"]["nan"] == cells["fold/reference"]["inf"] == "caught"
     assert set(cells["native-control/rank-invariance"].values()) == {"n/a"}
     assert (tmp_path / "latest" / "injected" / "ulp.jsonl").exists()
     page = (tmp_path / "latest" / "report.html").read_text()
-    assert "Selftest: 1 blind check(s)" in page and '<td class="st-missed"' in page
+    assert "Selftest: 2 blind check(s)" in page and '<td class="st-missed"' in page
 
 
 @pytest.mark.slow
