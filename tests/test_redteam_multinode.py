@@ -172,3 +172,43 @@ def test_the_head_names_a_follower_that_refused_its_run(tmp_path, node):
     assert "node 1 refused the run" in records[0]["reason"] and "harness commit differs" in records[0]["reason"]
     environment = (tmp_path / "node0" / "reports" / "out" / "latest" / "environment.json").read_text()
     assert "--run-secret <redacted>" in environment and RUN_SECRET not in environment  # the command, recorded
+
+
+@pytest.mark.slow
+def test_a_head_without_a_secret_draws_one_and_prints_the_followers_command(tmp_path):
+    import re
+    import shlex
+    import signal
+
+    port = free_port()
+    env = {**os.environ, "EP_HARNESS_COMMIT": COMMIT}
+    env.pop("EP_HARNESS_RUN_SECRET", None)
+    base = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--gpus", "0"]
+    started = [subprocess.Popen([*base, "--suite", "smoke", "--check", "rs-native/rank-invariance/dtype=bfloat16/*",
+                                 "--no-report", "--out", str(tmp_path / "head")], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)]
+    try:
+        lines = []
+        while not any("# on each other node K:" in line for line in lines):
+            line = started[0].stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        printed = shlex.split(re.sub(r".*# on each other node K: ", "", lines[-1]).replace(" K ", " 1 "))
+        secret = printed[printed.index("--run-secret") + 1]
+        assert len(secret) == 32 and printed[:2] == ["ep-harness", "verify"]
+        started.append(subprocess.Popen([EXE, *printed[1:], "--out", str(tmp_path / "node1")], cwd=tmp_path, env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True))
+        rest, _ = started[0].communicate(timeout=300)
+        follower_out, _ = started[1].communicate(timeout=60)
+        assert started[0].returncode == 0, "".join(lines) + rest[-2000:]
+        assert started[1].returncode == 0, follower_out[-2000:]
+        records = [json.loads(line) for line in (tmp_path / "head" / "latest" / "results.jsonl").read_text()
+                   .splitlines()]
+        assert {r["status"] for r in records} == {"ok"} and len(records) == 2
+        assert secret not in (tmp_path / "head" / "latest" / "environment.json").read_text()
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
