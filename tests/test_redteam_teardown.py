@@ -32,9 +32,22 @@ def alive(pid: int) -> bool:
     return state is not None and state.state not in ENDED_STATES
 
 
-def verify(tmp_path, name, subject, env, *args):
+AFTER = """
+[[case]]
+name = "after"
+subject = "all_gather_fold"
+properties = ["rank-invariance"]
+expect = "holds"
+[case.params]
+dtype = "bfloat16"
+world_size = 3
+hidden = 256
+"""
+
+
+def verify(tmp_path, name, subject, env, *args, then=""):
     suite = tmp_path / "suite.toml"
-    suite.write_text(CASE.format(name=name, subject=subject))
+    suite.write_text(CASE.format(name=name, subject=subject) + then)
     old = dict(os.environ)
     os.environ.update({**REPO_ON_PYTHONPATH, **env})
     try:
@@ -67,12 +80,16 @@ def test_a_subjects_child_in_its_own_session_ends_with_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_check_is_run_once_and_reported_failed_once(tmp_path):
+    """The launcher relaunches after a failure from the next check, never from the failed one."""
     calls = tmp_path / "calls"
-    proc, [record] = verify(tmp_path, "fails", "redteam_fails_counted", {"EP_TEST_CALLS": str(calls)})
+    proc, [failed, after] = verify(tmp_path, "fails", "redteam_fails_counted", {"EP_TEST_CALLS": str(calls)},
+                                   then=AFTER)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert record["status"] == "error" and "planted failure" in record["reason"]
+    assert failed["status"] == "error" and "planted failure" in failed["reason"] and after["status"] == "ok"
     assert len(calls.read_text().splitlines()) == 1  # rank 0 called the subject once: no second attempt
-    assert len(list((tmp_path / "out" / "latest" / "jobs").glob("*/torchrun-*.log"))) == 1  # one launch
+    assert len(list((tmp_path / "out" / "latest" / "jobs").glob("*/torchrun-*.log"))) == 2  # the relaunch ran "after"
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("[")]  # one streamed row per check
+    assert len(rows) == 2 and [row.split()[2] for row in rows] == ["error", "ok"], rows
 
 
 def test_nothing_configures_a_retry_of_a_failing_check():
