@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 SYMBOL = {"caught": "caught", "missed": "MISSED", "extra": "caught (extra)", "not-fired": "did not fire",
-          "not-required": "", "n/a": "n/a"}
+          "not-required": "", "n/a": "n/a", "broken": "ERROR (selftest)"}
 
 
 def selftest_context(run_dir: Path) -> dict | None:

@@ -81,6 +81,12 @@ def test_cell_states():
     assert matrix.cell(False, "", bad, fired=True)["state"] == "extra"
     assert matrix.cell(None, "a control", None, fired=False)["state"] == "n/a"
     assert matrix.cell(False, "", None, fired=False)["state"] == "not-required"
+    raised = {"status": "error", "reason": "ValueError: nan", "detail": {"tracebacks": {"0": "families/moe_layer.py"}}}
+    assert matrix.cell(True, "", raised, fired=True)["state"] == "caught"  # the family raised on the value
+    wrapper = {"status": "error", "reason": "x", "detail": {"tracebacks": {"1": "harness/selftest/wrap.py"}}}
+    assert matrix.cell(True, "", wrapper, fired=True)["state"] == "broken"
+    assert matrix.cell(True, "", {"status": "error", "reason": "launch failed", "detail": {"log": ""}},
+                       fired=False)["state"] == "broken"
     rows = [{"check": "a", "property": "p", "cells": {"ulp": {"state": "missed"}, "nan": {"state": "caught"}}},
             {"check": "b", "property": "p", "cells": {"ulp": {"state": "caught"}, "nan": {"state": "n/a"}}}]
     assert matrix.blind(rows) == [{"check": "a", "property": "p", "missed": ["ulp"]}]

@@ -9,12 +9,27 @@ Cell states:
   than the injection waits for, no batch above the size, a value that was right already);
 * `not-required`: the property need not catch it (harness/selftest/expectations.py);
 * `n/a`: not applicable (a control, a baseline that was not ok, a GPU-only injection on the
-  CPU, a comparison no injection touches).
+  CPU, a family without a wrapper);
+* `broken`: the check ended in an error that is not the check's own doing: a traceback
+  through the injection's wrapper, or a rank or launch that died without a Python
+  traceback. Never counted as a catch; the selftest fails.
+
+An `error` with a traceback elsewhere (the family or subject raised on the injected value)
+is a catch: the run fails, as `verify` would.
 """
 from __future__ import annotations
 
 FAILED = ("unexpected", "error")
-SYMBOL = {"caught": "C", "missed": "MISS", "extra": "c", "not-fired": "~", "not-required": ".", "n/a": "-"}
+SYMBOL = {"caught": "C", "missed": "MISS", "extra": "c", "not-fired": "~", "not-required": ".", "n/a": "-",
+          "broken": "ERR"}
+
+
+def broken(record: dict) -> bool:
+    """An error the injection machinery caused, or one nothing attributes to the check."""
+    if record["status"] != "error":
+        return False
+    tracebacks = (record.get("detail") or {}).get("tracebacks") or {}
+    return not tracebacks or any("harness/selftest/" in t for t in tracebacks.values())
 
 
 def cell(required: bool | None, why: str, record: dict | None, fired: bool) -> dict:
@@ -26,6 +41,8 @@ def cell(required: bool | None, why: str, record: dict | None, fired: bool) -> d
         return {"state": "not-required" if not required else "n/a", "why": why}
     out = {"status": record["status"], "mismatched": record.get("mismatched"), "total": record.get("total"),
            "reason": record.get("reason")}
+    if broken(record):
+        return {"state": "broken", "why": "the injected launch failed, not the check: see the reason", **out}
     caught = record["status"] in FAILED
     if caught:
         return {"state": "caught" if required else "extra", "why": why, **out}
@@ -43,18 +60,23 @@ def blind(rows: list[dict]) -> list[dict]:
             for r in rows if any(c["state"] == "missed" for c in r["cells"].values())]
 
 
+def broken_cells(rows: list[dict]) -> list[dict]:
+    return [{"check": r["check"], "injection": name, "reason": c.get("reason")}
+            for r in rows for name, c in r["cells"].items() if c["state"] == "broken"]
+
+
 def render(rows: list[dict], injections: list[str]) -> str:
     """The terminal matrix: one row per check, one column per injection, then each
     column's totals and the blind checks."""
     width = max([len(r["check"]) for r in rows] + [5])
     cols = [max(len(n), 4) for n in injections]
     lines = ["# selftest matrix: C caught, MISS missed (the check is blind to it), c caught though not required, "
-             "~ required but never fired, . not required, - not applicable",
+             "~ required but never fired, . not required, - not applicable, ERR the injected launch failed",
              "# " + "check".ljust(width - 2) + "  " + "  ".join(n.rjust(w) for n, w in zip(injections, cols))]
     for r in rows:
         lines.append(r["check"].ljust(width) + "  " +
                      "  ".join(SYMBOL[r["cells"][n]["state"]].rjust(w) for n, w in zip(injections, cols)))
-    for state in ("caught", "missed", "not-fired"):
+    for state in ("caught", "missed", "not-fired", "broken"):
         counts = [sum(r["cells"][n]["state"] == state for r in rows) for n in injections]
         lines.append(("# " + state).ljust(width) + "  " + "  ".join(str(c).rjust(w) for c, w in zip(counts, cols)))
     for b in blind(rows):
@@ -62,4 +84,6 @@ def render(rows: list[dict], injections: list[str]) -> str:
         for name in b["missed"]:
             c = next(r for r in rows if r["check"] == b["check"])["cells"][name]
             lines.append(f"#   {name}: {c['status']}, {c.get('reason') or ''}")
+    for b in broken_cells(rows):
+        lines.append(f"# BROKEN: {b['check']} under {b['injection']}: {b['reason']}")
     return "\n".join(lines)

@@ -168,7 +168,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
               "injections": [i.to_json() | {"describe": i.describe()} for i in chosen_injections],
               "must_catch": {p: sorted(s) for p, s in expectations.MUST_CATCH.items()},
               "family_must_catch": {f: sorted(s) for f, s in expectations.FAMILY_MUST_CATCH.items()},
-              "checks": rows, "blind": matrix.blind(rows), "seconds": seconds,
+              "checks": rows, "blind": matrix.blind(rows), "broken": matrix.broken_cells(rows), "seconds": seconds,
               "tested": sum(c["state"] in ("caught", "missed", "extra") for r in rows for c in r["cells"].values()),
               "wall_s": round(time.time() - began, 2), "interrupted": str(interrupted) if interrupted else None}
     fingerprint = run_fingerprint(platform, list(command))
@@ -189,6 +189,10 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
         say(f"# report: {run_dir / 'report.html'}")
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
+    if result["broken"]:  # the selftest itself failed somewhere: no verdict on those checks
+        say(f"# BROKEN: {len(result['broken'])} check x injection cell(s) ended in an error of the injection "
+            f"machinery or the launch (listed above)")
+        return 1, run_dir
     if not result["blind"] and not result["tested"]:  # nothing planted: no check was shown to have teeth
         say(f"# NOTHING TESTED: no check of {len(rows)} was ok without injection and due to catch one")
         return 1, run_dir
