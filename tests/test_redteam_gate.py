@@ -11,7 +11,7 @@ from harness.gate import fingerprint, gate, render_gate, update_baseline
 from harness.records import write_jsonl
 from tests.conftest import REPO, run_cli
 from tests.test_gate import ENV, baseline_records, run_with
-from tests.test_reports import record, write_run
+from tests.test_reports import write_run
 
 
 def hand_written_baseline(tmp_path, records):

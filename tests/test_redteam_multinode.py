@@ -6,7 +6,6 @@ each with one line, having started nothing and written nothing outside its --out
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
