@@ -176,7 +176,8 @@ def render_section(section: dict) -> str:
     for inv in section.get("invariance", {}).values():
         lines.append(f"- {inv['subject']}: batch invariance **{inv['verdict']}**: {inv['mismatched']:,} / "
                      f"{inv['total']:,} probe outputs differ across M = {', '.join(map(str, inv['m_values']))} "
-                     f"({inv['order_sensitive']:,} of the probe's outputs are order-sensitive)")
+                     f"(not vacuous when > 0: {inv['order_sensitive']:,} of the probe's outputs change bits when its K "
+                     f"products are summed in two halves)")
     for subject, ref in section.get("reference", {}).items():
         lines.append(f"- {subject}: error vs float64 at M = {ref['m']}: worst {ref['worst_fraction_of_bound']:.3g} "
                      f"of the bound ({'within' if ref['within'] else 'OUTSIDE'})")

@@ -21,11 +21,14 @@ from typing import Callable, Protocol
 
 # H200 SXM spec-sheet peaks, dense (the sheet's headline figures are with 2:4 sparsity).
 H200_PEAKS = {
-    "bf16": 989.5e12,  # FLOP/s
-    "fp8": 1979e12,  # FLOP/s
+    "bf16": 989.5e12,  # FLOP/s, tensor cores
+    "fp8": 1979e12,  # FLOP/s, tensor cores
+    "fp32": 67e12,  # FLOP/s, FMA units (IEEE float32, no TF32)
     "hbm": 4.8e12,  # bytes/s, HBM3e
 }
-PEAK_SOURCE = "H200 SXM spec sheet, dense: bf16 989.5 TFLOP/s, fp8 1979 TFLOP/s, HBM3e 4.8 TB/s"
+PEAK_SOURCE = ("H200 SXM spec sheet, dense: bf16 989.5 TFLOP/s, fp8 1979 TFLOP/s, fp32 (no tensor cores) "
+               "67 TFLOP/s, HBM3e 4.8 TB/s")
+PEAK_OF_OPERANDS = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float32": "fp32"}
 
 
 class Clock(Protocol):
@@ -173,3 +176,25 @@ def invariance_verdict(mismatched: int, total: int, order_sensitive: int, runs: 
     if runs < 2 or order_sensitive == 0 or total == 0:
         return "vacuous"
     return "holds"
+
+
+def gemm_check_cost(subject, problem, out, baseline=None, repeats: int = 20, warmup: int = 3,
+                    clock: Clock | None = None) -> dict:
+    """The cost beside a GEMM check's verdict: `subject` on `problem` (a harness.gemm_problem
+    .GemmProblem on the GPU, usually the check's largest), timed interleaved with `baseline`
+    (a GEMM subject taking the same problem, cuBLAS torch_mm; None where none can, e.g. FP8)."""
+    import torch
+
+    calls = {subject.name: lambda: subject.run(problem, out)}
+    if baseline is not None and baseline.name != subject.name:
+        spare = torch.empty_like(out)
+        calls[baseline.name] = lambda: baseline.run(problem, spare)
+    samples = time_interleaved(calls, repeats, warmup, clock)
+    n, k = problem.b.shape[-2], problem.b.shape[-1]
+    rows = problem.a.shape[0] if problem.layout == "dense" else sum(problem.counts)  # padding not counted
+    operands = "float8_e4m3fn" if problem.a_scale is not None else str(problem.a.dtype).removeprefix("torch.")
+    base = None if baseline is None else samples.get(baseline.name)
+    result = gemm_cost(samples[subject.name], gemm_flops(rows, n, k), PEAK_OF_OPERANDS[operands],
+                       base, baseline.name if baseline is not None else "torch_mm")
+    result["rows"] = rows
+    return result

@@ -185,3 +185,66 @@ def test_bench_refuses_bad_input_and_a_machine_without_gpu(capsys):
     if not torch.cuda.is_available():
         assert bench.main(["--out", "x"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+class FakeGemm:
+    """A GEMM subject whose every call takes `ms` on the fake clock (and really multiplies)."""
+
+    def __init__(self, name, clock, ms):
+        self.name, self.clock, self.ms, self.calls = name, clock, ms, 0
+
+    def run(self, problem, out):
+        torch.mm(problem.a, problem.b.t(), out=out)
+        self.calls += 1
+        self.clock.now += self.ms
+
+
+def test_gemm_check_cost_times_subject_against_baseline():
+    from harness.gemm_problem import GemmProblem
+
+    clock = FakeClock()
+    problem = GemmProblem("dense", torch.ones(6, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16),
+                          [6, 100], [0])  # a dense problem multiplies its 6 rows, whatever the other counts
+    out = torch.zeros(6, 4, dtype=torch.bfloat16)
+    subject, baseline = FakeGemm("fix", clock, 3.0), FakeGemm("torch_mm", clock, 2.0)
+    c = cost.gemm_check_cost(subject, problem, out, baseline, repeats=5, warmup=2, clock=clock)
+    assert (subject.calls, baseline.calls) == (7, 7)
+    assert c["median_ms"] == 3.0 and c["time_vs_baseline"] == 1.5 and c["baseline"] == "torch_mm"
+    assert c["rows"] == 6 and c["tflops"] == pytest.approx(2 * 6 * 4 * 8 / 3e-3 / 1e12) and c["peak"] == "bf16"
+    assert torch.equal(out, torch.full((6, 4), 8.0, dtype=torch.bfloat16))  # the subject's own output
+    own = cost.gemm_check_cost(baseline, problem, out, baseline, repeats=3, warmup=0, clock=clock)
+    assert own["time_vs_baseline"] == 1.0  # cuBLAS against itself
+    problem.a_scale = torch.ones(6, 1)  # FP8 operands: fp8 peak, and no cuBLAS to compare with
+    fp8 = cost.gemm_check_cost(subject, problem, out, None, repeats=3, warmup=0, clock=clock)
+    assert fp8["peak"] == "fp8" and "time_vs_baseline" not in fp8 and "baseline" not in fp8
+
+
+def test_gemm_checks_on_the_cpu_carry_no_cost():
+    from types import SimpleNamespace
+
+    from harness import params as params_mod
+    from harness.families import gemm as family
+    from harness.subject import load_all
+
+    subject = load_all()["torch_mm"]
+    p = params_mod.build("gemm", {"dtype": "float32", "layout": "dense", "n": 16, "k": 32, "m_values": [1, 5]},
+                         subject, "test")
+    p = {**p.__dict__}
+    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    runs = family.FAMILY.runs("batch-invariance", p, 1)
+    gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]
+    m = family.FAMILY.measure(SimpleNamespace(property="batch-invariance"), subject, ctx, p, runs, gathered)
+    assert m.total > 0 and "cost" not in m.detail  # absent, not zero
+
+
+def test_contiguous_cost_counts_valid_rows_not_padding():
+    from harness.gemm_problem import GemmProblem
+
+    clock = FakeClock()
+    a = torch.zeros(256, 8, dtype=torch.bfloat16)  # two experts of 3 and 5 rows, each padded to 128
+    problem = GemmProblem("contiguous", a, torch.ones(2, 4, 8, dtype=torch.bfloat16), [3, 5], [0, 128])
+    subject = FakeGemm("x", clock, 1.0)
+    subject.run = lambda prob, out: setattr(clock, "now", clock.now + 1.0)
+    c = cost.gemm_check_cost(subject, problem, torch.zeros(256, 4, dtype=torch.bfloat16), None,
+                             repeats=3, warmup=0, clock=clock)
+    assert c["rows"] == 8 and c["tflops"] == pytest.approx(2 * 8 * 4 * 8 / 1e-3 / 1e12)

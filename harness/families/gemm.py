@@ -135,7 +135,24 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     return m
 
 
-FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure)
+def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    """The verdict's measurement and, on a GPU, its price: the check's largest problem timed
+    against cuBLAS (harness.cost). Absent on the CPU, never zero."""
+    m = _measure(check, subject, ctx, p, runs, gathered)
+    if ctx.device.type == "cuda":
+        from harness import cost
+        from harness.subject import get
+
+        w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+        dense = p["layout"] == "dense"  # a dense problem holds group 0's rows only
+        largest = max(runs, key=lambda r: r.spec["counts"][0] if dense else sum(r.spec["counts"]))
+        problem = make_problem(p, largest.spec, w, w_scale).to(ctx.device)
+        out = output_for(problem, p["n"], out_dtype(p["dtype"]), ctx.device)
+        m.detail["cost"] = cost.gemm_check_cost(subject, problem, out, None if p["dtype"] == FP8 else get("torch_mm"))
+    return m
+
+
+FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost)
 
 
 def order_sensitive(p: dict, w, w_scale) -> int:
