@@ -335,8 +335,6 @@ class Bench:
 
     # grouped ------------------------------------------------------------------------------
     def grouped(self, model: MoeModel, projection: str, n: int, k: int, m_values) -> dict:
-        import torch as _t
-
         from harness.gemm_problem import GemmProblem
         from harness.subjects.quant.torch_fp8 import TorchFp8QuantReciprocal
         from reference.quant import quantize_per_block
@@ -410,7 +408,7 @@ class Bench:
             sensitive.update({name: order_sensitive(row, weight, torch.bfloat16) for name in fp8_ready})
         section["invariance"] = {name: summarize(name, p, sensitive[name]) for name, p in probes.items() if p}
         del w, w_fp8, w_scale
-        _t.cuda.empty_cache()
+        torch.cuda.empty_cache()
         return section
 
 
