@@ -1,13 +1,15 @@
 """`ep-harness selftest --suite S`: does every check catch the defects its property should?
 
     plan the suite as verify does -> one baseline launch (every check as it is)
-      -> per injection class: one launch of the checks that must catch it, each subject
-         wrapped on the ranks (harness/selftest/wrap.py, through the job's `inject` entry)
+      -> one more launch: each check once per injection it must catch, under the id
+         `ID@injection`, its subject wrapped on the ranks (harness/selftest/wrap.py, through
+         the job's `inject` entry), injection by injection
       -> a matrix of checks x injections -> selftest.json, the terminal, exit code
 
-Only checks that are `ok` in the baseline and must catch an injection run with it, so a
-launch per injection costs what its checks cost (about 5 s of start-up for 4 gloo ranks on
-2 cores plus the checks). Exit 0 when no check is blind, 1 when one is, 2 on bad input.
+Only checks that are `ok` in the baseline run with the injections they must catch. Two
+launches in all on gloo (a launch of 4 gloo ranks costs about 5 s of start-up on 2 cores),
+two per world size on NCCL. Exit 0 when no check is blind, 1 when one is (or a cell is
+broken, or nothing was tested), 2 on bad input.
 """
 from __future__ import annotations
 
@@ -38,35 +40,45 @@ class InjectedCheck(Check):
 
     @classmethod
     def of(cls, check: Check, injection: Injection) -> InjectedCheck:
-        return cls(**{f.name: getattr(check, f.name) for f in dataclasses.fields(Check)}, inject=injection.to_json())
+        """`check` with the defect, under an id of its own (`ID@injection`): one launch
+        carries the same check under several injections."""
+        fields = {f.name: getattr(check, f.name) for f in dataclasses.fields(Check)}
+        return cls(**{**fields, "id": f"{check.id}@{injection.name}"}, inject=injection.to_json())
 
 
 def fired_checks(job_dir: Path) -> set[str]:
-    """Checks in which the injection changed at least one bit on some rank (wrap.py's log)."""
+    """Checks (injected ids) in which the injection changed at least one bit on some rank
+    (wrap.py's log)."""
     return {line["check"] for log in job_dir.glob("injections-rank*.jsonl") for line in read_jsonl(log)}
 
 
 class Launcher:
-    """Runs lists of checks, one launch per environment (per world size on NCCL), in one run
-    directory; keeps their records."""
+    """Runs (check, injection or None) pairs in as few launches as verify would make for the
+    checks alone (one on gloo, one per world size on NCCL), in one run directory."""
 
     def __init__(self, head: Head, run_dir: Path, platform, plugins: list[str], suite_path: Path,
                  gpus: int | None, quiet: bool):
         self.head, self.run_dir, self.platform, self.plugins = head, run_dir, platform, plugins
         self.suite_path, self.gpus, self.quiet = suite_path, gpus, quiet
 
-    def run(self, name: str, checks: list[Check], injection: Injection | None = None) -> tuple[dict, set[str]]:
-        """Records by check id, and the checks the injection reached."""
+    def run(self, name: str, pairs: list[tuple[Check, Injection | None]]) -> tuple[dict, set]:
+        """Records by (injection name or None, check id), and the (injection name, check id)
+        pairs whose defect changed a bit."""
+        sent = {(inj.name if inj else None, c.id): (InjectedCheck.of(c, inj) if inj else c, c, inj) for c, inj in pairs}
+        by_id = {s.id: key for key, (s, _, _) in sent.items()}
         records, fired = {}, set()
         grouping = "one" if self.platform.backend == "gloo" else "per-world-size"
-        for n, (world_size, env_overrides, group) in enumerate(jobs(checks, grouping)):
+        for n, (world_size, env_overrides, group) in enumerate(jobs([s for s, _, _ in sent.values()], grouping)):
             job_dir = self.run_dir / "jobs" / f"{name}-{n:02d}-ws{world_size}"
-            sent = [InjectedCheck.of(c, injection) for c in group] if injection else group
-            outcomes = run_job(self.head, job_dir, world_size, self.platform.backend, sent,
+            outcomes = run_job(self.head, job_dir, world_size, self.platform.backend, group,
                                pinned_env(self.platform, env_overrides), self.plugins, self.platform.emulated_hosts)
-            for c in group:
-                records[c.id] = finalize(c, outcomes.get(c.id), self.head.run_id, self.rerun(c, injection))
-            fired |= fired_checks(job_dir)
+            for s in group:
+                key = by_id[s.id]
+                _, check, inj = sent[key]
+                records[key] = finalize(check, outcomes.get(s.id), self.head.run_id, self.rerun(check, inj))
+                if inj is not None:
+                    records[key]["injection"] = inj.name
+            fired |= {by_id[i] for i in fired_checks(job_dir) if i in by_id}
         return records, fired
 
     def rerun(self, check: Check, injection: Injection | None) -> str:
@@ -121,25 +133,34 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
     with interruptible():
         try:
             t = time.time()
-            baseline, _ = launcher.run("baseline", checks)
+            records, _ = launcher.run("baseline", [(c, None) for c in checks])
+            baseline = {check_id: r for (_, check_id), r in records.items()}
             seconds["baseline"] = round(time.time() - t, 2)
             ok = sum(r["status"] == "ok" for r in baseline.values())
             say(f"# baseline: {ok} of {len(checks)} checks ok without injection ({seconds['baseline']} s)")
+            pairs = []
             for inj in chosen_injections:
                 if inj.gpu_only and platform.device != "cuda":
                     say(f"# {inj.name}: not applicable on the CPU")
                     continue
                 due = [c for c in checks if expectations.required(baseline[c.id], inj.name)[0] in
                        ((True, False) if every_cell else (True,))]
-                if not due:
-                    say(f"# {inj.name}: no check must catch it")
-                    continue
+                say(f"# {inj.name}: {len(due)} check(s) must catch it" if due else f"# {inj.name}: no check must catch it")
+                pairs += [(c, inj) for c in due]  # by injection, then in plan order
+            if pairs:
+                say(f"# launching {len(pairs)} injected checks")
                 t = time.time()
-                injected[inj.name], fired[inj.name] = launcher.run(inj.name, due, inj)
-                seconds[inj.name] = round(time.time() - t, 2)
-                caught = sum(r["status"] in matrix.FAILED for r in injected[inj.name].values())
-                say(f"# {inj.name}: {caught} of {len(due)} checks caught it ({seconds[inj.name]} s)")
-            if not injected:
+                records, fired_pairs = launcher.run("injected", pairs)
+                seconds["injected"] = round(time.time() - t, 2)
+                for (name, check_id), r in records.items():
+                    injected.setdefault(name, {})[check_id] = r
+                for name, check_id in fired_pairs:
+                    fired.setdefault(name, set()).add(check_id)
+                for name, got in injected.items():
+                    caught = sum(r["status"] in matrix.FAILED for r in got.values())
+                    say(f"# {name}: {caught} of {len(got)} checks caught it")
+                say(f"# injected launch(es): {seconds['injected']} s")
+            else:
                 say("# no injection applies to these checks")
         except Interrupted as exc:
             interrupted = exc
