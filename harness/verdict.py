@@ -22,7 +22,7 @@ def decide(check, m: Measurement) -> tuple[str, str]:
     """Return (status, reason) for a Check from its expectation and its measurement."""
     expect = check.expect
     counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}"
-    if check.property == "run-to-run" and m.rows_differing:  # k of n: how often, not just whether
+    if getattr(check, "property", None) == "run-to-run" and m.rows_differing:  # k of n: how often, not whether
         counts += f"; {m.rows_differing} of {m.rows - 1} repeats differ from the first"
     if m.extra_failure:
         return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite)
