@@ -76,7 +76,7 @@ def render(rows: list[dict], injections: list[str]) -> str:
     for r in rows:
         lines.append(r["check"].ljust(width) + "  " +
                      "  ".join(SYMBOL[r["cells"][n]["state"]].rjust(w) for n, w in zip(injections, cols)))
-    for state in ("caught", "missed", "not-fired", "broken"):
+    for state in ("caught", "missed", "extra", "not-fired", "broken"):
         counts = [sum(r["cells"][n]["state"] == state for r in rows) for n in injections]
         lines.append(("# " + state).ljust(width) + "  " + "  ".join(str(c).rjust(w) for c, w in zip(counts, cols)))
     for b in blind(rows):
