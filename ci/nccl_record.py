@@ -158,7 +158,7 @@ def main() -> int:
             env = {**os.environ, **CONFIGS[config], "NCCL_DEBUG": "INFO",
                    "NCCL_DEBUG_SUBSYS": "INIT,GRAPH,TUNING,ENV", "NCCL_DEBUG_FILE": str(logs / "nccl.%p.log"),
                    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-                   "PYTHONPATH": str(REPO)}
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(world_size), __file__, str(args.out), "--worker", config]
             start = time.monotonic()
