@@ -19,8 +19,22 @@ def _gpus(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"GPUS={value!r} is not a number; use GPUS=0 for the CPU or a GPU count")
 
 
+class _Version(argparse.Action):
+    """--version, computed only when asked (it runs git)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the harness version and commit, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from harness.version import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ep-harness", description=__doc__)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="run a suite of checks and write a run directory")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from harness.cases import FORCED_ENV
 from harness.errors import HarnessError
-from harness.subject import Platform
+from harness.subject import Platform, plugin_distributions
+from harness.version import harness_version
 
 CPU_DEFAULT_RANKS = 4
 DETERMINISTIC_CHANNELS = 8
@@ -320,6 +321,8 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(redacted_command(list(command))),
         "harness_commit": git_commit(),
+        "harness_version": harness_version(),
+        "plugin_distributions": plugin_distributions(),
         "host": socket.gethostname(),
         "python": sys.version.split()[0],
         "os": pyplatform.platform(),

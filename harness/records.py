@@ -59,8 +59,10 @@ def read_jsonl(path: Path) -> list[dict]:
 def base_record(check, run_id: str, rerun: str) -> dict:
     """The record's fields that a harness.check.Check decides, before anything is measured."""
     from harness.environment import redacted
+    from harness.subject import plugin_distribution
+    from harness.version import harness_version
 
-    return {
+    record = {
         "run_id": run_id,
         "check": check.id,
         "case": check.case,
@@ -79,4 +81,9 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "reason": None,
         "rerun": rerun,
         "seconds": 0.0,
+        "harness_version": harness_version(),
     }
+    distribution = plugin_distribution(check.subject)
+    if distribution:  # a third-party subject: which package, at which version, was measured
+        record["subject_distribution"] = distribution
+    return record

@@ -10,6 +10,7 @@ each; third-party packages add theirs through the entry-point group
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -92,7 +93,7 @@ class CollectiveSubject(Subject, Protocol):
         """
 
     def order_model(self, backend: str) -> OrderModel | None:
-        """The accumulation order this implementation follows on `backend`, if known."""
+        """Optional: the accumulation order this implementation follows on `backend`, if known."""
 
 
 class GemmSubject(Subject, Protocol):
@@ -132,13 +133,27 @@ class ModelSubject(Subject, Protocol):
 
 PROTOCOLS = {"collective": CollectiveSubject, "gemm": GemmSubject, "quant": QuantSubject,
              "dispatch": DispatchSubject, "moe_layer": MoeLayerSubject, "model": ModelSubject}
+# Methods a subject may leave out. Without an order model a collective's counts are measured
+# but not predicted (and `expect = "model"` cannot be decided).
+OPTIONAL = {"collective": ("order_model",)}
 
 _REGISTRY: dict[str, Subject] = {}
+_ENTRY_POINT_DISTRIBUTIONS: dict[str, dict] = {}  # top-level module -> the distribution whose entry point loaded it
 _loaded = False
 
 
-def _contract_problems(subject, protocol) -> list[str]:
-    """What `subject` lacks of its family's Protocol: members, and the arity of each method."""
+class ContractError(HarnessError, ValueError):
+    """A subject that does not implement its family's contract: one line, exit 2."""
+
+
+def _signature_text(name: str, method) -> str:
+    """`reduce_scatter(self, out, inp, sizes: list[int], group)`: the contract's method as written."""
+    return f"{name}{inspect.signature(method)}".replace("'", "")
+
+
+def _contract_problems(subject, protocol, optional=()) -> list[str]:
+    """What `subject` lacks of its family's Protocol: members, and the arity of each method
+    (each problem names the expected signature); the `optional` ones may be absent."""
     problems = []
     for klass in protocol.__mro__:
         if klass in (Protocol, object) or not getattr(klass, "_is_protocol", False):
@@ -148,7 +163,9 @@ def _contract_problems(subject, protocol) -> list[str]:
                 continue
             wanted = vars(klass).get(name)
             if not hasattr(subject, name):
-                problems.append(f"missing {name!r}")
+                if name not in optional:
+                    expected = f"def {_signature_text(name, wanted)}" if callable(wanted) else f"{name} = ..."
+                    problems.append(f"missing {name!r} (expected {expected})")
             elif callable(wanted):
                 need = len(inspect.signature(wanted).parameters) - 1  # without self
                 try:
@@ -157,25 +174,39 @@ def _contract_problems(subject, protocol) -> list[str]:
                     continue
                 positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
                 if not any(p.kind == p.VAR_POSITIONAL for p in params) and len(positional) != need:
-                    problems.append(f"{name}() takes {len(positional)} argument(s), the contract passes {need}")
+                    problems.append(f"{name}() takes {len(positional)} argument(s), the contract passes {need} "
+                                    f"(expected def {_signature_text(name, wanted)})")
     return list(dict.fromkeys(problems))
+
+
+def order_model_of(subject, backend: str) -> OrderModel | None:
+    """The subject's order model on `backend`; None where it has none (order_model is optional)."""
+    hook = getattr(subject, "order_model", None)
+    return hook(backend) if hook is not None else None
 
 
 def register(cls):
     """Class decorator: instantiate, check against its family's Protocol, and register a
     subject under its `name` (the way pluggy validates hook implementations)."""
-    subject = cls()
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        subject = cls()
+    except TypeError as exc:
+        raise ContractError(f"subject class {where} cannot be made with no arguments ({exc}); "
+                            f"@register instantiates it as cls()") from None
     for attr in ("name", "family", "summary"):
         if not isinstance(getattr(subject, attr, None), str):
-            raise ValueError(f"subject class {cls.__name__} needs a string `{attr}`")
+            raise ContractError(f"subject class {where} needs a string `{attr}`; add {attr} = \"...\" to the class")
     if subject.family not in FAMILIES:
-        raise ValueError(f"subject {subject.name!r} has unknown family {subject.family!r}; known: {FAMILIES}")
-    problems = _contract_problems(subject, PROTOCOLS[subject.family])
+        raise ContractError(f"subject {subject.name!r} ({where}) has unknown family {subject.family!r}; "
+                            f"known: {', '.join(FAMILIES)}")
+    problems = _contract_problems(subject, PROTOCOLS[subject.family], OPTIONAL.get(subject.family, ()))
     if problems:
-        raise ValueError(f"subject {subject.name!r} does not implement the {subject.family} contract "
-                         f"({PROTOCOLS[subject.family].__name__} in harness/subject.py): {'; '.join(problems)}")
+        raise ContractError(f"subject {subject.name!r} ({where}) does not implement the {subject.family} contract "
+                            f"({PROTOCOLS[subject.family].__name__} in harness/subject.py): {'; '.join(problems)}")
     if subject.name in _REGISTRY and type(_REGISTRY[subject.name]) is not cls:
-        raise ValueError(f"two subjects are named {subject.name!r}")
+        raise ContractError(f"two subjects are named {subject.name!r} ({where} and "
+                            f"{type(_REGISTRY[subject.name]).__module__}); rename one")
     _REGISTRY[subject.name] = subject
     return cls
 
@@ -200,6 +231,9 @@ def load_all(plugins: list[str] = ()) -> dict[str, Subject]:
     if not _loaded:
         importlib.import_module("harness.subjects")
         for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.dist is not None:
+                _ENTRY_POINT_DISTRIBUTIONS[ep.module.partition(".")[0]] = {"distribution": ep.dist.name,
+                                                                           "version": ep.dist.version}
             try:
                 ep.load()
             except Exception as exc:  # a broken third-party plugin must not hide the others
@@ -221,3 +255,39 @@ def get(name: str) -> Subject:
             f"unknown subject {name!r}; registered subjects: {known} "
             f"(add one with @register, a --plugin module, or the {ENTRY_POINT_GROUP!r} entry point)"
         ) from None
+
+
+def plugin_distribution(name: str) -> dict | None:
+    """{"distribution", "version"} of the installed package that registers subject `name`;
+    None for a built-in subject or a plugin module that no distribution installed."""
+    subject = _REGISTRY.get(name)
+    if subject is None:
+        return None
+    module = type(subject).__module__
+    top = module.partition(".")[0]
+    if top == __name__.partition(".")[0]:  # the harness's own subjects
+        return None
+    path = getattr(sys.modules.get(module), "__file__", None)
+    return _ENTRY_POINT_DISTRIBUTIONS.get(top) or (_installed_distribution(top, path) if path else None)
+
+
+@functools.cache
+def _installed_distribution(top: str, path: str) -> dict | None:
+    """The distribution that installed the file at `path` (a top-level name alone is
+    not enough: several distributions ship a `tests` package, and a checkout may shadow one)."""
+    from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
+
+    for dist_name in packages_distributions().get(top, ()):
+        try:
+            dist = distribution(dist_name)
+        except PackageNotFoundError:
+            continue
+        root = os.path.realpath(dist.locate_file(top))
+        if os.path.realpath(path).startswith(root + os.sep):
+            return {"distribution": dist.metadata["Name"], "version": dist.version}
+    return None
+
+
+def plugin_distributions() -> dict[str, dict]:
+    """Every registered plugin subject's distribution, by subject name (environment.json)."""
+    return {name: found for name in sorted(_REGISTRY) if (found := plugin_distribution(name))}

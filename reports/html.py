@@ -18,8 +18,8 @@ from reports.text import DASH, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
            ("ws", "world size"), ("status", "status"))
-ENVIRONMENT_KEYS = ("date", "command", "suite", "harness_commit", "host", "backend", "gpus", "driver", "cuda", "nccl",
-                    "torch", "python", "os", "cpu")
+ENVIRONMENT_KEYS = ("date", "command", "suite", "harness_version", "harness_commit", "host", "backend", "gpus",
+                    "driver", "cuda", "nccl", "torch", "python", "os", "cpu")
 
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),

@@ -167,5 +167,5 @@ def test_subjects_are_checked_against_their_family_contract():
     with pytest.raises(ValueError) as err:
         register(Incomplete)
     assert "reduce_scatter() takes 3 argument(s), the contract passes 4" in str(err.value)
-    assert "missing 'order_model'" in str(err.value)
+    assert "order_model" not in str(err.value)  # optional (tests/test_cli_conventions.py)
     assert "incomplete" not in registry.load_all()

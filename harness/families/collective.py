@@ -40,6 +40,7 @@ from harness import nccl_models
 from harness.nccl_log import channel_pin, channel_pin_violations, escaped_paths, pin_violations
 from harness.nccl_models import NcclContext, NoPrediction
 from harness.params import CollectiveParams
+from harness.subject import order_model_of
 from harness.tolerances import gamma
 from reference import orders
 from reference.collectives import reduce_scatter as reference_reduce_scatter
@@ -234,7 +235,7 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
                             extra_failure=extra)
 
     # The prediction comes from the inputs alone: every rank's input is regenerated here.
-    model = subject.order_model(ctx.backend)
+    model = order_model_of(subject, ctx.backend)  # optional: None measures without predicting
     pred_rows = None
     if model is not None:
         try:
