@@ -20,13 +20,14 @@
 """
 from __future__ import annotations
 
+import importlib.resources
 import math
-import sysconfig
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, did_you_mean
 
 EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
 BACKENDS = ("gloo", "nccl")
@@ -153,9 +154,10 @@ def _case(path: Path, index: int, raw) -> Case:
     )
 
 
-def load_suite(path: str | Path) -> Suite:
-    path = Path(path)
-    if not path.exists():
+def load_suite(path) -> Suite:
+    """Load and check a suite file: a path, or a built-in suite's importlib.resources Traversable."""
+    path = Path(path) if isinstance(path, str) else path
+    if not path.is_file():
         known = sorted(known_suites())
         raise HarnessError(f"case file {path} not found; known suites: {', '.join(known) or 'none'}")
     try:
@@ -182,25 +184,42 @@ def load_suite(path: str | Path) -> Suite:
                  plugins=list(meta.get("plugins", [])), cases=cases)
 
 
-def suite_dirs() -> list[Path]:
-    """Where suites are found by name: ./cases, the checkout's cases/ (editable installs), and
-    share/ep-harness/cases of the environment (where a wheel installs them)."""
-    dirs = [Path("cases"), Path(__file__).resolve().parent.parent / "cases",
-            Path(sysconfig.get_path("data")) / "share" / "ep-harness" / "cases"]
-    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+BUILT_IN = "harness.suites"  # the repository's cases/ folder, installed as this package's data
+
+
+def built_in_dir():
+    """The built-in suites' folder: package data found through importlib.resources (any install
+    layout: venv, --user, --target, editable), else the checkout's cases/ (run from a clone)."""
+    try:
+        found = importlib.resources.files(BUILT_IN)
+    except ModuleNotFoundError:
+        found = None
+    if found is not None and found.is_dir():
+        return found
+    checkout = Path(__file__).resolve().parent.parent / "cases"
+    return checkout if checkout.is_dir() else None
 
 
 def known_suites() -> dict[str, Path]:
-    found: dict[str, Path] = {}
-    for d in suite_dirs():
-        for p in sorted(d.glob("*.toml")):
-            found.setdefault(p.stem, p)
-    return found
+    """The built-in suites by name. The working directory's cases/ is not searched: a suite of
+    one's own is named by its path (`--suite ./cases/mine.toml`)."""
+    folder = built_in_dir()
+    if folder is None:
+        return {}
+    return {p.name[:-len(".toml")]: p for p in sorted(folder.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".toml") and p.is_file()}
 
 
 def resolve_suite_path(name: str) -> Path:
-    """A path is used as given; a name (`smoke`) is looked up in suite_dirs()."""
+    """A built-in suite by name (`smoke`); anything with a `.toml` suffix or a path separator,
+    or naming an existing file, is a path and used as given."""
     p = Path(name)
-    if p.suffix == ".toml" or p.exists():
+    if p.suffix == ".toml" or "/" in name or os.sep in name:
         return p
-    return known_suites().get(name, Path("cases") / f"{name}.toml")
+    known = known_suites()
+    if name in known:
+        return known[name]
+    if p.is_file():
+        return p
+    raise HarnessError(f"unknown suite {name!r}{did_you_mean(name, known)}; built-in suites: "
+                       f"{', '.join(known) or 'none'} (or give the path of a TOML file)")

@@ -16,7 +16,25 @@ def _gpus(value: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"GPUS={value!r} is not a number; use GPUS=0 for the CPU or a GPU count")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number; use --gpus 0 for the CPU or a GPU count")
+
+
+class Parser(argparse.ArgumentParser):
+    """No silent abbreviations (`--suit` is an error, not `--suite`); subcommands are made
+    of the same class (add_subparsers uses the parser's own)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def options(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
+    def subcommand(self, name: str | None) -> "Parser":
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                return action.choices[name]
+        return self
 
 
 class _Version(argparse.Action):
@@ -33,7 +51,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ep-harness", description=__doc__)
+    parser = Parser(prog="ep-harness", description=__doc__)
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -58,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--summary-md", type=Path, metavar="PATH",
                    help="append a Markdown verdict (e.g. to $GITHUB_STEP_SUMMARY)")
     v.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
+    v.add_argument("-q", "--quiet", action="store_true",
+                   help="print only failures (with their rerun commands) and the verdict line")
     v.add_argument("--launches", choices=["auto", "one", "per-world-size", "per-check"], default="auto",
                    help="how checks share torchrun launches (auto: one on gloo, one per world size on NCCL)")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
@@ -138,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a latin-1 or C locale must not crash a report
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, and the option it was probably meant to be
+        _unknown_arguments(parser.subcommand(getattr(args, "command", None)), unknown)
     try:
         if args.command == "verify":
             from harness.cases import load_suite, resolve_suite_path
@@ -160,12 +183,15 @@ def main(argv: list[str] | None = None) -> int:
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
             from harness.verify import verify
 
-            code, _ = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
+            code, run_dir = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
                              plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
                              render=not args.no_report, emulate_hosts=args.emulate_hosts,
                              from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
                              junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped,
-                             launches=args.launches, nodes=nodes, fresh_processes=args.fresh_processes)
+                             launches=args.launches, nodes=nodes, fresh_processes=args.fresh_processes,
+                             quiet=args.quiet)
+            if args.quiet:
+                _quiet_summary(run_dir)
             return code
         if args.command == "report":
             from reports.render import render_run
@@ -209,6 +235,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ep-harness: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _quiet_summary(run_dir: Path) -> None:
+    """verify -q: each failure with its rerun command, then the verdict and the counts."""
+    from reports.analysis import FAILING, counts, verdict
+    from reports.load import load_run
+    from reports.terminal import _one_line
+
+    records = load_run(run_dir).records
+    for r in records:
+        if r["status"] in FAILING:
+            print(_one_line(f"{r['status']}: {r['check']}: {r['reason']}"))
+            print(_one_line(f"  rerun: {r['rerun']}"))
+    summary = ", ".join(f"{n} {status}" for status, n in counts(records).items() if n)
+    print(f"# {verdict(records)}: {summary} ({run_dir})")
+
+
+def _unknown_arguments(parser: Parser, unknown: list[str]) -> None:
+    from harness.errors import did_you_mean
+
+    hint = next((did_you_mean(a.partition("=")[0], parser.options()) for a in unknown if a.startswith("--")), "")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _list(args) -> int:

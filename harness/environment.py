@@ -58,20 +58,21 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
     NCCL host per rank (harness/emulation.py)."""
     visible = visible_gpus()
     if emulate_hosts and visible == 0:
-        raise HarnessError("--emulate-hosts (EMULATE_HOSTS=1) runs NCCL ranks on a GPU, but no GPU is visible; "
+        raise HarnessError("--emulate-hosts runs NCCL ranks on a GPU, but no GPU is visible; "
                            "drop the flag to run the CPU default")
     if gpus is None:
         gpus = visible
     if gpus < 0:
-        raise HarnessError(f"GPUS={gpus} is negative; use GPUS=0 for the CPU or a GPU count")
+        raise HarnessError(f"--gpus {gpus} is negative; use --gpus 0 for the CPU or a GPU count")
     if emulate_hosts and gpus == 0:
-        raise HarnessError("--emulate-hosts needs GPUS=N ranks (N >= 1); GPUS=0 is the CPU default")
+        raise HarnessError("--emulate-hosts needs --gpus N ranks (N >= 1); --gpus 0 is the CPU default")
     if gpus > visible and not emulate_hosts:
         found = f"{visible} visible GPU{'s' if visible != 1 else ''}"
         raise HarnessError(
-            f"GPUS={gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use GPUS={visible}, a machine with {gpus} GPUs, "
-            f"or EMULATE_HOSTS=1 to run {gpus} NCCL ranks as emulated hosts on the GPUs present"
+            f"--gpus {gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --gpus {visible}"
+            f"{' (the CPU)' if visible == 0 else ''}, a machine with {gpus} GPUs, or --emulate-hosts to run "
+            f"{gpus} NCCL ranks as emulated hosts on the GPUs present"
         )
     if gpus == 0:
         if cpu_ranks < 1:
@@ -95,7 +96,7 @@ def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, em
         return detect(gpus, cpu_ranks, emulate_hosts)
     total, per_node = nodes.ranks, nodes.nproc_per_node
     if gpus not in (None, 0, total):
-        raise HarnessError(f"GPUS={gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
+        raise HarnessError(f"--gpus {gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
                            f"drop --gpus, or make it {total} (or 0 for gloo on the CPU)")
     visible = visible_gpus()
     if gpus == 0 or (visible == 0 and not emulate_hosts):
@@ -240,14 +241,17 @@ def git_commit() -> str | None:
         return os.environ["EP_HARNESS_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=5).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=5).stdout.splitlines()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    if len(sha) != 40:  # not a checkout (a copied tree prints the argument back or nothing)
+    # Not a checkout: a copied tree prints the argument back or nothing, and a wheel installed
+    # inside another project's work tree (its .venv) must not take that project's commit.
+    if len(out) != 2 or len(out[1]) != 40 or os.path.realpath(out[0]) != str(root):
         return None
+    sha = out[1]
     return sha + ("+dirty" if dirty else "")
 
 

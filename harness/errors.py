@@ -3,3 +3,11 @@
 
 class HarnessError(Exception):
     """Bad input or an unusable environment; printed as one line, exit code 2."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of `choices` (difflib), or '' when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

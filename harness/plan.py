@@ -11,7 +11,7 @@ from harness import params
 from harness import subject as registry
 from harness.cases import Suite, timeout_problem
 from harness.check import Check
-from harness.errors import HarnessError
+from harness.errors import HarnessError, did_you_mean
 from harness.families import PROPERTIES
 from harness.subject import Platform
 
@@ -26,7 +26,7 @@ def check_id(case: str, prop: str, point: dict) -> str:
 def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | None:
     world_size = params.get("world_size", 1)
     if world_size > platform.ranks:
-        where = (f"GPUS={platform.ranks}" if platform.device == "cuda"
+        where = (f"--gpus {platform.ranks}" if platform.device == "cuda"
                  else f"the CPU default of {platform.ranks} gloo ranks")
         return f"needs {world_size} ranks; this run has {platform.ranks} ({where})"
     if (params.get("mode") == "graph" or prop == "graph-invariance") and platform.device != "cuda":
@@ -55,8 +55,13 @@ def literal(check_id: str) -> str:
 
 
 def selected(check_id: str, selection: list[str] | None) -> bool:
-    """Whether --check patterns (globs) pick this check; no patterns pick every check."""
-    return not selection or any(fnmatch.fnmatchcase(check_id, pat) for pat in selection)
+    """Whether --check patterns pick this check; no patterns pick every check. A pattern is a
+    glob over the whole id or over its leading parts, cut at a `/`: `rs-native` (a case name)
+    and `rs-native/rank-invariance` pick all of that case's (and property's) checks, but not
+    those of a case `rs-native-stable`."""
+    return not selection or any(
+        fnmatch.fnmatchcase(check_id, pat) or fnmatch.fnmatchcase(check_id, pat.rstrip("/") + "/*")
+        for pat in selection)
 
 
 def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
@@ -70,7 +75,7 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
             if prop not in known:
                 raise HarnessError(
                     f"{suite.path}: case {case.name!r}: property {prop!r} is not defined for "
-                    f"{subject.family} subjects; known: {', '.join(known)}"
+                    f"{subject.family} subjects{did_you_mean(prop, known)}; known: {', '.join(known)}"
                 )
         keys = list(case.grid)
         where = f"{suite.path}: case {case.name!r}"
@@ -89,8 +94,10 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
     if selection:
         checks = [c for c in checks if selected(c.id, selection)]
         if not checks:
-            raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}; "
-                               f"list them with `ep-harness list --suite {suite.path}`")
+            names = [*(c.name for c in suite.cases), *ids]
+            raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}"
+                               f"{did_you_mean(selection[0], names)}; list them with "
+                               f"`ep-harness list --suite {suite.path}`")
     return checks
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, did_you_mean
 
 FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
 ENTRY_POINT_GROUP = "ep_harness.subjects"
@@ -252,7 +252,7 @@ def get(name: str) -> Subject:
     except KeyError:
         known = ", ".join(sorted(_REGISTRY)) or "none"
         raise HarnessError(
-            f"unknown subject {name!r}; registered subjects: {known} "
+            f"unknown subject {name!r}{did_you_mean(name, _REGISTRY)}; registered subjects: {known} "
             f"(add one with @register, a --plugin module, or the {ENTRY_POINT_GROUP!r} entry point)"
         ) from None
 

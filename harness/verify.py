@@ -92,8 +92,8 @@ class Stream:
         append_line(self.path, record)
         if not self.quiet:
             count = f"[{len(self.records)}/{self.runnable}]"
-            print(f"{count:<10}{time.time() - self.began:7.1f}s {self.terminal.row(record, self.keys[check.case])[2:]}",
-                  flush=True)
+            line = self.terminal.row(record, self.keys[check.case], self.terminal.colour_enabled())
+            print(f"{count:<10}{time.time() - self.began:7.1f}s {line[2:]}", flush=True)
 
 
 def timing(records, wall_s: float) -> dict:

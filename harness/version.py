@@ -36,5 +36,5 @@ def version_line() -> str:
     """What `ep-harness --version` prints: version and commit, each said when unknown."""
     from harness.environment import git_commit
 
-    commit = git_commit() or "commit unknown (not a git checkout; EP_HARNESS_COMMIT names it)"
+    commit = git_commit() or "commit unknown: not a git checkout; EP_HARNESS_COMMIT names it"
     return f"ep-harness {harness_version() or 'unknown version (not installed, no pyproject.toml)'} ({commit})"

@@ -17,7 +17,8 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     if against is not None:
         changes = compare_runs(run.records, load_run(against).records)
     if not quiet:
-        print(terminal.render(run.records, run.environment, changes, show_skipped, rows))
+        print(terminal.render(run.records, run.environment, changes, show_skipped, rows,
+                              colour=terminal.colour_enabled()))
     target = out or (run.path / "report.html")
     page = render_page(run, changes, str(against) if against else None, trends=trends.context(history))
     write_atomic(Path(target), page)

@@ -2,6 +2,9 @@
 and a final OK / FAILED line."""
 from __future__ import annotations
 
+import os
+import sys
+
 from reports.analysis import FAILING, counts, pairs, verdict
 from reports.text import DASH, fmt_count, fmt_float, fmt_int
 
@@ -10,6 +13,21 @@ COLUMNS = (
     ("mismatched / total (%)", 24), ("predicted", 9), ("maxULP", 7), ("max|diff|", 9), ("sec", 6), ("point", 0),
 )
 SHOWN = {"dtype", "world_size", "backend"}  # parameters that have a column of their own
+
+
+def colour_enabled(stream=None) -> bool:
+    """Colour only on a terminal, never with NO_COLOR set (no-color.org) or TERM=dumb: a CI log
+    or a file gets plain text."""
+    stream = stream or sys.stdout
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR") and \
+        os.environ.get("TERM") != "dumb"
+
+
+def paint(text: str, status: str, colour: bool) -> str:
+    """`text` in its status's colour (red: failing, green: ok, yellow: vacuous) when `colour`."""
+    code = "31" if status in FAILING or status.startswith(("FAILED", "INTERRUPTED")) else \
+        {"ok": "32", "OK": "32", "vacuous": "33"}.get(status)
+    return f"\033[{code}m{text}\033[0m" if code and colour else text
 
 
 def _cell(text, width: int, left: bool) -> str:
@@ -56,19 +74,22 @@ def header() -> str:
     return "# " + _row([name for name, _ in COLUMNS])
 
 
-def row(r: dict, keys: list[str]) -> str:
-    """One check's line; `keys`: the parameters that tell it apart within its case."""
+def row(r: dict, keys: list[str], colour: bool = False) -> str:
+    """One check's line; `keys`: the parameters that tell it apart within its case; `colour`:
+    the status cell in colour (callers printing to a terminal pass colour_enabled())."""
     p, seconds = r["params"], r.get("seconds")
-    return "  " + _row([
+    line = "  " + _row([
         r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
         fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
         fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
         f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds), point(r, keys),
     ])
+    width = COLUMNS[0][1]
+    return line[:2] + paint(line[2:2 + width], str(r["status"]), colour) + line[2 + width:]
 
 
 def render(records: list[dict], environment: dict, changes: list[dict] | None = None,
-           show_skipped: bool = False, rows: bool = True) -> str:
+           show_skipped: bool = False, rows: bool = True, colour: bool = False) -> str:
     """The whole table; rows=False when they were already streamed as the checks finished."""
     env = environment or {}
     lines = [
@@ -81,9 +102,9 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     keys = varying(records)
     if rows:
         lines.append(header())
-        lines += [row(r, keys[r["case"]]) for r in records if r["status"] != "skipped" or show_skipped]
+        lines += [row(r, keys[r["case"]], colour) for r in records if r["status"] != "skipped" or show_skipped]
     elif show_skipped:
-        lines += [row(r, keys[r["case"]]) for r in records if r["status"] == "skipped"]
+        lines += [row(r, keys[r["case"]], colour) for r in records if r["status"] == "skipped"]
     skipped = skipped_summary(records)
     if skipped and not show_skipped:
         lines.append("# skipped (--show-skipped lists them), by reason:")
@@ -119,5 +140,5 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     c = counts(records)
     summary = ", ".join(f"{v} {k}" for k, v in c.items())
     lines.append("#")
-    lines.append(f"# {verdict(records, changes)}: {summary}")
+    lines.append(f"# {paint(verdict(records, changes), verdict(records, changes), colour)}: {summary}")
     return "\n".join(lines)

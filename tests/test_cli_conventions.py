@@ -195,3 +195,155 @@ def test_order_model_is_optional_but_reduce_scatter_is_not():
         registry.register(_collective(reduce_scatter=lambda self, out, inp, sizes, group: None,
                                       order_model=lambda self: None))
     assert "optional_probe" not in registry._REGISTRY
+
+
+# --- argparse conventions, did-you-mean, --check, -q, colour ----------------------------
+
+
+def test_no_parser_abbreviates_options_and_an_unknown_one_gets_a_suggestion():
+    from harness.cli import Parser, build_parser
+
+    parser = build_parser()
+    subparsers = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"][0].choices
+    assert {"verify", "list", "selftest", "explore", "nightly"} <= set(subparsers)
+    for p in [parser, *subparsers.values()]:
+        assert isinstance(p, Parser) and p.allow_abbrev is False, p.prog
+    proc = harness("verify", "--suit", "smoke")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ep-harness verify: error: unrecognized arguments: --suit smoke (did you mean '--suite'?)")
+    # positive control: the full option parses
+    args = parser.parse_args(["verify", "--suite", "smoke", "-q"])
+    assert args.suite == "smoke" and args.quiet
+
+
+def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
+    from harness.cases import load_suite, resolve_suite_path
+    from harness.plan import expand
+    from harness.subject import Platform
+
+    with pytest.raises(HarnessError, match=r"unknown suite 'smok' \(did you mean 'smoke'\?\); built-in suites: "):
+        resolve_suite_path("smok")
+    registry.load_all()
+    with pytest.raises(HarnessError, match=r"unknown subject 'all_gather_fld' \(did you mean 'all_gather_fold'\?\)"):
+        registry.get("all_gather_fld")
+    suite = tmp_path / "s.toml"
+    suite.write_text('[[case]]\nname = "c"\nsubject = "all_gather_fold"\nproperties = ["rank-invariants"]\n'
+                     'expect = "holds"\n[case.grid]\ndtype = ["bfloat16"]\nworld_size = [2]\n')
+    with pytest.raises(HarnessError, match=r"property 'rank-invariants' .*\(did you mean 'rank-invariance'\?\)"):
+        expand(load_suite(suite), Platform(backend="gloo", device="cpu", ranks=4))
+    # nothing close: no suggestion, the list instead
+    with pytest.raises(HarnessError) as err:
+        resolve_suite_path("zzzzzz")
+    assert "did you mean" not in str(err.value) and "smoke" in str(err.value)
+
+
+def test_check_takes_a_case_name_or_an_id_prefix():
+    from harness.cases import load_suite
+    from harness.plan import expand, literal
+    from harness.subject import Platform
+
+    registry.load_all()
+    smoke = load_suite(REPO / "cases" / "smoke.toml")
+    cpu = Platform(backend="gloo", device="cpu", ranks=4)
+    every = [c.id for c in expand(smoke, cpu)]
+
+    def ids(*selection):
+        return [c.id for c in expand(smoke, cpu, list(selection))]
+
+    assert any(i.startswith("rs-native-stable/") for i in every)  # the name a bare prefix would also catch
+    by_case = ids("rs-native")
+    assert by_case == [i for i in every if i.split("/")[0] == "rs-native"] and len(by_case) == 18
+    assert ids("rs-native/rank-invariance") == [i for i in by_case if i.split("/")[1] == "rank-invariance"]
+    assert ids("rs-native/rank-invariance/") == ids("rs-native/rank-invariance")
+    assert ids("rs-native/*/dtype=float32/*") == [i for i in by_case if "/dtype=float32/" in i]  # globs as before
+    assert ids(literal(by_case[0])) == [by_case[0]]
+    with pytest.raises(HarnessError, match=r"--check rs-nativ matches no check .*\(did you mean 'rs-native'\?\)"):
+        ids("rs-nativ")  # a prefix must end at a `/`
+
+
+QUIET_SUITE = '''
+[[case]]
+name = "fold"
+subject = "all_gather_fold"
+properties = ["rank-invariance"]
+expect = "holds"
+[case.grid]
+dtype = ["bfloat16"]
+world_size = [3]
+
+[[case]]
+name = "native-claimed-to-hold"
+subject = "reduce_scatter_native"
+properties = ["rank-invariance"]
+expect = "holds"
+[case.grid]
+dtype = ["bfloat16"]
+world_size = [3]
+'''
+
+
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory):
+    """`verify -q` of one check that holds and one that fails (the native control claimed to hold)."""
+    tmp = tmp_path_factory.mktemp("quiet")
+    (tmp / "q.toml").write_text(QUIET_SUITE)
+    proc = harness("verify", "-q", "--suite", str(tmp / "q.toml"), "--gpus", "0", "--out", str(tmp / "runs"))
+    return proc, tmp / "runs"
+
+
+@pytest.mark.slow
+def test_quiet_prints_only_failures_and_the_verdict(quiet_run):
+    proc, runs = quiet_run
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 3, proc.stdout
+    assert lines[0].startswith("unexpected: native-claimed-to-hold/rank-invariance/dtype=bfloat16/world_size=3: "
+                               "expected to hold, but ")
+    assert lines[1].startswith("  rerun: ep-harness verify --suite ")
+    run_dir = (runs / "latest").resolve()
+    assert lines[2] == f"# FAILED: 1 ok, 1 unexpected ({run_dir})"
+    assert (run_dir / "report.html").exists()  # -q prints less; it writes the same
+
+
+def _on_a_terminal(args, env):
+    """Run `python -m harness ARGS` with stdout on a pseudo-terminal; returns what it printed."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=terminal, stderr=subprocess.DEVNULL,
+                            cwd=REPO, env=env)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: the process is done writing
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    proc.wait(timeout=120)
+    os.close(controller)
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.slow
+def test_colour_only_on_a_terminal_and_never_with_no_color(quiet_run):
+    _, runs = quiet_run
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")} | {
+        "PYTHONPATH": str(REPO), "TERM": "xterm"}
+    args = ["report", str(runs / "latest"), "--out", str(runs / "copy.html")]
+    coloured = _on_a_terminal(args, env)
+    assert "\x1b[31munexpected\x1b[0m" in coloured and "\x1b[32mok" in coloured and "\x1b[31mFAILED\x1b[0m" in coloured
+    assert "\x1b[" not in _on_a_terminal(args, env | {"NO_COLOR": "1"})
+    piped = harness("report", *args[1:])
+    assert piped.returncode == 0 and "unexpected" in piped.stdout and "\x1b[" not in piped.stdout
+
+
+def test_the_no_gpu_error_speaks_in_cli_options():
+    proc = harness("verify", "--gpus", "4", "--out", "/nonexistent/never-written")
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "--gpus 4 but this machine has 0 visible GPUs" in line and "use --gpus 0 (the CPU)" in line
+    assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate-hosts" in line

@@ -186,7 +186,7 @@ def test_slurm_launcher_starts_every_node_through_srun(tmp_path, single_agent):
     (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "2"],
      "--node-rank 2 is outside 0..1"),
     (["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:1", "--gpus", "3"],
-     "GPUS=3 cannot be given by 2 nodes x 2 ranks = 4"),
+     "--gpus 3 cannot be given by 2 nodes x 2 ranks = 4"),
     (["--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "2"], "--launcher slurm needs srun on PATH"),
 ])
 def test_bad_node_options_are_one_line_and_write_nothing(tmp_path, args, message):

@@ -1,14 +1,18 @@
 """The package as a user installs it: a wheel, in a virtual environment outside the
 checkout, run from a directory that has `reports/` and `harness/` packages of its own."""
+import json
 import os
 import site
 import subprocess
 import sys
+import tomllib
 import venv
 
 import pytest
 
 from tests.conftest import REPO
+
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
 @pytest.mark.slow
@@ -42,3 +46,64 @@ def test_the_wheel_verifies_the_smoke_suite_from_anywhere(tmp_path):
     listing = subprocess.run([str(env_dir / "bin" / "ep-harness"), "list"], cwd=work, capture_output=True, text=True,
                              timeout=300)
     assert "smoke" in listing.stdout and "nightly" in listing.stdout and "composed_moe" in listing.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(REPO)], check=True, timeout=600)
+    [built] = out.glob("ep_harness-*.whl")
+    return built
+
+
+def test_the_wheel_carries_every_package_and_the_suites_as_package_data(wheel):
+    import zipfile
+
+    from setuptools import find_packages
+
+    names = zipfile.ZipFile(wheel).namelist()
+    suites = sorted(n.rpartition("/")[2] for n in names if n.startswith("harness/suites/"))
+    assert suites == sorted(p.name for p in (REPO / "cases").glob("*.toml")) and "smoke.toml" in suites
+    assert not [n for n in names if ".data/" in n]  # nothing installed outside the packages (no share/)
+    packaged = {n.rpartition("/")[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    assert packaged == set(find_packages(str(REPO), include=["harness*", "reference*", "reports*"]))
+
+
+@pytest.mark.slow
+def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(wheel, tmp_path):
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=600)
+    work = tmp_path / "project"
+    (work / "cases").mkdir(parents=True)
+    (work / "cases" / "config.toml").write_text("not = [a suite\n")  # unrelated, and not even valid TOML
+    env = {**{k: v for k, v in os.environ.items() if k != "EP_HARNESS_COMMIT"}, "PYTHONPATH": str(target)}
+
+    def harness(*args):
+        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=work, capture_output=True, text=True,
+                              timeout=600, env=env)
+
+    where = subprocess.run([sys.executable, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(target)), where  # the installed copy, not the checkout
+    listing = harness("list")
+    assert listing.returncode == 0, listing.stderr
+    for name in ("smoke", "nightly", "h200"):
+        assert f"\n  {name} " in listing.stdout, listing.stdout
+    assert "config" not in listing.stdout
+    version = harness("--version")
+    assert version.stdout.startswith(f"ep-harness {VERSION} (commit unknown"), version.stdout
+    run = harness("verify", "--suite", "smoke", "--check", "rs-native/rank-invariance/dtype=bfloat16/world_size=3",
+                  "--gpus", "0", "--out", "runs", "--no-report")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [record] = [json.loads(line) for line in (work / "runs/latest/results.jsonl").read_text().splitlines()]
+    assert record["status"] == "ok" and record["harness_version"] == VERSION, record
+    env_json = json.loads((work / "runs" / "latest" / "environment.json").read_text())
+    assert env_json["suite"] == str(target / "harness" / "suites" / "smoke.toml")
+    assert env_json["harness_commit"] is None and env_json["harness_version"] == VERSION
+    # the working directory's cases/ is read when the user names a file in it, and only then
+    named = harness("list", "--suite", "cases/config.toml")
+    assert named.returncode == 2 and "malformed TOML" in named.stderr, named.stderr
+    unknown = harness("list", "--suite", "smok")
+    assert unknown.returncode == 2 and "(did you mean 'smoke'?)" in unknown.stderr, unknown.stderr
