@@ -1,4 +1,4 @@
-"""`ep-harness`: verify, report, list, gate, baseline, nightly, explore, selftest."""
+"""`ep-harness`: verify, report, list, gate, baseline, nightly, explore, selftest, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--every-cell", action="store_true",
                     help="also plant injections a check need not catch (slower; shows extra catches)")
 
+    sub.add_parser("doctor", help="what this machine will run and skip, and the command that fixes each gap")
+
     ls = sub.add_parser("list", help="list the suites and subjects, or a suite's checks and what this machine skips")
     ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
     ls.add_argument("--gpus", type=_gpus, default=None)
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
         if args.command == "list":
             return _list(args)
+        if args.command == "doctor":
+            from harness.doctor import doctor
+
+            return doctor()
         if args.command == "selftest":
             from harness.selftest.run import selftest
 
