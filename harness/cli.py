@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
             return 0
         if args.command == "explore":
+            import importlib.util
+
+            if importlib.util.find_spec("hypothesis") is None:
+                raise HarnessError("explore searches with hypothesis, which is not installed; "
+                                   "pip install 'ep-harness[explore]'")
             from harness.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,

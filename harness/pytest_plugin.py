@@ -285,13 +285,17 @@ def suite_records(shared: Path, nonce: str, run_verify) -> dict[str, dict]:
     return {r["check"]: r for r in records}
 
 
-def pytest_report_teststatus(report, config):
-    """A test that used ep_world says on its report line which backend and how many ranks."""
-    worlds = [value for key, value in getattr(report, "user_properties", ()) if key == "ep_world"]
-    if report.when == "call" and worlds:
-        letter = {"passed": ".", "failed": "F", "skipped": "s"}[report.outcome]
-        return report.outcome, letter, f"{report.outcome.upper()} [{', '.join(dict.fromkeys(worlds))}]"
-    return None
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used ep_world names its backend and ranks in the summary line's
+    message (`FAILED nodeid - [gloo x4] ...`), never before the node id, which stays pasteable;
+    every report keeps them as the user property `ep_world` (a JUnit property)."""
+    report = yield
+    worlds = [value for key, value in report.user_properties if key == "ep_world"]
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if worlds and report.failed and crash is not None:
+        crash.message = f"[{', '.join(dict.fromkeys(worlds))}] {crash.message}"
+    return report
 
 
 def pytest_runtest_setup(item):
@@ -303,6 +307,15 @@ def pytest_runtest_setup(item):
 
 
 SUITE_RECORDS = pytest.StashKey[dict]()  # check id -> record, from the session's one verify run
+
+
+class SuiteChecks(pytest.Collector):
+    """The parent of a suite's check items, named after the suite: node ids read
+    `SUITE::CHECK_ID`, so JUnit XML gets the suite as each check's classname (a bare
+    `::CHECK_ID` gave an empty one). Its items are made in pytest_collection_modifyitems."""
+
+    def collect(self):
+        return []
 
 
 class CheckItem(pytest.Item):
@@ -362,5 +375,6 @@ def pytest_collection_modifyitems(session, config, items):
     loaded = load_suite(path)
     registry.load_all(loaded.plugins)
     gpus = config.getoption("--ep-gpus")
+    parent = SuiteChecks.from_parent(session, name=loaded.name, nodeid=loaded.name)
     for check in expand(loaded, detect(gpus)):
-        items.append(CheckItem.from_parent(session, name=check.id, check=check, suite=str(path), gpus=gpus))
+        items.append(CheckItem.from_parent(parent, name=check.id, check=check, suite=str(path), gpus=gpus))

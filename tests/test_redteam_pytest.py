@@ -46,7 +46,7 @@ def test_a_forged_results_file_at_the_old_location_is_not_used(tmp_path):
     # the real verdicts, measured in this session: split-k fails (once, never rerun), fold passes
     assert proc.returncode == 1, out[-3000:]
     assert "1 failed, 1 passed, 1 skipped" in out, out[-3000:]
-    assert out.count("FAILED ::split-k/batch-invariance") == 1, out[-3000:]
+    assert out.count("FAILED plugin-items::split-k/batch-invariance") == 1, out[-3000:]
     assert "rerun" not in out.lower().replace("rerun:", "")
 
 

@@ -1,0 +1,113 @@
+"""The pytest plugin behaves as pytest users expect: node ids that can be pasted back, JUnit
+classnames, and a session that pays nothing for what it does not use (no hypothesis)."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from tests.conftest import REPO
+
+USER_TESTS = '''
+import torch.distributed as dist
+
+
+def all_ranks_agree(rank, world_size):
+    return dist.get_world_size()
+
+
+def rank_one_disagrees(rank, world_size):
+    assert rank != 1, "planted on rank 1"
+
+
+def test_passes(ep_world):
+    assert ep_world(2).run(all_ranks_agree) == [2, 2]
+
+
+def test_fails(ep_world):
+    ep_world(2).run(rank_one_disagrees)
+'''
+
+
+def pytest_in(directory, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=directory,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+
+
+@pytest.mark.slow
+def test_a_failed_ep_world_test_keeps_a_pasteable_node_id(tmp_path):
+    (tmp_path / "test_user.py").write_text(USER_TESTS)
+    proc = pytest_in(tmp_path, "-rfp", "-v", "test_user.py")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "PASSED "))]
+    assert "PASSED test_user.py::test_passes" in summary, summary
+    [failed] = [line for line in summary if line.startswith("FAILED")]
+    # the node id right after the word, the topology in the message after it
+    assert failed.startswith("FAILED test_user.py::test_fails - [gloo x2] AssertionError: planted on rank 1"), failed
+    assert "test_user.py::test_passes PASSED" in proc.stdout  # -v lines: id, then the plain word
+    again = pytest_in(tmp_path, "-q", failed.split()[1])  # pasted back: exactly that test
+    assert again.returncode == 1 and "1 failed in" in again.stdout, again.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_ep_suite_items_have_the_suite_as_junit_classname(tmp_path):
+    xml = tmp_path / "junit.xml"
+    proc = pytest_in(REPO, "-q", "--ep-suite", "tests/cases/plugin_items.toml", "--ep-gpus", "0", "-k", "fold",
+                     "tests/test_gate.py", f"--junitxml={xml}")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    cases = {c.get("name"): c.get("classname") for c in ET.parse(xml).iter("testcase")}
+    assert cases == {"fold/rank-invariance/world_size=3": "plugin-items",
+                     "fold/rank-invariance/world_size=16": "plugin-items"}, cases
+
+
+def test_the_plugin_does_not_import_hypothesis():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import harness.pytest_plugin"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert "harness.pytest_plugin" in imported  # positive control: the listing is of this import
+    assert not [m for m in imported if m.split(".")[0] == "hypothesis"]
+
+
+def test_hypothesis_is_the_explore_extra_not_a_dependency():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("hypothesis")]
+    assert [d for d in project["optional-dependencies"]["explore"] if d.startswith("hypothesis")]
+    assert [d for d in project["optional-dependencies"]["test"] if d.startswith("hypothesis")]
+
+
+def test_explore_without_hypothesis_is_one_line_exit_2(monkeypatch, capsys):
+    import importlib.util
+
+    from harness import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    assert cli.main(["explore", "all_gather_fold"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ep-harness: error: explore searches with hypothesis, which is not installed; "
+                   "pip install 'ep-harness[explore]'"]
+
+
+@pytest.mark.slow
+def test_the_plugin_adds_little_to_a_pytest_session(tmp_path):
+    (tmp_path / "test_plain.py").write_text(textwrap.dedent('''
+        def test_nothing():
+            assert 1 + 1 == 2
+    '''))
+
+    def fastest(*args) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            proc = pytest_in(tmp_path, "-q", *args, "test_plain.py")
+            best = min(best, time.perf_counter() - start)
+            assert proc.returncode == 0, proc.stdout
+        return best
+
+    with_plugin, without = fastest(), fastest("-p", "no:ep_harness")
+    assert with_plugin - without < 0.2, (with_plugin, without)
