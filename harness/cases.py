@@ -188,8 +188,9 @@ BUILT_IN = "harness.suites"  # the repository's cases/ folder, installed as this
 
 
 def built_in_dir():
-    """The built-in suites' folder: package data found through importlib.resources (any install
-    layout: venv, --user, --target, editable), else the checkout's cases/ (run from a clone)."""
+    """The built-in suites' folder: package data found through importlib.resources (a wheel in
+    any install layout: venv, --user, --target), else the checkout's cases/ (a clone, or an
+    editable install of one)."""
     try:
         found = importlib.resources.files(BUILT_IN)
     except ModuleNotFoundError:
