@@ -211,6 +211,12 @@ def known_suites() -> dict[str, Path]:
             if p.name.endswith(".toml") and p.is_file()}
 
 
+def suite_argument(name: str, path) -> str:
+    """What a rerun command passes as --suite: the built-in suite's name (it resolves in any
+    install), else the path."""
+    return name if "/" not in name and known_suites().get(name) == path else str(path)
+
+
 def resolve_suite_path(name: str) -> Path:
     """A built-in suite by name (`smoke`); anything with a `.toml` suffix or a path separator,
     or naming an existing file, is a path and used as given."""

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness import subject as registry
-from harness.cases import load_suite, resolve_suite_path
+from harness.cases import load_suite, resolve_suite_path, suite_argument
 from harness.check import Check
 from harness.errors import HarnessError
 from harness.environment import (applicable_env, node_differences, nodes_of, pinned_env, platform_for, redacted,
@@ -210,9 +210,10 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     if not quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
+    suite_arg = str(suite_path) if from_record is not None else suite_argument(suite, suite_path)
+
     def rerun(c: Check) -> str:
-        return rerun_command(str(suite_path), c.id, gpus, plugins, platform.emulated_hosts, from_record is not None,
-                             nodes)
+        return rerun_command(suite_arg, c.id, gpus, plugins, platform.emulated_hosts, from_record is not None, nodes)
 
     stream = Stream(run_dir, run_id, checks, quiet, rerun)
     outcomes: dict[str, Outcome] = {}

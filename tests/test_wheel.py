@@ -99,6 +99,9 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [record] = [json.loads(line) for line in (work / "runs/latest/results.jsonl").read_text().splitlines()]
     assert record["status"] == "ok" and record["harness_version"] == VERSION, record
+    # a built-in suite is named in the rerun command: it resolves in any install, a path may not
+    assert record["rerun"] == ("ep-harness verify --suite smoke --check "
+                               "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0"), record["rerun"]
     env_json = json.loads((work / "runs" / "latest" / "environment.json").read_text())
     assert env_json["suite"] == str(target / "harness" / "suites" / "smoke.toml")
     assert env_json["harness_commit"] is None and env_json["harness_version"] == VERSION
