@@ -110,3 +110,38 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert named.returncode == 2 and "malformed TOML" in named.stderr, named.stderr
     unknown = harness("list", "--suite", "smok")
     assert unknown.returncode == 2 and "(did you mean 'smoke'?)" in unknown.stderr, unknown.stderr
+
+
+def _base_python() -> str | None:
+    """The interpreter this environment was made from: user installs (--user) need one that
+    is not a virtual environment's."""
+    candidate = os.path.join(sys.base_prefix, "bin", "python3")
+    return candidate if sys.base_prefix != sys.prefix and os.access(candidate, os.X_OK) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_base_python() is None, reason="needs a base interpreter outside a virtual environment for --user")
+def test_a_user_install_finds_its_suites_from_a_directory_with_its_own_cases(wheel, tmp_path):
+    python, userbase = _base_python(), tmp_path / "userbase"
+    # the harness from the wheel in the user site; its dependencies (torch, ...) from this environment
+    deps = os.pathsep.join(site.getsitepackages())
+    env = {**{k: v for k, v in os.environ.items() if k not in ("EP_HARNESS_COMMIT", "VIRTUAL_ENV")},
+           "PYTHONUSERBASE": str(userbase), "PYTHONPATH": deps}
+    subprocess.run([python, "-m", "pip", "install", "-q", "--user", "--no-deps", "--no-warn-script-location",
+                    str(wheel)], check=True, timeout=600, env=env, capture_output=True)
+    work = tmp_path / "project"
+    (work / "cases").mkdir(parents=True)
+    (work / "cases" / "smoke.toml").write_text("not = [a suite\n")  # a file of the user's, named like a built-in
+    exe = str(userbase / "bin" / "ep-harness")
+    where = subprocess.run([python, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(userbase)), where
+    listing = subprocess.run([exe, "list"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert listing.returncode == 0, listing.stderr
+    assert "\n  smoke " in listing.stdout and "\n  nightly " in listing.stdout
+    run = subprocess.run([exe, "verify", "--suite", "smoke", "--check", "ar-slice/rank-invariance/dtype=float32",
+                          "--gpus", "0", "--out", "runs", "--no-report"], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (work / "runs/latest/results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in records] == ["ok", "ok"]  # world sizes 3 and 4, from the built-in smoke suite
