@@ -65,8 +65,9 @@ def test_deepgemm_and_deepep_versions_and_an_abi_mismatch(tmp_path):
     proc, _, by_component = run_doctor(tmp_path / "broken", planted=broken)
     assert proc.returncode == 0
     assert by_component["deepgemm"] == (
-        "skip  deepgemm    deep_gemm does not import (OSError: undefined symbol: _ZN3c104cuda19CUDAErrorLogCaptureC1Ev): "
-        f"DeepGEMM checks are skipped; fix: pip install {doctor.DEEPGEMM_PINS}")
+        "skip  deepgemm    deep_gemm does not import (OSError: undefined symbol: "
+        "_ZN3c104cuda19CUDAErrorLogCaptureC1Ev): DeepGEMM checks are skipped; "
+        f"fix: pip install {doctor.DEEPGEMM_PINS}")
 
 
 class _FakeCuda:
