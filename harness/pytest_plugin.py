@@ -369,12 +369,17 @@ def pytest_collection_modifyitems(session, config, items):
     from harness import subject as registry
     from harness.cases import load_suite, resolve_suite_path
     from harness.environment import detect
+    from harness.errors import HarnessError
     from harness.plan import expand
 
-    path = resolve_suite_path(suite)
-    loaded = load_suite(path)
-    registry.load_all(loaded.plugins)
     gpus = config.getoption("--ep-gpus")
+    try:
+        path = resolve_suite_path(suite)
+        loaded = load_suite(path)
+        registry.load_all(loaded.plugins)
+        checks = expand(loaded, detect(gpus))
+    except HarnessError as exc:  # bad input: pytest's one-line usage error, not an INTERNALERROR traceback
+        raise pytest.UsageError(f"--ep-suite {suite}: {exc}") from None
     parent = SuiteChecks.from_parent(session, name=loaded.name, nodeid=loaded.name)
-    for check in expand(loaded, detect(gpus)):
+    for check in checks:
         items.append(CheckItem.from_parent(parent, name=check.id, check=check, suite=str(path), gpus=gpus))

@@ -111,3 +111,11 @@ def test_the_plugin_adds_little_to_a_pytest_session(tmp_path):
 
     with_plugin, without = fastest(), fastest("-p", "no:ep_harness")
     assert with_plugin - without < 0.2, (with_plugin, without)
+
+
+def test_a_bad_ep_suite_is_a_usage_error_not_an_internal_error(tmp_path):
+    (tmp_path / "test_plain.py").write_text("def test_nothing():\n    pass\n")
+    proc = pytest_in(tmp_path, "-q", "--ep-suite", "smok", "test_plain.py")
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage-error exit code
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr
+    assert "ERROR: --ep-suite smok: unknown suite 'smok' (did you mean 'smoke'?)" in proc.stderr
