@@ -14,7 +14,7 @@ import pandas as pd
 from reports import plots
 from reports.analysis import FAILING, counts, pairs, verdict
 from reports.selftest import selftest_context
-from reports.text import DASH, fmt_count, fmt_float, fmt_int, mismatch_text
+from reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
            ("ws", "world size"), ("status", "status"))
@@ -86,7 +86,8 @@ def _row(r: dict) -> dict:
             "ws": _text(p.get("world_size", DASH)), "expect": _text(r["expect"]), "linked": _has_detail(r),
             "count": fmt_count(r.get("mismatched"), r.get("total")), "predicted": fmt_int(r.get("predicted_mismatched")),
             "max_ulp": fmt_int(r.get("max_ulp")), "max_abs": fmt_float(r.get("max_abs")), "reference": reference,
-            "seconds": f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _text(seconds)}
+            "seconds": f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _text(seconds),
+            "cost": _text(cost_text(r))}
 
 
 def _detail(r: dict) -> dict:
@@ -139,7 +140,7 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
         "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records,
         "summary_png": plots.summary_figure(df) if records else None, "pairs": _pairs(records),
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,
-        "rows": [_row(r) for r in records], "details": [_detail(r) for r in records if _has_detail(r)],
+        "rows": [_row(r) for r in records], "costs": any(cost_text(r) for r in records), "details": [_detail(r) for r in records if _has_detail(r)],
         "failures": [{"status": r["status"], "check": _text(r["check"]), "reason": _text(r.get("reason"))}
                      for r in records if r["status"] in (*FAILING, "interrupted")],
         "selftest": selftest_context(run.path),  # only an `ep-harness selftest` run has one

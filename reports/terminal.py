@@ -6,7 +6,7 @@ import os
 import sys
 
 from reports.analysis import FAILING, counts, pairs, verdict
-from reports.text import DASH, fmt_count, fmt_float, fmt_int
+from reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
     ("status", 10), ("case", 22), ("property", 19), ("dtype", 8), ("ws", 3),
@@ -82,7 +82,8 @@ def row(r: dict, keys: list[str], colour: bool = False) -> str:
         r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
         fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
         fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
-        f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds), point(r, keys),
+        f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds),
+        " ".join(filter(None, [point(r, keys), cost_text(r) and f"[{cost_text(r)}]"])),
     ])
     width = COLUMNS[0][1]
     return line[:2] + paint(line[2:2 + width], str(r["status"]), colour) + line[2 + width:]

@@ -32,6 +32,21 @@ def fmt_float(x, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if _number(x) else str(x)
 
 
+def cost_text(rec: dict) -> str:
+    """A GPU check's measured cost (detail.cost: harness/cost.py), e.g. '769 TFLOP/s (77.7% of
+    bf16 peak), 1.00x torch_mm'; '' where none was measured (the CPU), never a zero."""
+    c = (rec.get("detail") or {}).get("cost")
+    if not isinstance(c, dict):
+        return ""
+    rate = f"{fmt_float(c['tflops'], 4)} TFLOP/s" if _number(c.get("tflops")) else \
+        f"{fmt_float(c['gbps'], 4)} GB/s" if _number(c.get("gbps")) else ""
+    if not rate:
+        return ""
+    peak = f" ({c['pct_of_peak']:.1f}% of {c.get('peak')} peak)" if _number(c.get("pct_of_peak")) else ""
+    ratio = f", {c['time_vs_baseline']:.2f}x {c.get('baseline')}" if _number(c.get("time_vs_baseline")) else ""
+    return rate + peak + ratio
+
+
 def mismatch_text(rec: dict) -> str:
     """The assertion message for a record, e.g. `Mismatched elements: 2550 / 8192 (31.1%)`."""
     mismatched, total = rec.get("mismatched"), rec.get("total")
