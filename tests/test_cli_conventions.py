@@ -347,3 +347,23 @@ def test_the_no_gpu_error_speaks_in_cli_options():
     [line] = proc.stderr.strip().splitlines()
     assert "--gpus 4 but this machine has 0 visible GPUs" in line and "use --gpus 0 (the CPU)" in line
     assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate-hosts" in line
+
+
+def test_expect_model_without_an_order_model_is_refused_at_planning(tmp_path):
+    from harness.cases import load_suite
+    from harness.plan import expand
+    from harness.subject import Platform
+
+    text = ('[[case]]\nname = "c"\nsubject = "optional_probe"\nproperties = ["rank-invariance"]\n'
+            'expect = "EXPECT"\n[case.grid]\ndtype = ["bfloat16"]\nworld_size = [3]\n')
+    cpu = Platform(backend="gloo", device="cpu", ranks=4)
+    try:
+        registry.register(_collective(reduce_scatter=lambda self, out, inp, sizes, group: None))
+        (tmp_path / "model.toml").write_text(text.replace("EXPECT", "model"))
+        with pytest.raises(HarnessError, match=r"expect = \"model\" needs an order model and subject "
+                                               r"'optional_probe' has none"):
+            expand(load_suite(tmp_path / "model.toml"), cpu)
+        (tmp_path / "holds.toml").write_text(text.replace("EXPECT", "holds"))  # control: any other expectation
+        assert [c.expect for c in expand(load_suite(tmp_path / "holds.toml"), cpu)] == ["holds"]
+    finally:
+        registry._REGISTRY.pop("optional_probe", None)
