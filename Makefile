@@ -23,7 +23,7 @@ LAUNCHER ?=
 NODE_FLAG := $(if $(NNODES),--nnodes $(NNODES),) $(if $(NPROC_PER_NODE),--nproc-per-node $(NPROC_PER_NODE),) \
 	$(if $(RDZV),--rdzv-endpoint $(RDZV),) $(if $(NODE_RANK),--node-rank $(NODE_RANK),) $(if $(LAUNCHER),--launcher $(LAUNCHER),)
 
-.PHONY: install verify test bench report nightly baseline screenshot clean
+.PHONY: install verify test bench bench-gpu report nightly baseline screenshot clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,10 @@ test: install
 
 bench: install
 	$(PY) -m harness.bench
+
+# On a GPU: GEMM and quantization cost at engine shapes, with each GEMM's batch-invariance verdict.
+bench-gpu: install
+	$(PY) -m harness.bench_gemm_cost --out reports/out/cost
 
 nightly: install
 	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \
