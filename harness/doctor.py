@@ -11,9 +11,6 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-# What every committed H200 result used (results/h200-*/README.md): newer sgl-deep-gemm wheels
-# do not load with the GPU image's torch 2.11.
-DEEPGEMM_PINS = "sgl-deep-gemm==0.1.5.post1 apache-tvm-ffi==0.1.11"
 DEEPEP_VERSION_ENV = "EP_HARNESS_DEEPEP_VERSION"
 OK, SKIP, FAIL = "ok", "skip", "FAIL"  # FAIL: the CPU default cannot run
 
@@ -28,6 +25,16 @@ class Finding:
     def line(self) -> str:
         text = f"{self.status:4}  {self.component:11} {self.detail}"
         return text + (f"; fix: {self.fix}" if self.fix else "")
+
+
+def pip_install(extra: str, fallback: str) -> str:
+    """`pip install` of an extra's pinned requirements (pyproject is the one place they are
+    written); the extra itself would make pip look for ep-harness on an index."""
+    from harness.version import extra_requirements
+
+    requirements = extra_requirements(extra)
+    return "pip install " + (" ".join(f"'{r}'" if any(c in r for c in "<>=!~") else r for r in requirements)
+                             if requirements else fallback)
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -124,7 +131,7 @@ def deepgemm_finding(gpus: int) -> Finding:
     version = _distribution_version("sgl-deep-gemm", "deep-gemm", "deep_gemm")
     if problem:
         return Finding("deepgemm", SKIP, f"deep_gemm does not import ({problem}): DeepGEMM checks are skipped",
-                       f"pip install {DEEPGEMM_PINS}")
+                       pip_install("deepgemm", "sgl-deep-gemm"))
     module = sys.modules["deep_gemm"]
     version = version or getattr(module, "__version__", None) or "version unknown"
     if not gpus:
@@ -156,7 +163,7 @@ def triton_finding(gpus: int) -> Finding:
     problem = _import_error("triton")
     if problem:
         return Finding("triton", SKIP, f"triton does not import ({problem}): the Triton batch-invariant matmul "
-                                       f"checks are skipped", "pip install 'ep-harness[gpu]'")
+                                       f"checks are skipped", pip_install("gpu", "triton"))
     version = _distribution_version("triton") or getattr(sys.modules["triton"], "__version__", "version unknown")
     if not gpus:
         return Finding("triton", SKIP, f"triton {version} imports, but no GPU is visible: its checks are skipped",

@@ -9,27 +9,41 @@ from pathlib import Path
 DISTRIBUTION = "ep-harness"
 
 
-def _checkout_version() -> str | None:
-    """pyproject's version when the package runs from its own checkout (which may have a
-    stale or no installed metadata of its own)."""
+def checkout_project() -> dict | None:
+    """pyproject's [project] table when the package runs from its own checkout (whose
+    installed metadata, if any, may be stale); None for an installed copy."""
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
     try:
         project = tomllib.loads(pyproject.read_text()).get("project", {})
     except (OSError, tomllib.TOMLDecodeError):
         return None
-    return str(project["version"]) if project.get("name") == DISTRIBUTION and "version" in project else None
+    return project if project.get("name") == DISTRIBUTION else None
 
 
 @functools.cache
 def harness_version() -> str | None:
     """The checkout's pyproject version, else the installed ep-harness distribution's."""
-    found = _checkout_version()
-    if found:
-        return found
+    project = checkout_project()
+    if project and "version" in project:
+        return str(project["version"])
     try:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements of an optional extra (`deepgemm`: the pinned wheels), from the checkout's
+    pyproject or the installed metadata: what to pip install without re-resolving ep-harness."""
+    project = checkout_project()
+    if project is not None:
+        return list(project.get("optional-dependencies", {}).get(extra, []))
+    try:
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    marker = f'extra == "{extra}"'
+    return [r.split(";")[0].strip() for r in requires if marker in r.replace("'", '"')]
 
 
 def version_line() -> str:

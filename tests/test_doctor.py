@@ -2,11 +2,14 @@
 import os
 import subprocess
 import sys
+import tomllib
 import types
 
 from harness import doctor
 from tests.conftest import REPO
 
+EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+PINNED_DEEPGEMM = " ".join(f"'{r}'" for r in EXTRAS["deepgemm"])  # the extra's pins, each quoted for the shell
 COMPONENTS = ["python", "ep-harness", "torch", "gloo", "gpus", "emulation", "deepgemm", "deepep", "triton",
               "chromium"]
 
@@ -67,7 +70,7 @@ def test_deepgemm_and_deepep_versions_and_an_abi_mismatch(tmp_path):
     assert by_component["deepgemm"] == (
         "skip  deepgemm    deep_gemm does not import (OSError: undefined symbol: "
         "_ZN3c104cuda19CUDAErrorLogCaptureC1Ev): DeepGEMM checks are skipped; "
-        f"fix: pip install {doctor.DEEPGEMM_PINS}")
+        f"fix: pip install {PINNED_DEEPGEMM}")
 
 
 class _FakeCuda:

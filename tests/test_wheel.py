@@ -92,6 +92,10 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     for name in ("smoke", "nightly", "h200"):
         assert f"\n  {name} " in listing.stdout, listing.stdout
     assert "config" not in listing.stdout
+    doctor = harness("doctor")  # the fixes name the installed metadata's pins (no pyproject here)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepgemm"]
+    assert "fix: pip install " + " ".join(f"'{r}'" for r in pins) in doctor.stdout, doctor.stdout
     version = harness("--version")
     assert version.stdout.startswith(f"ep-harness {VERSION} (commit unknown"), version.stdout
     run = harness("verify", "--suite", "smoke", "--check", "rs-native/rank-invariance/dtype=bfloat16/world_size=3",
