@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--emulate-hosts", action="store_true",
                    help="run --gpus N NCCL ranks on fewer GPUs, one emulated host per rank (NET/Socket; not NVLink)")
     v.add_argument("--check", action="append", default=[], metavar="ID",
-                   help="run only checks whose id matches (glob; repeatable)")
+                   help="run only these checks: a case name, an id prefix (CASE/PROPERTY) or a glob over ids "
+                        "(repeatable)")
     v.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE to register extra subjects (repeatable)")
     v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--injections", default=None, metavar="A,B",
                     help="injection classes, optionally with parameters (ulp:call=1:rank=2); default: all")
     st.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N checks that expect to hold")
-    st.add_argument("--check", action="append", default=[], metavar="ID", help="only checks whose id matches (glob)")
+    st.add_argument("--check", action="append", default=[], metavar="ID",
+                    help="only these checks: a case name, an id prefix or a glob (repeatable)")
     st.add_argument("--gpus", type=_gpus, default=None)
     st.add_argument("--cpu-ranks", type=int, default=4)
     st.add_argument("--emulate-hosts", action="store_true", help="as for verify: NCCL ranks beyond the GPUs")
