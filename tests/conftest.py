@@ -90,3 +90,19 @@ def rank_pids(run_dir: Path) -> list[int]:
 
     ranks = json.loads((run_dir / "environment.json").read_text())["ranks"]
     return [fp["pid"] for fingerprints in ranks.values() for fp in fingerprints]
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group in this process and its harness.context.RankContext."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from harness.context import RankContext
+
+    store = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    yield RankContext(0, 1, "gloo", torch.device("cpu"), dist.group.WORLD)
+    dist.destroy_process_group()

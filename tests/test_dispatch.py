@@ -2,13 +2,10 @@
 real gloo dispatch checks, and the planted arrival-order combine (verify and explore)."""
 import json
 import shlex
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from harness.context import RankContext
 from harness.check import single_check
 from harness.families import execute
 from harness.subjects.dispatch import deepep
@@ -31,14 +28,6 @@ def test_wire_follows_the_checkpoint():
 def test_buffer_option_against_the_wire_is_refused(wire, flag):
     with pytest.raises(ValueError, match=f"use_fp8_dispatch={flag} contradicts the {wire} wire dtype"):
         check_buffer_option(wire, flag)
-
-
-@pytest.fixture
-def one_rank():
-    store = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-    yield RankContext(0, 1, "gloo", torch.device("cpu"), dist.group.WORLD)
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -38,37 +38,23 @@ class EmitsItsKernel(_Declaring):
     name, summary, label = "test_emits_kernel", "declares and emits fast_gemm::grouped", "fast_gemm::grouped (cpu)"
 
 
-@pytest.fixture
-def ctx():
-    import tempfile
-
-    import torch.distributed as dist
-
-    from harness.context import RankContext
-
-    store = tempfile.NamedTemporaryFile(delete=False)
-    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-    yield RankContext(0, 1, "gloo", torch.device("cpu"), dist.group.WORLD)
-    dist.destroy_process_group()
-
-
 def measure(subject, ctx):
     check = single_check(subject, "reference", {"dtype": "bfloat16", "layout": "contiguous"})
     return execute(check, subject, ctx)
 
 
-def test_a_declared_kernel_that_did_not_run_is_an_error(ctx):
+def test_a_declared_kernel_that_did_not_run_is_an_error(one_rank):
     from harness import subject as registry
 
-    m = measure(registry.get("test_silent_fallback"), ctx)
+    m = measure(registry.get("test_silent_fallback"), one_rank)
     assert m.error and "declares kernels ['fast_gemm::grouped'] but none ran" in m.error
     assert m.held  # the numbers were right: only the proof is missing
 
 
-def test_a_declared_kernel_that_ran_is_listed(ctx):
+def test_a_declared_kernel_that_ran_is_listed(one_rank):
     from harness import subject as registry
 
-    m = measure(registry.get("test_emits_kernel"), ctx)
+    m = measure(registry.get("test_emits_kernel"), one_rank)
     assert m.error is None and m.held
     assert any("fast_gemm::grouped" in k for k in m.kernels)
 

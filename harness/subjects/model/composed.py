@@ -26,20 +26,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness import subject as registry
 from harness.divergence import Op, rows_of
 from harness.gemm_problem import GemmProblem
 from harness.subject import register
 from harness.subjects.model.common import Served, rmsnorm, shard_cols, shard_rows
-from harness.subjects.moe.composed import ComposedMoE, route
+from harness.subjects.moe.composed import STAGES as MOE_STAGES
+from harness.subjects.moe.composed import Composed, ComposedMoE, route
 
-STAGES = {"tp_reduce": "all_gather_fold", "dispatch": "torch_a2a_dispatch", "gemm": "torch_mm",
-          "dense_gemm": "torch_mm"}
+STAGES = {**MOE_STAGES, "dense_gemm": "torch_mm"}
 BF16 = torch.bfloat16
-
-
-def stages(params: dict) -> dict:
-    return {stage: registry.get(params.get(stage) or default) for stage, default in STAGES.items()}
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -51,45 +46,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class ComposedModel:
+class ComposedModel(Composed):
     name = "composed_model"
     family = "model"
     summary = "embedding + layers of (attention, TP reduce, MoE: router, dispatch, GEMMs, combine, TP reduce) + LM head"
-
-    def unavailable(self, platform, params):
-        try:
-            chosen = stages(params)
-        except Exception as exc:  # an unknown stage name
-            return str(exc)
-        sub = {
-            "tp_reduce": {**params, "shards": "even"},
-            "dispatch": {**params, "expert_quant": "bf16"},
-            "gemm": {**params, "dtype": "bfloat16", "layout": params.get("layout", "contiguous")},
-            "dense_gemm": {**params, "dtype": "bfloat16", "layout": "dense"},
-        }
-        for stage, subject in chosen.items():
-            reason = subject.unavailable(platform, sub[stage])
-            if reason:
-                return f"{stage} stage {subject.name}: {reason}"
-        return None
-
-    def compiles_kernels(self, params):
-        from harness.subject import compiles_kernels
-
-        return any(compiles_kernels(s, params) for s in stages(params).values())
-
-    def kernels(self, params):
-        """What each stage subject declares it must launch: the model proves its stages ran."""
-        from harness.kernel_trace import declared
-
-        return tuple(dict.fromkeys(k for s in stages(params).values() for k in declared(s, params)))
-
-    def describe(self, params) -> dict:
-        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
-                for stage, s in stages(params).items()}
+    STAGES = STAGES
 
     def generate(self, prompts, score_from, new_tokens, weights, params, group, tracer):
-        fwd = _Forward(stages(params), weights, params, group, tracer)
+        fwd = _Forward(self.stages(params), weights, params, group, tracer)
         seqs = [list(p) for p in prompts]
         want = [(s, j) for s, p in enumerate(seqs) for j in range(score_from[s] - 1, len(p))]
         rows = fwd.step([(s, j) for s, p in enumerate(seqs) for j in range(len(p))],
@@ -286,7 +250,7 @@ class _Forward:
 
     def moe(self, l, L, x, tokens, items, lo, local, ops) -> torch.Tensor:
         """The routed experts for this rank's rows (padding rows choose no expert)."""
-        p, r = self.p, self.rank
+        p = self.p
         mine = items[lo:lo + local]
         idx, wts = route(x, L["router"], p["topk"], "softmax")
         pad = torch.arange(lo, lo + local, device=x.device) >= len(tokens)

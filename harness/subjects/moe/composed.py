@@ -16,10 +16,53 @@ from harness.gemm_problem import GemmProblem
 from harness.subject import register
 
 STAGES = {"tp_reduce": "all_gather_fold", "dispatch": "torch_a2a_dispatch", "gemm": "torch_mm"}
+# What each stage subject is asked about when the composition is planned.
+STAGE_PARAMS = {
+    "tp_reduce": lambda p: {**p, "shards": "even"},
+    "dispatch": lambda p: {**p, "expert_quant": "bf16"},
+    "gemm": lambda p: {**p, "dtype": "bfloat16", "layout": p.get("layout", "contiguous")},
+    "dense_gemm": lambda p: {**p, "dtype": "bfloat16", "layout": "dense"},
+}
 
 
-def stages(params: dict) -> dict:
-    return {stage: registry.get(params.get(stage, default)) for stage, default in STAGES.items()}
+def stages(params: dict, defaults: dict = STAGES) -> dict:
+    return {stage: registry.get(params.get(stage) or default) for stage, default in defaults.items()}
+
+
+class Composed:
+    """What a subject composed of stage subjects (named in params) answers for its stages:
+    whether each can run here, whether any compiles kernels, the kernels they declare (so
+    the composition proves its stages ran) and what each is."""
+
+    STAGES: dict = STAGES
+
+    def stages(self, params: dict) -> dict:
+        return stages(params, self.STAGES)
+
+    def unavailable(self, platform, params):
+        try:
+            chosen = self.stages(params)
+        except Exception as exc:  # an unknown stage name
+            return str(exc)
+        for stage, subject in chosen.items():
+            reason = subject.unavailable(platform, STAGE_PARAMS[stage](params))
+            if reason:
+                return f"{stage} stage {subject.name}: {reason}"
+        return None
+
+    def compiles_kernels(self, params):
+        from harness.subject import compiles_kernels
+
+        return any(compiles_kernels(s, params) for s in self.stages(params).values())
+
+    def kernels(self, params):
+        from harness.kernel_trace import declared
+
+        return tuple(dict.fromkeys(k for s in self.stages(params).values() for k in declared(s, params)))
+
+    def describe(self, params) -> dict:
+        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
+                for stage, s in self.stages(params).items()}
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, k: int, scoring: str = "softmax"):
@@ -32,46 +75,15 @@ def route(x: torch.Tensor, w_router: torch.Tensor, k: int, scoring: str = "softm
 
 
 @register
-class ComposedMoE:
+class ComposedMoE(Composed):
     name = "composed_moe"
     family = "moe_layer"
     summary = "TP reduce + router + dispatch + grouped GEMMs + combine"
 
-    def unavailable(self, platform, params):
-        try:
-            chosen = stages(params)
-        except Exception as exc:  # an unknown stage name
-            return str(exc)
-        sub = {
-            "tp_reduce": {**params, "shards": "even"},
-            "dispatch": {**params, "expert_quant": "bf16"},
-            "gemm": {**params, "dtype": "bfloat16", "layout": params.get("layout", "contiguous")},
-        }
-        for stage, subject in chosen.items():
-            reason = subject.unavailable(platform, sub[stage])
-            if reason:
-                return f"{stage} stage {subject.name}: {reason}"
-        return None
-
-    def compiles_kernels(self, params):
-        from harness.subject import compiles_kernels
-
-        return any(compiles_kernels(s, params) for s in stages(params).values())
-
-    def kernels(self, params):
-        """What each stage subject declares it must launch: the layer proves its stages ran."""
-        from harness.kernel_trace import declared
-
-        return tuple(dict.fromkeys(k for s in stages(params).values() for k in declared(s, params)))
-
-    def describe(self, params) -> dict:
-        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
-                for stage, s in stages(params).items()}
-
     def forward(self, partials, weights, params, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
-        s = stages(params)
+        s = self.stages(params)
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
         local = partials.shape[0] // world
