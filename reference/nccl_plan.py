@@ -7,7 +7,7 @@ tree, a ring all-reduce in an order fixed by the element's chunk within its chan
   `while nBytes < nc * nThreads * threadThreshold: nc--`. NCCL_MIN/MAX_NCHANNELS only set
   the communicator's count this starts from; NCCL_THREAD_THRESHOLDS changes the threshold.
 * `channel_counts` (scheduleCollTasksToPlan): the message is cut into cells of 16 KiB of
-  traffic (LL counts 4 bytes of traffic per byte) and dealt out as one "lo" channel, equal
+  traffic (LL's traffic counted 4x) and dealt out as one "lo" channel, equal
   "mid" channels and a "hi" channel, each at least MinTrafficPerChannel = 16 KiB of traffic.
 * `chunk_elements` (calcCollChunking): the chunk of a channel's loop, from the protocol's
   buffer size; for ring and tree (outside Tree/LL128) it does not depend on the size.
@@ -48,9 +48,11 @@ def channel_counts(count: int, element_size: int, traffic_per_byte: int, protoco
     all-gather; allowed_channels: `max_channels` for the call; comm_channels: the
     communicator's channel count (the last channel takes whatever is left).
     """
-    task_traffic = max(MIN_TRAFFIC_PER_CHANNEL, count * element_size * traffic_per_byte)
-    per_channel = max(MIN_TRAFFIC_PER_CHANNEL, task_traffic // min(allowed_channels, comm_channels))
+    # LL moves 16-byte lines of 8 data bytes, and NCCL counts it 4x (ncclPrepareTasks, then
+    # the cell size in scheduleCollTasksToPlan).
     cell_traffic_per_byte = traffic_per_byte * (4 if protocol_key(protocol) == "LL" else 1)
+    task_traffic = max(MIN_TRAFFIC_PER_CHANNEL, count * element_size * cell_traffic_per_byte)
+    per_channel = max(MIN_TRAFFIC_PER_CHANNEL, task_traffic // min(allowed_channels, comm_channels))
     cell_size = -(-(-(-MIN_TRAFFIC_PER_CHANNEL // cell_traffic_per_byte)) // 16) * 16
     per_cell = cell_size // element_size
     cells = -(-count * element_size // cell_size)

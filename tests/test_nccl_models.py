@@ -10,6 +10,7 @@ every rank bit for bit, with the algorithm taken from NCCL's own log line for th
 """
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from harness import nccl_log
 from harness.inputs import dtype_of
 from harness.nccl_models import NcclContext, NoPrediction, all_reduce, reduce_scatter
-from reference import nccl_pat, orders
+from reference import nccl_pat, nccl_plan, orders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
@@ -61,7 +62,7 @@ def test_log_shows_one_node_per_rank_over_sockets(world_size):
     assert all(sorted(t) == list(range(world_size)) for t in trees)
 
 
-@pytest.mark.parametrize("config", ["pins", "rsring"])
+@pytest.mark.parametrize("config", ["pins", "rsring", "free"])
 @pytest.mark.parametrize("world_size", [3, 4, 8])
 def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
     topo, hashes = topology(config, world_size), recorded(config, world_size)
@@ -76,8 +77,10 @@ def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
                                  NcclContext(topo, [call]))
         assert [digest(o) for o in outs] == hashes[key], f"{key}: {call.describe()}"
         algorithms.add(call.algorithm)
-    # With the harness's pins NCCL picks PAT for the small messages; pinned ring means ring.
-    assert algorithms == ({"PAT", "RING"} if config == "pins" else {"RING"})
+    # With the harness's pins NCCL picks PAT for the small messages; pinned ring means ring;
+    # unpinned, PAT or ring (LL or Simple) by world size.
+    expected = {"pins": {"PAT", "RING"}, "rsring": {"RING"}}.get(config)
+    assert algorithms == expected if expected else algorithms <= {"PAT", "RING"}
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
@@ -168,3 +171,88 @@ def test_no_prediction_names_what_nccl_ran():
         reduce_scatter(x, [2] * 4, NcclContext(topo, []))
     with pytest.raises(NoPrediction, match="no NCCL log"):
         reduce_scatter(x, [2] * 4, None)
+
+
+# Recorded with nothing pinned (`free`: NCCL picks algorithm, protocol and channels) and with
+# tree pinned but NCCL's own channel count (`treefree`): every all-reduce of the sweep, 4 KiB
+# to 32 MiB (ci/nccl_record.py SWEEP_BYTES). Sizes above 1 MiB take seconds each on a CPU: the
+# default run checks one of them per world size, EP_HARNESS_NCCL_FULL_SWEEP=1 all 180 (done
+# once when the fixtures were recorded: every one equal).
+FULL_SWEEP = os.environ.get("EP_HARNESS_NCCL_FULL_SWEEP") == "1"
+LARGE = {3: ("bfloat16", 12345676), 4: ("float16", 3149824), 8: ("float32", 16777216)}
+
+
+def sweep(config: str, world_size: int, max_bytes: int | None = None, dtypes=recorder.DTYPES):
+    """(dtype name, bytes, NCCL's call) for the recorder's all-reduces (then its closing barrier)."""
+    calls = rank0_calls(config, world_size, "AllReduce")
+    points = [(name, nbytes) for name in recorder.DTYPES for nbytes in recorder.AR_SIZES[config]]
+    assert [c.nbytes for c in calls[:len(points)]] == [nbytes for _, nbytes in points]
+    return [(name, nbytes, call) for (name, nbytes), call in zip(points, calls)
+            if (max_bytes is None or nbytes <= max_bytes) and name in dtypes]
+
+
+def reproduce(config: str, world_size: int, points) -> set[str]:
+    """Every point's model output against NCCL's recorded digests; the algorithms seen."""
+    topo, hashes = topology(config, world_size), recorded(config, world_size)
+    seen = set()
+    for name, nbytes, call in points:
+        dtype = dtype_of(name)
+        n = nbytes // dtype.itemsize
+        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
+        out, _ = all_reduce(x, NcclContext(topo, [call]))
+        assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, f"{name}: {call.describe()}"
+        seen.add(f"{call.algorithm}/{call.protocol}")
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_unpinned_all_reduce_models_reproduce_every_bit_of_nccl(world_size):
+    """Nothing pinned, one node per rank: NCCL builds 2 channels and picks ring (LL below
+    ~64-128 KiB, Simple above) nearly everywhere, tree/LL for 4 KiB at 8 ranks."""
+    topo = topology("free", world_size)
+    assert topo.coll_channels == 2 and topo.env.get("NCCL_ALGO") is None and "NCCL_PROTO" not in topo.env
+    points = sweep("free", world_size, None if FULL_SWEEP else 1 << 20)
+    name, nbytes = LARGE[world_size]
+    points += [] if FULL_SWEEP else [p for p in sweep("free", world_size, None, (name,)) if p[1] == nbytes]
+    seen = reproduce("free", world_size, points)
+    assert {"RING/LL", "RING/SIMPLE"} <= seen and seen <= {"RING/LL", "RING/SIMPLE", "TREE/LL"}
+    assert ("TREE/LL" in seen) == (world_size == 8)
+
+
+def test_tree_without_channel_pin_reproduces_every_bit_of_nccl():
+    """Tree pinned, no channel pin, 4 nodes: 2 channels; below 64 KiB only channel 0."""
+    points = sweep("treefree", 4, None if FULL_SWEEP else 1 << 20)
+    points += [] if FULL_SWEEP else [p for p in sweep("treefree", 4, None, ("bfloat16",)) if p[1] == 16 << 20]
+    assert reproduce("treefree", 4, points) == {"TREE/SIMPLE"}
+    assert {c.channels for _, _, c in points} == {(0, 0), (0, 1)}
+
+
+def test_the_ring_model_needs_nccls_channel_split():
+    """Recorded whole (4 ranks, bf16): ring/LL at 64 KiB and ring/Simple at 128 KiB, each over
+    channels 0..1. The model reproduces every element; the same ring folded as one channel
+    (the chunking of a single-channel ring all-reduce) misses thousands."""
+    saved = torch.load(FIXTURES / "outputs-free-w4-bfloat16.pt")
+    topo = topology("free", 4)
+    calls = {nbytes: call for name, nbytes, call in sweep("free", 4, 1 << 17, ("bfloat16",))}
+    for nbytes, proto in ((65536, "LL"), (131072, "SIMPLE")):
+        got = saved[f"free/ar/bfloat16/{nbytes}"].view(torch.int16)
+        x = torch.stack([recorder.ar_input(torch.bfloat16, 4, nbytes // 2, r) for r in range(4)])
+        call = calls[nbytes]
+        assert (call.protocol, call.channels) == (proto, (0, 1))
+        out, _ = all_reduce(x, NcclContext(topo, [call]))
+        assert int((out.view(torch.int16) != got).sum()) == 0
+        one_channel = orders.nccl_ring_all_reduce(x, nccl_plan.chunk_elements("RING", proto, 2))
+        assert int((one_channel.view(torch.int16) != got).sum()) > 1000
+
+
+def test_ll_traffic_counts_four_times_in_the_split():
+    # Ring/LL, 2 channels, 8 ranks (threshold 8 * 8 = 64): 32 KiB stays on one channel and
+    # 64 KiB takes two, as logged. Counting LL's traffic 4x in the cell but not in the
+    # per-channel budget would deal 4 KiB of a 4 KiB message to each of two channels.
+    assert nccl_plan.channel_counts(16384, 2, 2, "LL", 2, nccl_plan.max_channels(32768, 2, 512, 64)) == [16384]
+    assert nccl_plan.channel_counts(32768, 2, 2, "LL", 2, nccl_plan.max_channels(65536, 2, 512, 64)) == [16384] * 2
+    assert nccl_plan.channel_counts(2048, 2, 2, "LL", 2, 1) == [2048]  # 4 KiB: channel 0 only (logged 0..0)
+    assert nccl_plan.channel_counts(2048, 2, 2, "Simple", 2, 2) == [2048]
+    assert nccl_plan.chunk_elements("RING", "Simple", 2) == 1 << 20  # 2 MiB: 4 steps of NCCL_BUFFSIZE / 8
+    assert nccl_plan.chunk_elements("RING", "LL", 4) == 8192  # 32 KiB of data per 64 KiB LL step
+    assert nccl_plan.chunk_elements("RING", "LL128", 2) == 288000  # 15 of 16 words of a 600 KiB step
