@@ -69,8 +69,8 @@ class RankLog:
 
 def relevant(line: str) -> bool:
     """Whether `parse` reads this line (to keep committed log excerpts small)."""
-    return any(p.search(line) for p in (_VERSION, _COMM, _RING, _TREES, _THRESHOLDS, _COLL_CHANNELS, _CALL,
-                                        _ALGO_HEADER, _NTHREADS, _ENV)) or bool(_VIA.search(line) and "Channel 00" in line)
+    patterns = (_VERSION, _COMM, _RING, _TREES, _THRESHOLDS, _COLL_CHANNELS, _CALL, _ALGO_HEADER, _NTHREADS, _ENV)
+    return any(p.search(line) for p in patterns) or bool(_VIA.search(line) and "Channel 00" in line)
 
 
 def _table_row(cells: str) -> list[str]:

@@ -114,7 +114,8 @@ def all_reduce_plan(count: int, element_size: int, nccl: NcclContext | None) -> 
         max_threads = topo.max_threads[name][column]
         threshold = topo.thread_thresholds[name][column]
     except KeyError:
-        raise NoPrediction(f"the NCCL log lacks the {name}/{proto} thread limits (Max NThreads / threadThresholds)") from None
+        raise NoPrediction(f"the NCCL log lacks the {name}/{proto} thread limits "
+                           f"(Max NThreads / threadThresholds)") from None
     comm_channels = topo.coll_channels or 1
     allowed = nccl_plan.max_channels(count * element_size, comm_channels, max_threads, threshold)
     counts = nccl_plan.channel_counts(count, element_size, 2, proto, comm_channels, allowed)
@@ -168,8 +169,9 @@ def element_path(count: int, element_size: int, nccl: NcclContext | None, first:
         plan, call = all_reduce_plan(count, element_size, nccl)
     except NoPrediction:
         calls = [] if nccl is None else nccl.calls
-        logged = ", ".join(dict.fromkeys(f"{c.function} {c.algorithm}/{c.protocol} channels {c.channels[0]}..{c.channels[1]}"
-                                         for c in calls)) or "no NCCL call logged"
+        logged = ", ".join(dict.fromkeys(
+            f"{c.function} {c.algorithm}/{c.protocol} channels {c.channels[0]}..{c.channels[1]}" for c in calls
+        )) or "no NCCL call logged"
         return logged, (logged,)
     channels = list(range(plan.channel_of(first), plan.channel_of(last - 1) + 1))
     where = f"channel {channels[0]}" if len(channels) == 1 else f"channels {channels[0]}..{channels[-1]}"

@@ -137,7 +137,8 @@ def nccl_ring_all_reduce_channels(inputs: torch.Tensor, channel_rings: list[list
     for channel, count in enumerate(channel_counts):
         ring = _check(inputs, channel_rings[channel])
         for start, end, k in nccl_ring_chunks(count, world_size, chunk_elems, align):
-            out[offset + start:offset + end] = chain_fold(inputs[:, offset + start:offset + end], ring_walk(ring, ring[k]))
+            part = inputs[:, offset + start:offset + end]
+            out[offset + start:offset + end] = chain_fold(part, ring_walk(ring, ring[k]))
         offset += count
     return out
 

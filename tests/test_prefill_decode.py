@@ -111,7 +111,8 @@ def test_channel_pin_holds_only_where_every_size_used_one_range():
 
 def test_paths_that_escape_nccl_algo_are_named():
     assert nccl_log.escaped_paths(rank0_calls("pins", 8)) == []
-    sym = nccl_log.parse("NCCL INFO AllReduce [Symmetric]: 4096 Bytes -> Kernel AllReduce_AGxLL_R nchannels 4 nthreads 512 nWorks 1").calls
+    line = "NCCL INFO AllReduce [Symmetric]: 4096 Bytes -> Kernel AllReduce_AGxLL_R nchannels 4 nthreads 512 nWorks 1"
+    sym = nccl_log.parse(line).calls
     nvls = [nccl_log.Call("AllReduce", 1 << 20, "NVLS", "SIMPLE", (0, 15))]
     [s], [n] = nccl_log.escaped_paths(sym), nccl_log.escaped_paths(nvls)
     assert "symmetric kernel" in s and "NCCL_WIN_ENABLE=0" in s
