@@ -117,3 +117,21 @@ def test_paths_that_escape_nccl_algo_are_named():
     [s], [n] = nccl_log.escaped_paths(sym), nccl_log.escaped_paths(nvls)
     assert "symmetric kernel" in s and "NCCL_WIN_ENABLE=0" in s
     assert "AllReduce 1,048,576 B: NVLS/SIMPLE" in n and "NCCL_NVLS_ENABLE=0" in n
+
+
+def test_a_ring_copy_names_its_channel_and_the_order_its_chunk_adds_in():
+    """Nothing pinned, 4 nodes, 1 MiB bf16: NCCL ran ring/Simple over channels 0..1; each
+    channel's 128 rows are 4 chunks of 32 rows, chunk k added from ring index k + 1 around."""
+    call = next(c for c in rank0_calls("free", 4) if c.function == "AllReduce" and c.nbytes == 1 << 20)
+    nccl = nccl_models.NcclContext(topology("free", 4), [call])
+    count, row = (1 << 20) // 2, 2048
+
+    def path(r):
+        return nccl_models.element_path(count, 2, nccl, r * row, (r + 1) * row)[0]
+
+    assert path(0) == "AllReduce RING/SIMPLE channel 0 (adds 1 2 3 0)"
+    assert path(63) == "AllReduce RING/SIMPLE channel 0 (adds 2 3 0 1)"
+    assert path(64) == "AllReduce RING/SIMPLE channel 0 (adds 3 0 1 2)"
+    assert path(200) == "AllReduce RING/SIMPLE channel 1 (adds 3 0 1 2)"
+    straddling = nccl_models.element_path(count, 2, nccl, 31 * row + 100, 32 * row + 100)[0]
+    assert straddling == "AllReduce RING/SIMPLE channel 0 (adds 1 2 3 0; 2 3 0 1)"
