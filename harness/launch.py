@@ -681,6 +681,9 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
         code = 128 + exc.signum
     finally:
         stop.set()
+        # Joined, not left to die at exit: a daemon thread killed inside a store call aborts
+        # the interpreter ("terminate called without an active exception", exit -6).
+        beat.join(timeout=2 * NODE_BEAT_S + 5)
     if not quiet:
         print(f"# node {nodes.node_rank}: {k} launch(es) done; the records are on the head node", flush=True)
     return code
