@@ -151,7 +151,8 @@ def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
         "engine_custom_all_reduce": "off: no engine is loaded; the custom_all_reduce subject is a control, not a TP path",
         "symmetric_memory_all_reduce": (f"ON: NCCL ran symmetric kernels ({', '.join(symmetric[:3])})" if symmetric else
                                         "off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1" +
-                                        ("; NCCL logged no [Symmetric] kernel" if backend == "nccl" else "")),
+                                        ("; NCCL_WIN_ENABLE=0, NCCL_NVLS_ENABLE=0; NCCL logged no [Symmetric] "
+                                         "kernel" if backend == "nccl" else "")),
     }
 
 
