@@ -317,9 +317,7 @@ class Bench:
         for rows in QUANT_ROWS:
             x = x_all[:rows]
             moved = cost.quant_bytes(rows, cols)
-            src = torch.empty(moved // 2, dtype=torch.uint8, device=self.device)
-            dst = torch.empty_like(src)
-            calls, failed = {"copy": lambda: dst.copy_(src)}, {}
+            calls, failed = {"copy": cost.copy_of(moved, self.device)}, {}
             for name, subject in ready.items():
                 try:
                     subject.quantize(x, False)

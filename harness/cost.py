@@ -198,3 +198,27 @@ def gemm_check_cost(subject, problem, out, baseline=None, repeats: int = 20, war
                        base, baseline.name if baseline is not None else "torch_mm")
     result["rows"] = rows
     return result
+
+
+def copy_of(moved: int, device):
+    """A device copy that reads and writes `moved` bytes in all: the baseline a memory-bound
+    quantizer is compared with (bench and checks alike)."""
+    import torch
+
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def quant_check_cost(subject, x, ue8m0: bool, repeats: int = 20, warmup: int = 3, clock: Clock | None = None,
+                     copy: Callable[[], None] | None = None) -> dict:
+    """The cost beside a quantization check's verdict: `subject` on `x` (bf16 [rows, cols] on
+    the GPU, usually the check's largest batch), timed interleaved with a copy of as many bytes
+    (`copy`: another baseline, for tests)."""
+    rows, cols = x.shape
+    moved = quant_bytes(rows, cols)
+    samples = time_interleaved({subject.name: lambda: subject.quantize(x, ue8m0),
+                                "copy": copy or copy_of(moved, x.device)}, repeats, warmup, clock)
+    result = quant_cost(samples[subject.name], moved, samples["copy"])
+    result["rows"] = rows
+    return result

@@ -248,3 +248,32 @@ def test_contiguous_cost_counts_valid_rows_not_padding():
     c = cost.gemm_check_cost(subject, problem, torch.zeros(256, 4, dtype=torch.bfloat16), None,
                              repeats=3, warmup=0, clock=clock)
     assert c["rows"] == 8 and c["tflops"] == pytest.approx(2 * 8 * 4 * 8 / 1e-3 / 1e12)
+
+
+def test_quant_check_cost_times_the_quantizer_against_a_copy_of_as_many_bytes():
+    from types import SimpleNamespace
+
+    clock = FakeClock()
+    x = torch.ones(4, 256, dtype=torch.bfloat16)
+    step = scripted(clock, "q", [2.0] * 7)
+    quantizer = SimpleNamespace(name="q", quantize=lambda x, ue8m0: step())
+    c = cost.quant_check_cost(quantizer, x, True, repeats=5, warmup=2, clock=clock,
+                              copy=scripted(clock, "copy", [0.5] * 7))
+    assert c["median_ms"] == 2.0 and c["baseline"] == "copy" and c["time_vs_baseline"] == 4.0
+    assert c["rows"] == 4 and c["gbps"] == pytest.approx(cost.quant_bytes(4, 256) / 2e-3 / 1e9)
+
+
+def test_quant_checks_on_the_cpu_carry_no_cost():
+    from types import SimpleNamespace
+
+    from harness import params as params_mod
+    from harness.families import quant as family
+    from harness.subject import load_all
+
+    subject = load_all()["torch_fp8_quant"]
+    p = {**params_mod.build("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test").__dict__}
+    ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    runs = family.FAMILY.runs("batch-invariance", p, 1)
+    gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]
+    m = family.FAMILY.measure(SimpleNamespace(property="batch-invariance"), subject, ctx, p, runs, gathered)
+    assert m.total > 0 and "cost" not in m.detail  # absent, not zero

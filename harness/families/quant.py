@@ -123,4 +123,17 @@ def _measure_reference(p: dict, q: torch.Tensor, s: torch.Tensor, dtype) -> Meas
     return m
 
 
-FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure)
+def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+    """The verdict's measurement and, on a GPU, its price: the check's largest batch timed
+    against a device copy of as many bytes (harness.cost). Absent on the CPU, never zero."""
+    m = _measure(check, subject, ctx, p, runs, gathered)
+    if ctx.device.type == "cuda":
+        from harness import cost
+
+        rows = max(run.spec for run in runs)
+        x = _batch(p, rows, gen.dtype_of(p["dtype"])).to(ctx.device)
+        m.detail["cost"] = cost.quant_check_cost(subject, x, p["ue8m0"])
+    return m
+
+
+FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure_with_cost)
