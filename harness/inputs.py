@@ -47,7 +47,9 @@ def values(shape, dtype: torch.dtype, seed: int, *key, data: str = "spread") -> 
     """Seeded float values in `dtype`.
 
     data: "spread" (randn times 2^k, k uniform in [-s, s]), "randn", "uniform" ([0, 1)),
-    or "integers" (small integers: every sum is exact, so no order can change the bits).
+    "integers" (small integers: every sum is exact, so no order can change the bits), or
+    "subnormal" / "nonfinite" (spread values with subnormals, or NaN and +-Inf, at seeded
+    places: does the subject propagate them as the reference does?).
 
     Rank 0 regenerates every rank's inputs to predict a collective's bits, and the properties
     of a case share inputs, so values are cached (generation in float64 was most of a check's
@@ -77,6 +79,34 @@ def _generate(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str
         x = torch.rand(shape, generator=g, dtype=torch.float64)
     elif data == "integers":
         x = torch.randint(-8, 9, shape, generator=g).to(torch.float64)
+    elif data in SPECIALS:
+        x = _generate(shape, dtype, seed, key, "spread").to(torch.float64)
+        x = SPECIALS[data](x, g, dtype)
     else:
-        raise ValueError(f"unknown data kind {data!r}; known: spread, randn, uniform, integers")
+        raise ValueError(f"unknown data kind {data!r}; known: spread, randn, uniform, integers, {', '.join(SPECIALS)}")
     return x.to(dtype)
+
+
+def _every(x: torch.Tensor, g: torch.Generator, n: int) -> torch.Tensor:
+    """A seeded choice of about one element in n."""
+    return torch.randint(0, n, x.shape, generator=g) == 0
+
+
+def _subnormal(x: torch.Tensor, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """One element in 16 replaced by a subnormal of `dtype` (a few ULPs above zero, either sign)."""
+    tiny = torch.finfo(dtype).smallest_normal
+    steps = torch.randint(1, 8, x.shape, generator=g).to(torch.float64) * (tiny * torch.finfo(dtype).eps)
+    sign = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    return torch.where(_every(x, g, 16), sign * steps, x)
+
+
+def _nonfinite(x: torch.Tensor, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """One element in 64 replaced by NaN, +Inf or -Inf (a third each)."""
+    pick = torch.randint(0, 3, x.shape, generator=g)
+    special = torch.where(pick == 0, torch.nan, torch.where(pick == 1, torch.inf, -torch.inf)).to(torch.float64)
+    return torch.where(_every(x, g, 64), special, x)
+
+
+# Inputs on request that check a subject propagates what the reference does: subnormals (a
+# kernel that flushes them to zero) and NaN / +-Inf (one that scrubs or invents them).
+SPECIALS = {"subnormal": _subnormal, "nonfinite": _nonfinite}

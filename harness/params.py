@@ -17,7 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from harness.errors import HarnessError
 
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
-DATA_KINDS = ("spread", "randn", "uniform", "integers")
+DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
 
 

@@ -266,3 +266,17 @@ class ProcessDependentFold(AllGatherFold):
         if "-fresh1" not in os.environ.get("EP_HARNESS_JOB_DIR", ""):
             return super().reduce_scatter(out, inp, sizes, group)
         return ReverseFold.reduce_scatter(self, out, inp, sizes, group)
+
+
+@register
+class ScrubbingFold(AllGatherFold):
+    """A correct fold that then replaces NaN and +-Inf by finite numbers (nan_to_num), as a
+    kernel with a 'safe' epilogue would: given non-finite inputs it hides what the reference
+    propagates."""
+
+    name = "planted_scrubbing_fold"
+    summary = "all-gather + fold whose output has NaN and Inf scrubbed"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp, sizes, group)
+        out.copy_(torch.nan_to_num(out))

@@ -86,3 +86,26 @@ def test_a_subject_writing_its_weights_cannot_corrupt_later_checks(planted_run):
     stay in the subject's copy and the reference (and the next check) read the original."""
     statuses = {check: r["status"] for check, r in planted_run.items() if "writes-weights" in check}
     assert statuses and set(statuses.values()) == {"ok"}, statuses
+
+
+def test_non_finite_and_subnormal_inputs_propagate_as_the_reference_does(planted_run):
+    """Inputs with NaN, +-Inf (one in 64) or subnormals (one in 16) on request: the fold
+    propagates them as the float64 reference does; a fold that scrubs them fails, and the
+    reason says the reference was not finite there."""
+    folds = {check: r for check, r in planted_run.items() if check.startswith("specials-fold/")}
+    assert len(folds) == 2 and {r["status"] for r in folds.values()} == {"ok"}, folds
+    (scrubbed,) = [r for check, r in planted_run.items() if check.startswith("specials-scrubbed/")]
+    assert scrubbed["status"] == "unexpected"
+    assert scrubbed["nonfinite"]["reference_nonfinite"] == scrubbed["mismatched"] > 0
+    assert "finite where the reference is not" in scrubbed["reason"]
+
+
+def test_special_inputs_are_seeded_and_hold_what_they_promise():
+    from harness.inputs import values
+
+    x = values((64, 256), torch.bfloat16, 3, "k", data="nonfinite").float()
+    assert torch.isnan(x).any() and (x == math.inf).any() and (x == -math.inf).any()
+    assert torch.equal(x.nan_to_num(), values((64, 256), torch.bfloat16, 3, "k", data="nonfinite").float().nan_to_num())
+    s = values((64, 256), torch.float32, 3, "k", data="subnormal")
+    sub = (s != 0) & (s.abs() < torch.finfo(torch.float32).smallest_normal)
+    assert 0.03 < sub.float().mean() < 0.1 and torch.isfinite(s).all()
