@@ -13,12 +13,11 @@ from pathlib import Path
 
 from harness.cases import FORCED_ENV
 from harness.errors import HarnessError
+from harness.nccl.pins import launch_pins, log_settings, nccl_version
 from harness.subject import Platform, plugin_distributions
 from harness.version import harness_version
 
 CPU_DEFAULT_RANKS = 4
-DETERMINISTIC_CHANNELS = 8
-NCCL_LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
 # nothing else of the environment reaches environment.json, which CI uploads).
 RECORDED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "TORCH_CUDA_ARCH_LIST", "CUBLAS_", "CUDA_VISIBLE_DEVICES",
@@ -105,25 +104,6 @@ def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, em
     return dataclasses.replace(local, ranks=total, nodes=nodes.nnodes)
 
 
-def nccl_version() -> tuple[int, int, int] | None:
-    import torch
-
-    try:
-        v = torch.cuda.nccl.version()
-    except Exception:
-        return None
-    return tuple(v) if isinstance(v, tuple) else (v // 10000, (v // 100) % 100, v % 100)
-
-
-def nccl_algo_for_tree(version: tuple[int, int, int] | None) -> str:
-    """Tree for all-reduce only. NCCL >= 2.24 reads per-collective lists; older NCCL ignores
-    the `allreduce:` token and silently runs Ring, so it gets plain `Tree` instead (its other
-    collectives fall back to ring). Plain `Tree` on >= 2.24 makes reduce-scatter fail."""
-    if version is not None and version >= (2, 24, 0):
-        return "allreduce:tree"
-    return "Tree"
-
-
 def deep_gemm_cache_dir() -> str:
     """Where DeepGEMM keeps its compiled kernels between runs (DG_JIT_CACHE_DIR; CI caches
     this directory): the user's own setting, or ep-harness's directory under the XDG cache."""
@@ -140,26 +120,13 @@ def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
         "PYTHONHASHSEED": "0",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
-    if platform.backend == "nccl":
-        channels = str(DETERMINISTIC_CHANNELS)
-        env.update({
-            "NCCL_ALGO": nccl_algo_for_tree(nccl_version()),
-            "NCCL_PROTO": "Simple",
-            "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels,
-            "NCCL_MIN_CTAS": channels, "NCCL_MAX_CTAS": channels,
-            "NCCL_COLLNET_ENABLE": "0",
-            # Symmetric-memory kernels for window-registered buffers escape NCCL_ALGO (2.27+):
-            # without window support NCCL never picks them (NVLS is off through FORCED_ENV).
-            "NCCL_WIN_ENABLE": "0",
-            "DG_JIT_CACHE_DIR": deep_gemm_cache_dir(),
-        })
+    if platform.backend == "nccl":  # NCCL's pins: harness/nccl/pins.py
+        env.update(launch_pins(nccl_version()))
+        env["DG_JIT_CACHE_DIR"] = deep_gemm_cache_dir()
     env.update(overrides)
     if platform.backend == "nccl":
         # The algorithm, protocol and channels of every call are read from NCCL's own log.
-        if env.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
-            env["NCCL_DEBUG"] = "INFO"
-        subsys = [x for x in env.get("NCCL_DEBUG_SUBSYS", "").split(",") if x]
-        env["NCCL_DEBUG_SUBSYS"] = ",".join(dict.fromkeys([*subsys, *NCCL_LOG_SUBSYS]))
+        env.update(log_settings(env))
     env.update(FORCED_ENV)
     return env
 

@@ -53,9 +53,9 @@ class OrderModel:
     """How a collective subject accumulates, as a function of all ranks' inputs.
 
     `predict(inputs [world_size, N] flat, sizes [elements per destination], nccl)` returns
-    the per-destination outputs; `nccl` (a harness.nccl_models.NcclContext, None on gloo)
+    the per-destination outputs; `nccl` (a harness.nccl.models.NcclContext, None on gloo)
     tells what NCCL logged for the call, and a model raises
-    harness.nccl_models.NoPrediction when it cannot say. `exact` says the model is known to
+    harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
     reproduce the backend bit for bit (a measured count that differs from its prediction is
     then a failure).
     """

@@ -16,6 +16,7 @@ from harness.environment import (applicable_env, node_differences, nodes_of, pin
                                  run_fingerprint)
 from harness.fresh import compare_launches
 from harness.launch import Head, Interrupted, Outcome, interruptible, run_job
+from harness.nccl.statement import tp_reduction_statement
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
@@ -135,25 +136,6 @@ def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, juni
     if os.environ.get("GITHUB_ACTIONS") == "true" and not quiet:
         for line in ci_outputs.github_annotations(records):
             print(line, flush=True)
-
-
-def tp_reduction_statement(run_dir: Path, backend: str) -> dict:
-    """What the TP reductions under test went through, with the evidence: torch.distributed on
-    the backend, no engine custom all-reduce, no symmetric-memory all-reduce."""
-    symmetric = []
-    if backend == "nccl":
-        from harness.nccl_log import parse
-
-        for log in sorted(run_dir.glob("jobs/*/nccl-rank0-*.log")):
-            symmetric += [c.describe() for c in parse(log.read_text(errors="replace")).calls if c.symmetric]
-    return {
-        "via": f"torch.distributed on {backend}",
-        "engine_custom_all_reduce": "off: no engine is loaded; the custom_all_reduce subject is a control, not a TP path",
-        "symmetric_memory_all_reduce": (f"ON: NCCL ran symmetric kernels ({', '.join(symmetric[:3])})" if symmetric else
-                                        "off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1" +
-                                        ("; NCCL_WIN_ENABLE=0, NCCL_NVLS_ENABLE=0; NCCL logged no [Symmetric] "
-                                         "kernel" if backend == "nccl" else "")),
-    }
 
 
 def claim_run_dir(out_root: Path) -> tuple[str, Path]:

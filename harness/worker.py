@@ -240,7 +240,7 @@ def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_ran
 def _read_nccl_topology(ctx, channel: Channel) -> None:
     """Every rank parses its own NCCL log (no shared filesystem needed); rank 0 merges them
     into the communicator's topology that the order models use, and follows its own log."""
-    from harness import nccl_log
+    from harness.nccl import log as nccl_log
 
     own = Path(os.environ["NCCL_DEBUG_FILE"])
     mine = nccl_log.parse(own.read_text(errors="replace")) if own.exists() else nccl_log.RankLog()

@@ -4,7 +4,8 @@ import pytest
 
 from harness import subject as registry
 from harness.cases import load_suite
-from harness.environment import nccl_algo_for_tree, pinned_env
+from harness.environment import pinned_env
+from harness.nccl.pins import nccl_algo_for_tree
 from harness.errors import HarnessError
 from harness.plan import expand, jobs
 from harness.subject import Platform

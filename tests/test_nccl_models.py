@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import nccl_log
+from harness.nccl import log as nccl_log
+from harness.nccl import pins
 from harness.inputs import dtype_of
-from harness.nccl_models import NcclContext, NoPrediction, all_reduce, reduce_scatter
+from harness.nccl.models import NcclContext, NoPrediction, all_reduce, reduce_scatter
 from reference import nccl_pat, nccl_plan, orders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
@@ -146,16 +147,16 @@ def test_channel_split_by_hand():
 
 
 def test_pins_are_read_per_function_and_checked_against_the_log():
-    assert nccl_log.pinned_algorithms("allreduce:tree") == {"AllReduce": {"TREE"}}
-    assert nccl_log.pinned_algorithms("allreduce:tree;reducescatter:ring") == {
+    assert pins.pinned_algorithms("allreduce:tree") == {"AllReduce": {"TREE"}}
+    assert pins.pinned_algorithms("allreduce:tree;reducescatter:ring") == {
         "AllReduce": {"TREE"}, "ReduceScatter": {"RING"}}
-    assert nccl_log.pinned_algorithms("Ring")["ReduceScatter"] == {"RING"}
-    assert nccl_log.pinned_algorithms("^NVLS") == {}
+    assert pins.pinned_algorithms("Ring")["ReduceScatter"] == {"RING"}
+    assert pins.pinned_algorithms("^NVLS") == {}
     pat = rank0_calls("pins", 4, "ReduceScatter")[0]
     assert pat.algorithm == "PAT"
-    [violation] = nccl_log.pin_violations([pat], "allreduce:tree;reducescatter:ring")
+    [violation] = pins.pin_violations([pat], "allreduce:tree;reducescatter:ring")
     assert "pins ReduceScatter to RING" in violation and "PAT" in violation
-    assert nccl_log.pin_violations([pat], "allreduce:tree") == []
+    assert pins.pin_violations([pat], "allreduce:tree") == []
 
 
 def test_no_prediction_names_what_nccl_ran():

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import nccl_log, nccl_models
+from harness.nccl import log as nccl_log
+from harness.nccl import models as nccl_models
+from harness.nccl import pins
 from harness.families.collective import Layout, _record_paths, layouts
 from harness.measurement import Measurement
 from harness.compare import Mismatch
@@ -96,25 +98,25 @@ def test_vacuous_only_when_every_copy_took_the_same_path_in_the_same_size_messag
 
 
 def test_channel_pin_holds_only_where_every_size_used_one_range():
-    assert nccl_log.channel_pin({"NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8"}) == 8
-    assert nccl_log.channel_pin({"NCCL_MIN_NCHANNELS": "", "NCCL_MAX_NCHANNELS": ""}) is None
-    assert nccl_log.channel_pin({"NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "8"}) is None
+    assert pins.channel_pin({"NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8"}) == 8
+    assert pins.channel_pin({"NCCL_MIN_NCHANNELS": "", "NCCL_MAX_NCHANNELS": ""}) is None
+    assert pins.channel_pin({"NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "8"}) is None
     # SGLang's pin (8 channels, recorded): NCCL still gives 4 KiB one channel and 64 KiB two.
     calls = [c for c in rank0_calls("pins", 4) if c.function == "AllReduce" and c.nbytes >= 4096][:5]
-    broken = nccl_log.channel_pin_violations(calls, 8)
+    broken = pins.channel_pin_violations(calls, 8)
     assert "most calls used 0..7" in broken
     assert "channels 0..0 at AllReduce 4,096 B" in broken and "channels 0..1 at AllReduce 65,536 B" in broken
-    assert nccl_log.channel_pin_violations([c for c in calls if c.channels == (0, 7)], 8) is None
-    assert "pins no channel count" in nccl_log.channel_pin_violations(calls, None)
-    assert "NCCL built 8 coll channels" in nccl_log.channel_pin_violations(calls[:1], 1, 8)
+    assert pins.channel_pin_violations([c for c in calls if c.channels == (0, 7)], 8) is None
+    assert "pins no channel count" in pins.channel_pin_violations(calls, None)
+    assert "NCCL built 8 coll channels" in pins.channel_pin_violations(calls[:1], 1, 8)
 
 
 def test_paths_that_escape_nccl_algo_are_named():
-    assert nccl_log.escaped_paths(rank0_calls("pins", 8)) == []
+    assert pins.escaped_paths(rank0_calls("pins", 8)) == []
     line = "NCCL INFO AllReduce [Symmetric]: 4096 Bytes -> Kernel AllReduce_AGxLL_R nchannels 4 nthreads 512 nWorks 1"
     sym = nccl_log.parse(line).calls
     nvls = [nccl_log.Call("AllReduce", 1 << 20, "NVLS", "SIMPLE", (0, 15))]
-    [s], [n] = nccl_log.escaped_paths(sym), nccl_log.escaped_paths(nvls)
+    [s], [n] = pins.escaped_paths(sym), pins.escaped_paths(nvls)
     assert "symmetric kernel" in s and "NCCL_WIN_ENABLE=0" in s
     assert "AllReduce 1,048,576 B: NVLS/SIMPLE" in n and "NCCL_NVLS_ENABLE=0" in n
 

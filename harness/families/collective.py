@@ -36,9 +36,9 @@ from harness.context import RankContext
 from harness.families.driver import Copy, Family, Run, kept
 from harness.graphs import replay_in_graph
 from harness.measurement import Bound, Measurement
-from harness import nccl_models
-from harness.nccl_log import channel_pin, channel_pin_violations, escaped_paths, pin_violations
-from harness.nccl_models import NcclContext, NoPrediction
+from harness.nccl import models as nccl_models
+from harness.nccl.models import NcclContext, NoPrediction
+from harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
 from harness.params import CollectiveParams
 from harness.subject import order_model_of
 from harness.tolerances import gamma

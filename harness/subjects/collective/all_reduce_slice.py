@@ -9,7 +9,7 @@ is expected to fail the invariance checks.
 """
 import torch.distributed as dist
 
-from harness import nccl_models
+from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import offsets, per_destination
 from reference import orders

@@ -11,7 +11,7 @@ backend's reduce-scatter + all-gather; then this rank's slice.
 import torch
 import torch.distributed as dist
 
-from harness import nccl_models
+from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import fold_in_order, offsets, per_destination
 from reference import orders

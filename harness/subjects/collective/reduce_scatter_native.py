@@ -7,7 +7,7 @@ a slice.
 """
 import torch.distributed as dist
 
-from harness import nccl_models
+from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import per_destination
 from reference import orders

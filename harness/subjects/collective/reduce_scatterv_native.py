@@ -6,7 +6,7 @@ destination, each a ring chain that ends at the destination.
 import torch
 import torch.distributed as dist
 
-from harness import nccl_models
+from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
 from harness.subjects.collective.common import offsets
 from reference import orders

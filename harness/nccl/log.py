@@ -6,6 +6,7 @@ communicator's `Topology` (version, nodes, transports, rings and trees per chann
 thread limits the channel split depends on); `calls` lists the collectives rank 0 logged
 with the algorithm, protocol and channels NCCL chose for each (NCCL logs them on rank 0 only,
 src/enqueue.cc). Lines this module does not know are ignored: the log is NCCL's, not ours.
+Whether the launch's pins held in these calls is harness/nccl/pins.py's question.
 """
 from __future__ import annotations
 
@@ -15,9 +16,6 @@ from pathlib import Path
 
 ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 PROTOCOLS = ("LL", "LL128", "Simple")
-# torch.distributed name -> NCCL's function name in NCCL_ALGO lists and TUNING lines
-FUNCTIONS = {"allreduce": "AllReduce", "reducescatter": "ReduceScatter", "allgather": "AllGather",
-             "broadcast": "Broadcast", "reduce": "Reduce"}
 
 _VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)")
 _COMM = re.compile(r"comm \S+ rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank (\d+)")
@@ -167,88 +165,6 @@ def merge(ranks: list[RankLog]) -> Topology:
 
 def read_ranks(paths: list[Path]) -> Topology:
     return merge([parse(p.read_text(errors="replace")) for p in paths if p.exists()])
-
-
-def pinned_algorithms(nccl_algo: str | None) -> dict[str, set[str]]:
-    """NCCL_ALGO as NCCL >= 2.24 reads it: function -> allowed algorithms (upper case).
-
-    "allreduce:tree;reducescatter:ring" -> {AllReduce: {TREE}, ReduceScatter: {RING}}; a
-    leading list without a function applies to every function; "^" excludes (not pinned).
-    Functions the variable does not name are not pinned.
-    """
-    pins: dict[str, set[str]] = {}
-    if not nccl_algo:
-        return pins
-    for i, part in enumerate(p.strip() for p in nccl_algo.split(";") if p.strip()):
-        if ":" in part:
-            func, algos = part.split(":", 1)
-            funcs = [FUNCTIONS.get(func.strip().lower(), func.strip())]
-        elif i == 0:
-            funcs, algos = list(FUNCTIONS.values()), part
-        else:
-            continue
-        if algos.strip().startswith("^"):
-            continue
-        names = {a.strip().upper() for a in algos.split(",") if a.strip()}
-        for f in funcs:
-            pins[f] = names
-    return pins
-
-
-def pin_violations(calls: list[Call], nccl_algo: str | None) -> list[str]:
-    """Calls whose algorithm is not the one NCCL_ALGO pins for their function."""
-    pins = pinned_algorithms(nccl_algo)
-    out = []
-    for c in calls:
-        allowed = pins.get(c.function)
-        if allowed and c.algorithm.upper() not in allowed:
-            out.append(f"NCCL_ALGO={nccl_algo} pins {c.function} to {'/'.join(sorted(allowed))}, "
-                       f"but NCCL ran {c.describe()}")
-    return out
-
-
-# Paths NCCL chooses without reading NCCL_ALGO, and the variables NCCL 2.28 reads to turn
-# them off: NVLS and NVLS tree (NCCL_NVLS_ENABLE), symmetric-memory kernels for
-# window-registered buffers (NCCL_WIN_ENABLE: no symmetric support), CollNet (NCCL_COLLNET_ENABLE).
-ESCAPE_ALGORITHMS = ("NVLS", "NVLS_TREE", "COLLNET_DIRECT", "COLLNET_CHAIN")
-ESCAPE_PINS = {"NCCL_NVLS_ENABLE": "0", "NCCL_WIN_ENABLE": "0", "NCCL_COLLNET_ENABLE": "0"}
-
-
-def escaped_paths(calls: list[Call]) -> list[str]:
-    """Calls that ran a path the pins turn off (a symmetric kernel, NVLS, CollNet)."""
-    pins = ", ".join(f"{k}={v}" for k, v in ESCAPE_PINS.items())
-    return [f"NCCL ran {c.describe()}{' (symmetric kernel)' if c.symmetric else ''}, a path the pins turn off "
-            f"({pins})" for c in calls if c.symmetric or c.algorithm.upper() in ESCAPE_ALGORITHMS]
-
-
-def channel_pin(env: dict[str, str]) -> int | None:
-    """The channel count a launch pins: NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS = N (None otherwise)."""
-    lo, hi = env.get("NCCL_MIN_NCHANNELS", ""), env.get("NCCL_MAX_NCHANNELS", "")
-    return int(lo) if lo.strip().isdigit() and lo.strip() == hi.strip() else None
-
-
-def channel_pin_violations(calls: list[Call], pinned: int | None, comm_channels: int | None = None) -> str | None:
-    """Why the calls did not all use one channel range under the channel pin, or None.
-
-    NCCL_MIN/MAX_NCHANNELS and NCCL_MIN/MAX_CTAS fix the communicator's channel count
-    (src/graph/connect.cc), but NCCL still gives a small message fewer channels
-    (src/enqueue.cc: its thread threshold, and at least 16 KiB of traffic per channel), so
-    the pin holds only where every call used the same range."""
-    if pinned is None:
-        return ("channel_pin = true, but the launch pins no channel count: set NCCL_MIN_NCHANNELS = "
-                "NCCL_MAX_NCHANNELS (and NCCL_MIN_CTAS = NCCL_MAX_CTAS) to one value in the case's env")
-    if comm_channels is not None and comm_channels != pinned:
-        return f"channel pin NCCL_MIN/MAX_NCHANNELS={pinned}, but NCCL built {comm_channels} coll channels"
-    by_range: dict[tuple[int, int], list[str]] = {}
-    for c in calls:
-        by_range.setdefault(c.channels, []).append(f"{c.function} {c.nbytes:,} B")
-    if len(by_range) <= 1:
-        return None
-    common = max(by_range, key=lambda r: len(by_range[r]))
-    others = "; ".join(f"channels {lo}..{hi} at {', '.join(dict.fromkeys(v))}"
-                       for (lo, hi), v in sorted(by_range.items()) if (lo, hi) != common)
-    return (f"channel pin NCCL_MIN/MAX_NCHANNELS={pinned} does not hold one channel range: most calls used "
-            f"{common[0]}..{common[1]}, but {others}")
 
 
 class LogTail:

@@ -1,6 +1,8 @@
-"""Which accumulation-order model predicts an NCCL call: the one for the algorithm NCCL
-logged for it (RING, PAT, TREE), over the rings and trees NCCL logged for the communicator,
-with NCCL's split of the message over channels and chunks (reference/nccl_plan.py).
+"""Which accumulation-order model predicts an NCCL call: `MODELS`, a table (function,
+algorithm) -> model, looked up with the function and algorithm NCCL logged for the call
+(RING, PAT, TREE); each model runs the pure order of reference/ over the rings and trees NCCL
+logged for the communicator, with NCCL's split of the message over channels and chunks
+(reference/nccl_plan.py). A new algorithm's model is one function and one table line.
 
 Covered: reduce-scatter RING (any protocol) and PAT (one rank per node); all-reduce TREE
 (Simple, LL; LL128 too, whose chunking does not change a tree's order) and RING (Simple,
@@ -15,10 +17,11 @@ cover, `NoPrediction` says what, and the record carries no prediction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from harness.nccl_log import Call, Topology
+from harness.nccl.log import Call, Topology
 from reference import nccl_pat, nccl_plan, orders
 
 
@@ -57,15 +60,21 @@ def reduce_scatter(inputs: torch.Tensor, sizes: list[int], nccl: NcclContext | N
     """Per-destination outputs of NCCL's reduce-scatter (or one Reduce per destination, which
     is how torch issues a reduce-scatter of uneven shards); returns (outputs, model name)."""
     algo, call = _algorithm(nccl, "ReduceScatter", "Reduce")
-    topo = nccl.topology
-    if algo == "RING":
-        ring = _ring(topo)
-        return orders.nccl_ring_reduce_scatter(inputs, sizes, ring), f"NCCL ring {call.function}, ring {ring}"
-    if algo == "PAT" and call.function == "ReduceScatter":
-        if topo.local_ranks != 1:
-            raise NoPrediction(f"PAT with {topo.local_ranks} ranks per node is not modelled (one rank per node is)")
-        return nccl_pat.pat_reduce_scatter(inputs, sizes), f"NCCL PAT reduce-scatter, {inputs.shape[0]} nodes"
-    raise NoPrediction(f"no model for {call.describe()}")
+    model = MODELS.get((call.function, algo))
+    if model is None:
+        raise NoPrediction(f"no model for {call.describe()}")
+    return model(inputs, sizes, nccl.topology, call)
+
+
+def _ring_reduce_scatter(inputs: torch.Tensor, sizes: list[int], topo: Topology, call: Call) -> tuple[list, str]:
+    ring = _ring(topo)
+    return orders.nccl_ring_reduce_scatter(inputs, sizes, ring), f"NCCL ring {call.function}, ring {ring}"
+
+
+def _pat_reduce_scatter(inputs: torch.Tensor, sizes: list[int], topo: Topology, call: Call) -> tuple[list, str]:
+    if topo.local_ranks != 1:
+        raise NoPrediction(f"PAT with {topo.local_ranks} ranks per node is not modelled (one rank per node is)")
+    return nccl_pat.pat_reduce_scatter(inputs, sizes), f"NCCL PAT reduce-scatter, {inputs.shape[0]} nodes"
 
 
 def _buff_sizes(topo: Topology) -> dict[str, int]:
@@ -103,11 +112,22 @@ class AllReducePlan:
 def all_reduce_plan(count: int, element_size: int, nccl: NcclContext | None) -> tuple[AllReducePlan, Call]:
     """The algorithm, protocol and channel split of the all-reduce NCCL logged for the call,
     checked against the channel range NCCL logged; NoPrediction where the models stop."""
+    call = _modelled_all_reduce(nccl)
+    return _plan_of(call, count, element_size, nccl.topology), call
+
+
+def _modelled_all_reduce(nccl: NcclContext | None) -> Call:
+    """The all-reduce NCCL logged for the call, if the table has a model for its algorithm."""
     algo, call = _algorithm(nccl, "AllReduce")
-    topo = nccl.topology
-    if algo not in ("TREE", "RING"):
-        raise NoPrediction(f"no exact model for {call.describe()} (the models cover TREE and RING)")
-    proto = call.protocol.upper()
+    if ("AllReduce", algo) not in MODELS:
+        covered = " and ".join(a for f, a in MODELS if f == "AllReduce")
+        raise NoPrediction(f"no exact model for {call.describe()} (the models cover {covered})")
+    return call
+
+
+def _plan_of(call: Call, count: int, element_size: int, topo: Topology) -> AllReducePlan:
+    """The channel split (and ring chunk) of one logged all-reduce of `count` elements."""
+    algo, proto = call.algorithm.upper(), call.protocol.upper()
     column = {"SIMPLE": "Simple", "LL": "LL", "LL128": "LL128"}.get(proto)
     name = algo.capitalize()
     try:
@@ -128,26 +148,46 @@ def all_reduce_plan(count: int, element_size: int, nccl: NcclContext | None) -> 
             chunk = nccl_plan.chunk_elements("RING", proto, element_size, _buff_sizes(topo))
         except ValueError as exc:
             raise NoPrediction(str(exc)) from None
-    return AllReducePlan(algo, proto, counts, (lo, hi), chunk), call
+    return AllReducePlan(algo, proto, counts, (lo, hi), chunk)
 
 
 def all_reduce(inputs: torch.Tensor, nccl: NcclContext | None) -> tuple[torch.Tensor, str]:
     """NCCL's all-reduce output (the same bits on every rank); returns (output, model name)."""
-    plan, call = all_reduce_plan(inputs.shape[1], inputs.element_size(), nccl)
-    topo = nccl.topology
+    call = _modelled_all_reduce(nccl)
+    return MODELS[("AllReduce", call.algorithm.upper())](inputs, None, nccl.topology, call)
+
+
+def _tree_all_reduce(inputs: torch.Tensor, sizes: None, topo: Topology, call: Call) -> tuple[torch.Tensor, str]:
+    plan = _plan_of(call, inputs.shape[1], inputs.element_size(), topo)
     lo, hi = plan.channels
-    if plan.algorithm == "TREE":
-        trees = topo.channel_trees()
-        if len(trees) < hi + 1:
-            raise NoPrediction(f"the NCCL log names trees for {len(trees)} channels, the call used {lo}..{hi}")
-        out = orders.nccl_tree_all_reduce(inputs, trees[lo:hi + 1], plan.counts)
-        return out, f"NCCL tree all-reduce over {len(plan.counts)} channel(s) of the logged trees"
+    trees = topo.channel_trees()
+    if len(trees) < hi + 1:
+        raise NoPrediction(f"the NCCL log names trees for {len(trees)} channels, the call used {lo}..{hi}")
+    out = orders.nccl_tree_all_reduce(inputs, trees[lo:hi + 1], plan.counts)
+    return out, f"NCCL tree all-reduce over {len(plan.counts)} channel(s) of the logged trees"
+
+
+def _ring_all_reduce(inputs: torch.Tensor, sizes: None, topo: Topology, call: Call) -> tuple[torch.Tensor, str]:
+    plan = _plan_of(call, inputs.shape[1], inputs.element_size(), topo)
+    lo, hi = plan.channels
     rings = [topo.rings.get(c) for c in range(lo, hi + 1)]
     if any(r is None for r in rings):
         raise NoPrediction(f"the NCCL log names rings for channels {sorted(topo.rings)}, the call used {lo}..{hi}")
     out = orders.nccl_ring_all_reduce_channels(inputs, rings, plan.counts, plan.chunk)
     return out, (f"NCCL ring all-reduce ({plan.protocol}) over {len(plan.counts)} channel(s) of the logged rings, "
                  f"chunks of {plan.chunk:,} elements")
+
+
+# (NCCL function, algorithm as NCCL logs it) -> the model of its order: (inputs, sizes of the
+# destinations' shards or None, the communicator, the logged call) -> (outputs, model name).
+Model = Callable[[torch.Tensor, "list[int] | None", Topology, Call], tuple]
+MODELS: dict[tuple[str, str], Model] = {
+    ("ReduceScatter", "RING"): _ring_reduce_scatter,
+    ("Reduce", "RING"): _ring_reduce_scatter,  # torch's reduce-scatter of uneven shards: one Reduce per destination
+    ("ReduceScatter", "PAT"): _pat_reduce_scatter,  # one rank per node only
+    ("AllReduce", "TREE"): _tree_all_reduce,
+    ("AllReduce", "RING"): _ring_all_reduce,
+}
 
 
 def _tree_names(topo: Topology) -> dict[int, int]:
