@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
-from harness.subjects.collective.common import offsets, per_destination
-from reference import orders
+from harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE, offsets, per_destination
 
 
 @register
@@ -33,11 +32,7 @@ class AllReduceSlice:
 
     def order_model(self, backend):
         if backend == "gloo":
-            return OrderModel(
-                "gloo ring all-reduce + slice",
-                lambda x, sizes, nccl=None: per_destination(orders.gloo_ring_all_reduce(x), sizes),
-                exact=True,
-            )
+            return GLOO_ALL_REDUCE_SLICE
         return OrderModel("NCCL all-reduce as logged (tree model over the logged trees) + slice",
                           lambda x, sizes, nccl: per_destination(nccl_models.all_reduce(x, nccl)[0], sizes),
                           exact=True)

@@ -1,8 +1,11 @@
-"""Pieces shared by the collective subjects: shard offsets and the fixed-order fold."""
+"""Pieces shared by the collective subjects: shard offsets, the fixed-order fold and the
+gloo order model of an all-reduce followed by a slice."""
 from __future__ import annotations
 
 import torch
 
+from harness.subject import OrderModel
+from reference import orders
 from reference.collectives import shard_offsets as offsets
 
 
@@ -28,3 +31,13 @@ def fold_descending(parts: torch.Tensor) -> torch.Tensor:
 def per_destination(flat_total: torch.Tensor, sizes_elems: list[int]) -> list[torch.Tensor]:
     """Slice a full-buffer result into per-destination pieces (for order models)."""
     return [flat_total[o:o + s] for o, s in zip(offsets(sizes_elems), sizes_elems)]
+
+
+def gloo_all_reduce_slices(inputs: torch.Tensor, sizes_elems: list[int], nccl=None) -> list[torch.Tensor]:
+    """gloo's ring all-reduce of the whole buffer, sliced per destination."""
+    return per_destination(orders.gloo_ring_all_reduce(inputs), sizes_elems)
+
+
+# gloo's reduce_scatter_tensor is a ring all-reduce plus a slice, so the native control and
+# the all-reduce-then-slice path accumulate alike there.
+GLOO_ALL_REDUCE_SLICE = OrderModel("gloo ring all-reduce + slice", gloo_all_reduce_slices, exact=True)

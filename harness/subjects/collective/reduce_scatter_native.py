@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from harness.nccl import models as nccl_models
 from harness.subject import OrderModel, register
-from harness.subjects.collective.common import per_destination
-from reference import orders
+from harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE
 
 
 @register
@@ -29,10 +28,6 @@ class NativeReduceScatter:
 
     def order_model(self, backend):
         if backend == "gloo":
-            return OrderModel(
-                "gloo ring all-reduce + slice",
-                lambda x, sizes, nccl=None: per_destination(orders.gloo_ring_all_reduce(x), sizes),
-                exact=True,
-            )
+            return GLOO_ALL_REDUCE_SLICE
         return OrderModel("NCCL reduce-scatter as logged (ring or PAT model)",
                           lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from harness.gemm_problem import aligned_starts
 from harness.subject import register
 from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype
+from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype, wire_refusal
 from reference import deepep as ref_deepep
 
 _import: dict = {}
@@ -98,10 +98,8 @@ class _DeepEP:
         self._buffers = {}  # one buffer per (group, shape): what a serving process keeps
 
     def unavailable(self, platform, params):
-        try:
-            resolve_wire_dtype(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
-        except ValueError as exc:
-            return str(exc)
+        if reason := wire_refusal(params):
+            return reason
         if platform.device != "cuda":
             return "DeepEP needs NVIDIA GPUs; this run is on the CPU"
         try:

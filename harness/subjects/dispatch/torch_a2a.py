@@ -14,7 +14,16 @@ import torch.distributed as dist
 from harness.subject import register
 from harness.gemm_problem import align, aligned_starts
 from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import resolve_wire_dtype
+from harness.subjects.dispatch.wire import resolve_wire_dtype, wire_refusal
+
+
+def _exchange_counts(dest: torch.Tensor, world: int, device, group) -> tuple[list[int], list[int]]:
+    """How many rows this rank sends to each rank (`dest`: every row's destination, sorted)
+    and how many it receives from each."""
+    send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
+    recv_counts = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_counts, torch.tensor(send_counts, dtype=torch.int64, device=device), group=group)
+    return send_counts, recv_counts.tolist()
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
@@ -33,11 +42,7 @@ class TorchAllToAllDispatcher:
     summary = "torch.distributed all-to-all dispatch, fixed-order combine"
 
     def unavailable(self, platform, params):
-        try:
-            resolve_wire_dtype(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
-        except ValueError as exc:
-            return str(exc)
-        return None
+        return wire_refusal(params)
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
         """Weights stay on the source rank: this combine applies them where the token lives."""
@@ -49,11 +54,7 @@ class TorchAllToAllDispatcher:
         dest = experts // per_rank
         order = torch.sort(dest, stable=True).indices
         tokens, slots, experts, dest = tokens[order], slots[order], experts[order], dest[order]
-        send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
-        recv_counts_t = torch.empty(world, dtype=torch.int64, device=x.device)
-        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64, device=x.device),
-                               group=group)
-        recv_counts = recv_counts_t.tolist()
+        send_counts, recv_counts = _exchange_counts(dest, world, x.device, group)
         meta = torch.stack([torch.full_like(tokens, rank), tokens, slots, experts], dim=1)
         meta = _exchange(meta, send_counts, recv_counts, group)
         rows = x[tokens]
@@ -108,11 +109,7 @@ class TorchAllToAllDispatcher:
         back = torch.sort(handle.src_rank[valid], stable=True).indices
         valid = valid[back]
         dest = handle.src_rank[valid]
-        send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
-        recv_counts_t = torch.empty(world, dtype=torch.int64, device=flat.device)
-        dist.all_to_all_single(recv_counts_t, torch.tensor(send_counts, dtype=torch.int64, device=flat.device),
-                               group=group)
-        recv_counts = recv_counts_t.tolist()
+        send_counts, recv_counts = _exchange_counts(dest, world, flat.device, group)
         meta = _exchange(torch.stack([handle.src_token[valid], handle.src_slot[valid]], dim=1), send_counts,
                          recv_counts, group)
         rows = _exchange(flat[valid], send_counts, recv_counts, group)

@@ -23,6 +23,16 @@ def resolve_wire_dtype(expert_quant: str, requested: str = "auto") -> str:
     return requested
 
 
+def wire_refusal(params) -> str | None:
+    """Why a case's expert_quant and wire contradict each other (a dispatcher's `unavailable`
+    reason), or None."""
+    try:
+        resolve_wire_dtype(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def check_buffer_option(wire: str, use_fp8_dispatch: bool) -> None:
     """A DeepEP buffer sized for one wire dtype must not carry the other."""
     if use_fp8_dispatch != (wire == "fp8"):

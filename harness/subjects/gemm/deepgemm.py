@@ -55,6 +55,15 @@ def _first(*names):
     raise AttributeError(f"deep_gemm {getattr(dg, '__version__', '?')} has none of {', '.join(names)}")
 
 
+def import_refusal() -> str | None:
+    """Why a DeepGEMM subject cannot run here because deep_gemm does not import, or None."""
+    try:
+        deep_gemm()
+    except ImportError as exc:
+        return f"deep_gemm cannot be imported ({exc}); pip install 'ep-harness[deepgemm]'"
+    return None
+
+
 class _DeepGemm:
     family = "gemm"
 
@@ -66,11 +75,7 @@ class _DeepGemm:
             return "DeepGEMM needs an NVIDIA GPU (sm90 or sm100); this run is on the CPU"
         if platform.capability and platform.capability[0] not in (9, 10):
             return f"DeepGEMM needs sm90 or sm100; this GPU is sm{platform.capability[0]}{platform.capability[1]}"
-        try:
-            deep_gemm()
-        except ImportError as exc:
-            return f"deep_gemm cannot be imported ({exc}); pip install 'ep-harness[deepgemm]'"
-        return None
+        return import_refusal()
 
     def compiles_kernels(self, params):  # DeepGEMM JIT-compiles a kernel per shape on first use
         return True

@@ -1,6 +1,6 @@
 """DeepGEMM's own quantization helper, deep_gemm.utils.per_token_cast_to_fp8."""
 from harness.subject import register
-from harness.subjects.gemm.deepgemm import deep_gemm
+from harness.subjects.gemm.deepgemm import import_refusal
 
 
 @register
@@ -12,11 +12,7 @@ class DeepGemmFp8Quant:
     def unavailable(self, platform, params):
         if platform.device != "cuda":
             return "deep_gemm loads CUDA libraries at import; this run is on the CPU"
-        try:
-            deep_gemm()
-        except ImportError as exc:
-            return f"deep_gemm cannot be imported ({exc}); pip install 'ep-harness[deepgemm]'"
-        return None
+        return import_refusal()
 
     def compiles_kernels(self, params):
         return True
