@@ -159,6 +159,31 @@ def test_pins_are_read_per_function_and_checked_against_the_log():
     assert pins.pin_violations([pat], "allreduce:tree") == []
 
 
+def test_the_model_table_picks_the_model_of_the_logged_function_and_algorithm(monkeypatch):
+    """A model is one (function, algorithm) line of MODELS: the call NCCL logged is looked up
+    there, a pair without a line is NoPrediction naming the call, and a new line is used."""
+    from harness.nccl import models
+
+    topo = topology("pins", 4)
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    pat = nccl_log.Call("ReduceScatter", 16, "PAT", "SIMPLE", (0, 0))
+    pat_reduce = nccl_log.Call("Reduce", 16, "PAT", "SIMPLE", (0, 0))
+    assert models.MODELS[("ReduceScatter", "PAT")] is models._pat_reduce_scatter
+    with pytest.raises(NoPrediction, match="no model for Reduce 16 B: PAT"):
+        reduce_scatter(x, [2] * 4, NcclContext(topo, [pat_reduce]))
+    seen = []
+    monkeypatch.setitem(models.MODELS, ("Reduce", "PAT"),
+                        lambda inputs, sizes, topo, call: (seen.append(call) or ["toy"], "toy model"))
+    assert reduce_scatter(x, [2] * 4, NcclContext(topo, [pat_reduce])) == (["toy"], "toy model")
+    assert seen == [pat_reduce]
+    assert reduce_scatter(x, [2] * 4, NcclContext(topo, [pat]))[1] == "NCCL PAT reduce-scatter, 4 nodes"
+    tree = nccl_log.Call("AllReduce", 16, "TREE", "SIMPLE", (0, 0))
+    assert "tree all-reduce" in all_reduce(x, NcclContext(topo, [tree]))[1]
+    monkeypatch.delitem(models.MODELS, ("AllReduce", "TREE"))
+    with pytest.raises(NoPrediction, match=r"AllReduce 16 B: TREE/SIMPLE, channels 0..0 \(the models cover RING\)"):
+        all_reduce(x, NcclContext(topo, [tree]))
+
+
 def test_no_prediction_names_what_nccl_ran():
     topo = topology("pins", 4)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
