@@ -24,7 +24,7 @@ from harness.records import read_jsonl, write_json, write_jsonl
 def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-check")) -> dict:
     """The suite's wall time under each way of grouping checks into torchrun launches (the
     per-check mode once: it is by far the slowest)."""
-    from harness.verify import verify
+    from harness.verify import RunOptions, verify
 
     timings: dict[str, list[float]] = {m: [] for m in modes}
     checks = None
@@ -32,7 +32,8 @@ def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-c
         for mode in modes:
             for _ in range(1 if mode == "per-check" else repeats):
                 began = time.perf_counter()
-                code, run_dir = verify(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True, launches=mode)
+                code, run_dir = verify(RunOptions(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True,
+                                                  launches=mode))
                 timings[mode].append(time.perf_counter() - began)
                 checks = sum(r["status"] != "skipped" for r in read_jsonl(run_dir / "results.jsonl"))
                 if code:
@@ -179,7 +180,7 @@ def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int)
     import subprocess
     import sys
 
-    from harness.launch import REPO_ROOT
+    from harness.processes import REPO_ROOT
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"

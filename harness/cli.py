@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher, args.run_secret).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
-                from harness.launch import follow
+                from harness.follower import follow
 
                 return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
@@ -185,15 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
-            from harness.verify import verify
+            from harness.verify import RunOptions, verify
 
-            code, run_dir = verify(args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check,
-                             plugins=args.plugin, out_root=args.out, command=["ep-harness", *argv],
-                             render=not args.no_report, emulate_hosts=args.emulate_hosts,
-                             from_record=args.from_record, allow_empty=args.allow_empty, seed=args.seed,
-                             junit_xml=args.junit_xml, summary_md=args.summary_md, show_skipped=args.show_skipped,
-                             launches=args.launches, nodes=nodes, fresh_processes=args.fresh_processes,
-                             quiet=args.quiet)
+            code, run_dir = verify(RunOptions(
+                args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
+                out_root=args.out, command=["ep-harness", *argv], render=not args.no_report, quiet=args.quiet,
+                launches=args.launches, emulate_hosts=args.emulate_hosts, from_record=args.from_record,
+                allow_empty=args.allow_empty, seed=args.seed, junit_xml=args.junit_xml, summary_md=args.summary_md,
+                show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes))
             if args.quiet:
                 _quiet_summary(run_dir)
             return code

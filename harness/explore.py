@@ -78,8 +78,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
             store: Path = STORE, gpus: int | None = None) -> int:
     from harness import subject as registry
     from harness.environment import detect, pinned_env
-    from harness.launch import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
     from harness.nodes import Nodes
+    from harness.processes import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -135,10 +135,12 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
 
 def _rank_groups(job_dir: Path) -> set[int]:
     """The process groups of this node's exploring ranks (each wrote its pid)."""
-    groups = set()
+    from harness.processes import process_groups
+
+    pids = []
     for pid_file in job_dir.glob("pid-rank*"):
         try:
-            groups.add(os.getpgid(int(pid_file.read_text())))
+            pids.append(int(pid_file.read_text()))
         except (OSError, ValueError):
             pass
-    return groups
+    return process_groups(pids)

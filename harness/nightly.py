@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.gate import NotComparable, append_history, gate, render_gate
-from harness.verify import verify, write_ci_outputs
+from harness.verify import RunOptions, verify, write_ci_outputs
 from reports.load import load_run
 from reports.render import render_run
 
@@ -15,8 +15,8 @@ HISTORY = Path("reports/out/history.jsonl")
 def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | None = None,
             history: Path = HISTORY, out_root: Path = Path("reports/out"), command: list[str] = (),
             emulate_hosts: bool = False, summary_md: Path | None = None, junit_xml: Path | None = None) -> int:
-    code, run_dir = verify(suite, gpus=gpus, out_root=out_root, command=command, render=False,
-                           emulate_hosts=emulate_hosts, junit_xml=junit_xml)
+    code, run_dir = verify(RunOptions(suite, gpus=gpus, out_root=out_root, command=command, render=False,
+                                      emulate_hosts=emulate_hosts, junit_xml=junit_xml))
     if code >= 128:  # interrupted: the partial run is rendered, never gated or added to the history
         render_run(run_dir)
         return code

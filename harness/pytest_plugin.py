@@ -330,12 +330,12 @@ class CheckItem(pytest.Item):
         a file lock in the session's private directory)."""
         if SUITE_RECORDS not in self.config.stash:
             from harness.plan import literal
-            from harness.verify import verify
+            from harness.verify import RunOptions, verify
 
             def run_verify(out_root: Path) -> Path:
                 batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
-                return verify(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch], out_root=out_root,
-                              render=False, quiet=True)[1]
+                return verify(RunOptions(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
+                                         out_root=out_root, render=False, quiet=True))[1]
 
             shared, nonce = self.config.stash[SUITE_DIR]
             self.config.stash[SUITE_RECORDS] = suite_records(shared, nonce, run_verify)

@@ -6,6 +6,7 @@ import os
 import secrets
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness import subject as registry
@@ -15,10 +16,11 @@ from harness.errors import HarnessError
 from harness.environment import (applicable_env, node_differences, nodes_of, pinned_env, platform_for, redacted,
                                  run_fingerprint)
 from harness.fresh import compare_launches
-from harness.launch import Head, Interrupted, Outcome, interruptible, run_job
+from harness.launch import Head, Outcome, run_job
 from harness.nccl.statement import tp_reduction_statement
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
+from harness.processes import Interrupted, interruptible
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from harness.verdict import decide
 from reports.analysis import FAILING, nothing_shown
@@ -160,45 +162,66 @@ def point_latest(out_root: Path, run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
-def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: list[str] | None = None,
-           plugins: list[str] = (), out_root: Path = Path("reports/out"), command: list[str] = (),
-           render: bool = True, quiet: bool = False, launches: str = "auto",
-           emulate_hosts: bool = False, from_record: Path | None = None,
-           allow_empty: bool = False, seed: int | None = None, junit_xml: Path | None = None,
-           summary_md: Path | None = None, show_skipped: bool = False, nodes: Nodes = Nodes(),
-           fresh_processes: int = 1) -> tuple[int, Path]:
+@dataclass(frozen=True)
+class RunOptions:
+    """What one verify run is asked to do, built once by the CLI from its arguments; other
+    callers (nightly, the pytest plugin, bench) name only what differs from the defaults."""
+
+    suite: str  # a suite's name or path (ignored with from_record)
+    gpus: int | None = None  # None: every visible GPU; 0: CPU ranks on gloo
+    cpu_ranks: int = 4
+    selection: list[str] | None = None  # --check: case names, id prefixes or globs
+    plugins: list[str] = ()  # added to the suite's own
+    out_root: Path = Path("reports/out")
+    command: list[str] = ()  # the command line, for the fingerprint
+    render: bool = True
+    quiet: bool = False
+    launches: str = "auto"  # how checks are grouped into torchrun launches
+    emulate_hosts: bool = False
+    from_record: Path | None = None  # rerun these records' checks instead of a suite's
+    allow_empty: bool = False  # a run whose checks were all skipped passes
+    seed: int | None = None
+    junit_xml: Path | None = None
+    summary_md: Path | None = None
+    show_skipped: bool = False
+    nodes: Nodes = Nodes()
+    fresh_processes: int = 1  # launches of every check, each in new processes
+
+
+def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
     launch is made K times, each in new processes, and a check whose bits differ between them
     fails (harness/fresh.py). On several nodes this is the head's side (node rank 0); the
-    others run harness.launch.follow."""
-    nodes = nodes.validate()
-    if from_record is not None:
-        suite_path = from_record
+    others run harness.follower.follow."""
+    nodes, plugins = options.nodes.validate(), list(options.plugins)
+    if options.from_record is not None:
+        suite_path = options.from_record
         registry.load_all(plugins)
-        platform = platform_for(nodes, gpus, cpu_ranks, emulate_hosts)
-        checks = checks_from_records(from_record, platform, selection)
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
+        checks = checks_from_records(options.from_record, platform, options.selection)
     else:
-        suite_path = resolve_suite_path(suite)
+        suite_path = resolve_suite_path(options.suite)
         loaded = load_suite(suite_path)
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
-        platform = platform_for(nodes, gpus, cpu_ranks, emulate_hosts)
-        checks = expand(loaded, platform, selection, seed)
-    run_id, run_dir = claim_run_dir(out_root)
-    fingerprint = run_fingerprint(platform, list(command))
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
+        checks = expand(loaded, platform, options.selection, options.seed)
+    run_id, run_dir = claim_run_dir(options.out_root)
+    fingerprint = run_fingerprint(platform, list(options.command))
     fingerprint["suite"] = str(suite_path)
     fingerprint["topology"] = platform.topology.to_dict()
     fingerprint["ranks"] = {}
-    if not quiet:
+    if not options.quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
-    suite_arg = str(suite_path) if from_record is not None else suite_argument(suite, suite_path)
+    suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
     def rerun(c: Check) -> str:
-        return rerun_command(suite_arg, c.id, gpus, plugins, platform.emulated_hosts, from_record is not None, nodes)
+        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulated_hosts,
+                             options.from_record is not None, nodes)
 
-    stream = Stream(run_dir, run_id, checks, quiet, rerun)
+    stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
     outcomes: dict[str, Outcome] = {}
     relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
     interrupted = None
@@ -207,7 +230,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
     except HarnessError:
         run_dir.rmdir()  # nothing was written: no partial run
         raise
-    if nodes.multi and not quiet:
+    if nodes.multi and not options.quiet:
         print(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at {head.endpoint}; "
               f"waiting for the other nodes", flush=True)
         if nodes.launcher == "torchrun":
@@ -218,8 +241,8 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
             head.wait_for_nodes()
             if nodes.multi:  # ranks spread over nodes all take part in every launch
                 grouping = "one"
-            elif launches != "auto":
-                grouping = launches
+            elif options.launches != "auto":
+                grouping = options.launches
             else:
                 grouping = "one" if platform.backend == "gloo" else "per-world-size"
             def run_all(tag: str, on_outcome) -> dict[str, Outcome]:
@@ -229,7 +252,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                     env = pinned_env(platform, env_overrides)
                     job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
                     fingerprint.setdefault("pinned_env", {})[job_dir.name] = redacted(env)
-                    if not quiet:
+                    if not options.quiet:
                         print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
                               f"{tag.replace('-', ' ')}", flush=True)
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
@@ -237,7 +260,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
                 return done
 
             outcomes.update(run_all("", stream.finished))
-            for k in range(1, fresh_processes):  # the same checks again, each launch in new processes
+            for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
                 relaunched.append(run_all(f"-fresh{k}", None))
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
             outcomes.update(exc.outcomes)
@@ -252,7 +275,7 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
             fingerprint.setdefault("nccl_topology", {})[launch] = reported["nccl_topology"]
     fingerprint["nodes"] = nodes_of(fingerprint["ranks"])
     fingerprint["node_differences"] = node_differences(fingerprint["nodes"])
-    for line in fingerprint["node_differences"] if not quiet else ():
+    for line in fingerprint["node_differences"] if not options.quiet else ():
         print(f"# WARNING: the nodes differ, {line}", flush=True)
     fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
     if interrupted is not None:
@@ -261,32 +284,32 @@ def verify(suite: str, gpus: int | None = None, cpu_ranks: int = 4, selection: l
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
-    if fresh_processes > 1 and interrupted is None:
+    if options.fresh_processes > 1 and interrupted is None:
         records = [compare_launches(r, [o.get(c.id) for o in relaunched]) for r, c in zip(records, checks)]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
-    point_latest(out_root, run_dir)
-    if not quiet:
+    point_latest(options.out_root, run_dir)
+    if not options.quiet:
         t = fingerprint["timing"]
         print(f"# wall {t['wall_s']} s: {t['check_s']} s in checks" +
               (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
                f"cache load, untimed)" if t["warmed_checks"] else ""), flush=True)
-    if render:
+    if options.render:
         from reports.render import render_run
 
-        render_run(run_dir, quiet=quiet, show_skipped=show_skipped, rows=quiet)
-    write_ci_outputs(run_dir, records, fingerprint, junit_xml, summary_md, quiet)
+        render_run(run_dir, quiet=options.quiet, show_skipped=options.show_skipped, rows=options.quiet)
+    write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)
-    if all(r["status"] == "skipped" for r in records) and not allow_empty:
-        if not quiet:  # a run that measured nothing is not a pass
+    if all(r["status"] == "skipped" for r in records) and not options.allow_empty:
+        if not options.quiet:  # a run that measured nothing is not a pass
             print(f"# nothing ran: all {len(records)} checks were skipped (see their reasons above); "
                   f"pass --allow-empty to accept that", flush=True)
         return 1, run_dir
     vacuous_only = nothing_shown(records)
     if vacuous_only:  # checks ran, but none of them could have failed: not a pass either
-        if not quiet:
+        if not options.quiet:
             print(f"# FAILED: {vacuous_only}", flush=True)
         return 1, run_dir
     return (1 if failing else 0), run_dir

@@ -78,7 +78,7 @@ def processes_with_env(fragment: str) -> list[int]:
 
 def gone(pid: int) -> bool:
     """Whether a process has ended, a zombie included (as the launcher counts them)."""
-    from harness.launch import ENDED_STATES, process_state
+    from harness.processes import ENDED_STATES, process_state
 
     found = process_state(pid)
     return found is None or found.state in ENDED_STATES

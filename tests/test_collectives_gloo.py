@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness.launch import agent_command
+from harness.processes import agent_command
 from harness.nodes import Nodes
 from tests.conftest import REPO, REPO_ON_PYTHONPATH
 

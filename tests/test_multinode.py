@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.environment import node_differences
-from harness.launch import process_state
+from harness.processes import process_state
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")

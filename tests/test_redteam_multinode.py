@@ -12,7 +12,7 @@ import pytest
 from harness import __version__
 from harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
 from harness.errors import HarnessError
-from harness.launch import _validated_launch
+from harness.follower import _validated_launch
 from harness.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)

@@ -23,9 +23,10 @@ from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
 from harness.environment import pinned_env, platform_for, run_fingerprint
 from harness.errors import HarnessError
-from harness.launch import Head, Interrupted, interruptible, run_job
+from harness.launch import Head, run_job
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal
+from harness.processes import Interrupted, interruptible
 from harness.records import read_jsonl, write_json, write_jsonl
 from harness.selftest import expectations, matrix
 from harness.selftest.injections import Injection, parse

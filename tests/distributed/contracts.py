@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from harness import subject as registry
 from harness.inputs import values
-from harness.launch import process_state
+from harness.processes import process_state
 from reference.collectives import shard_offsets
 
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")
