@@ -113,6 +113,11 @@ def _classify(old: dict, new: dict) -> dict | None:
             and old["mismatched"] != new["mismatched"] and old["params"] == new["params"]):
         return {"kind": "regression", "what": "control's mismatch count changed for the same inputs",
                 "before": _count(old), "after": _count(new)}
+    if (old.get("bits_fingerprint") and new.get("bits_fingerprint") and old["params"] == new["params"]
+            and old["bits_fingerprint"] != new["bits_fingerprint"] and new["status"] not in bad):
+        return {"kind": "regression", "what": "same verdict, other bits: the compared outputs' fingerprint moved"
+                + _first_difference(old, new), "before": _short(old["bits_fingerprint"]),
+                "after": _short(new["bits_fingerprint"])}
     if old["status"] in bad and new["status"] not in bad:
         return {"kind": "improvement", "what": f"was {old['status']}, now {new['status']}",
                 "before": old["status"], "after": new["status"]}
@@ -120,6 +125,21 @@ def _classify(old: dict, new: dict) -> dict | None:
         return {"kind": "improvement", "what": "violated before, holds now",
                 "before": _count(old), "after": _count(new)}
     return None
+
+
+def _short(digest: str) -> str:
+    return digest.split(":")[-1][:12]
+
+
+def _first_difference(old: dict, new: dict) -> str:
+    """Where the bits moved: the first block of compared elements whose digests differ."""
+    a, b = (old.get("detail") or {}).get("bits_blocks"), (new.get("detail") or {}).get("bits_blocks")
+    if not (isinstance(a, dict) and isinstance(b, dict)) or a.get("block") != b.get("block"):
+        return ""
+    for i, (x, y) in enumerate(zip(a.get("digests") or [], b.get("digests") or [])):
+        if x != y:
+            return f" (first differing block: compared elements {i * a['block']:,}..{(i + 1) * a['block'] - 1:,})"
+    return ""
 
 
 def _count(r: dict) -> str:
