@@ -22,7 +22,8 @@ CPU_DEFAULT_RANKS = 4
 # nothing else of the environment reaches environment.json, which CI uploads).
 RECORDED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "TORCH_CUDA_ARCH_LIST", "CUBLAS_", "CUDA_VISIBLE_DEVICES",
                      "CUDA_LAUNCH_BLOCKING", "CUDA_VERSION", "DG_", "NVSHMEM_", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA",
-                     "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT", "EP_HARNESS_DEEPEP_VERSION")
+                     "MKL_", "PYTHONHASHSEED", "EP_HARNESS_COMMIT",
+                     "EP_HARNESS_DEEPEP_VERSION")
 # A name holding any of these is a credential: its value is never written anywhere.
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASS", "PASSWD", "CREDENTIAL", "AUTH")
 REDACTED = "<redacted>"

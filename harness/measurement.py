@@ -105,8 +105,9 @@ class Measurement(Mismatch):
         evidence = {"first_mismatches": self.first_mismatches, "ulp_histogram": self.ulp_histogram,
                     "mismatch_map": self.mismatch_map, "max_abs_index": self.max_abs_index,
                     "max_ulp_index": self.max_ulp_index, "order_model": self.order_model,
-                    "order_model_exact": self.order_model_exact, "order_sensitive": self.sensitivity, "bit_only": self.bit_only,
-                    "rows_differing": self.rows_differing, "rows": self.rows, "bits_blocks": self.bits_blocks}
+                    "order_model_exact": self.order_model_exact, "order_sensitive": self.sensitivity,
+                    "bit_only": self.bit_only, "rows_differing": self.rows_differing, "rows": self.rows,
+                    "bits_blocks": self.bits_blocks}
         top["detail"] = {k: v for k, v in {**evidence, **self.detail}.items() if v not in (None, [], {})}
         return top
 

@@ -150,8 +150,9 @@ def rank_main() -> None:
         check_ctx = contexts[check.world_size]
         if env_error:  # it would measure under other conditions than pinned: run nothing
             if rank == 0:
-                channel.put(f"record/{index}", {"index": index, "check": check.id, "seconds": 0.0, "measured": Measurement(
-                    comparison="bitwise", mismatched=0, total=0, held=False, error=env_error).to_json()})
+                refused = Measurement(comparison="bitwise", mismatched=0, total=0, held=False, error=env_error)
+                channel.put(f"record/{index}", {"index": index, "check": check.id, "seconds": 0.0,
+                                                "measured": refused.to_json()})
             continue
         try:
             if check_ctx is None:  # a smaller world size: this rank waits for its subgroup

@@ -27,10 +27,9 @@ def rank_partial(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def intranode_combine(partials: dict[int, torch.Tensor]) -> torch.Tensor:
     """The combined token from {holder rank: bf16 partial [H]}: ascending rank, float32 from +0.0."""
-    acc = None
+    acc = torch.zeros(next(iter(partials.values())).shape, dtype=torch.float32)
     for rank in sorted(partials):
-        term = partials[rank].float()
-        acc = torch.zeros_like(term) + term if acc is None else acc + term
+        acc = acc + partials[rank].float()
     return acc.to(torch.bfloat16)
 
 

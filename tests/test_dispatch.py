@@ -152,3 +152,19 @@ def test_deepep_v2_skips_where_deep_ep_has_no_elastic_buffer(monkeypatch):
     monkeypatch.setattr(deepep._DeepEP, "module", staticmethod(lambda: V1Only))
     reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4, gpus=4), {})
     assert reason.startswith("deep_ep") and "has no ElasticBuffer" in reason
+
+
+def test_deepep_combine_model_adds_holders_in_ascending_rank_order():
+    """float32 from +0.0 in ascending rank: (2^24 + 1) rounds back to 2^24, so ranks 0, 1, 2
+    holding 2^24, 1, -2^24 give 0, where rank order 2, 1, 0 would give 1 (measured on the
+    H200: the model matched every element of DeepEP v1.2.1's combine)."""
+    from reference.deepep import combined_token, intranode_combine
+
+    bf = lambda v: torch.tensor([v], dtype=torch.bfloat16)  # noqa: E731
+    assert intranode_combine({2: bf(-2.0 ** 24), 0: bf(2.0 ** 24), 1: bf(1.0)}).item() == 0.0
+    assert intranode_combine({0: bf(-2.0 ** 24), 1: bf(1.0), 2: bf(2.0 ** 24)}).item() == 1.0
+    assert intranode_combine({3: bf(-0.0)}).view(torch.int16).item() == 0  # +0.0: the sum starts there
+    # a token's slots fold per holder rank first (experts 0, 1 on rank 0; 4 on rank 1 of 4 per rank)
+    y = torch.tensor([[2.0 ** 24], [1.0], [-2.0 ** 24]], dtype=torch.bfloat16)
+    w = torch.ones(3)
+    assert combined_token(y, w, torch.tensor([0, 4, 1]), 4).item() == 1.0  # rank 0: 2^24 - 2^24, then + 1

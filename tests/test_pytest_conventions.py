@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import tomllib
 import xml.etree.ElementTree as ET
 
@@ -94,23 +93,21 @@ def test_explore_without_hypothesis_is_one_line_exit_2(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_the_plugin_adds_little_to_a_pytest_session(tmp_path):
+def test_the_plugin_loads_nothing_heavy_into_a_session_that_does_not_use_it(tmp_path):
+    """A user's session that uses none of the plugin's options pays for no torch, launcher or
+    report import (what start-up time costs is measured in BENCHMARKS.md, not asserted here:
+    timings on a shared machine are noise)."""
     (tmp_path / "test_plain.py").write_text(textwrap.dedent('''
+        import sys
+
         def test_nothing():
-            assert 1 + 1 == 2
+            heavy = [m for m in ("torch", "pandas", "matplotlib", "harness.verify", "harness.launch",
+                                 "reports.html") if m in sys.modules]
+            assert not heavy, heavy
     '''))
-
-    def fastest(*args) -> float:
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            proc = pytest_in(tmp_path, "-q", *args, "test_plain.py")
-            best = min(best, time.perf_counter() - start)
-            assert proc.returncode == 0, proc.stdout
-        return best
-
-    with_plugin, without = fastest(), fastest("-p", "no:ep_harness")
-    assert with_plugin - without < 0.2, (with_plugin, without)
+    proc = pytest_in(tmp_path, "-q", "test_plain.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--ep-suite" in pytest_in(tmp_path, "--help").stdout  # the plugin was loaded all the same
 
 
 def test_a_bad_ep_suite_is_a_usage_error_not_an_internal_error(tmp_path):

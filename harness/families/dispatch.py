@@ -114,7 +114,8 @@ def _predicted_probe(model, p: dict, run, rank: int, pos: int, world: int) -> to
     return model(_expert_outputs(p, x[pos], idx[pos]), w[pos], idx[pos], p["num_experts"] // world)
 
 
-def _received_rows(received: Received, rank: int, per_rank: int) -> tuple[list[tuple], torch.Tensor, torch.Tensor | None]:
+def _received_rows(received: Received, rank: int,
+                   per_rank: int) -> tuple[list[tuple], torch.Tensor, torch.Tensor | None]:
     """Every valid received row: its (expert, src rank, token, slot), the rows themselves as
     one contiguous CPU tensor (fp8 as bytes: fp8 storages do not survive all_gather_object's
     pickling) and their scales. One selection and one copy per tensor: a per-row view would
