@@ -22,8 +22,16 @@ MAX_NAME_CHARS = 160
 
 
 def declared(subject, params: dict) -> tuple[str, ...]:
+    """The kernel-name substrings `subject` declares. A bare string would be taken letter by
+    letter, and an empty name is in every name: either would prove any check ran its kernel."""
     hook = getattr(subject, "kernels", None)
-    return tuple(hook(params)) if callable(hook) else ()
+    if not callable(hook):
+        return ()
+    names = hook(params)
+    if isinstance(names, str) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise TypeError(f"{getattr(subject, 'name', subject)}.kernels(params) returned {names!r}; "
+                        f"return a tuple of non-empty kernel-name substrings, e.g. ('deep_gemm::sm90_',)")
+    return tuple(names)
 
 
 def traced(subject, params: dict, device: torch.device) -> bool:

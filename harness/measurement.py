@@ -75,6 +75,11 @@ class Measurement(Mismatch):
         value (NaN with NaN, or an infinity of the same sign). Such elements count as an
         infinite error in max |err| and error_vs_reference, and `nonfinite` says how many
         outputs were NaN, +Inf or -Inf where the reference was finite (and the converse)."""
+        shapes = {"output": got.shape, "reference": exact.shape, "bound": bound.shape,
+                  **({} if valid is None else {"valid": valid.shape})}
+        if len(set(shapes.values())) > 1:  # broadcasting would compare other elements, and count fewer
+            raise ValueError("bounded comparison of different shapes (" + ", ".join(
+                f"{k} {tuple(v)}" for k, v in shapes.items()) + "): the subject must return the reference's shape")
         observed, got = got, got.to(torch.float64)
         valid = torch.ones_like(got, dtype=torch.bool) if valid is None else valid
         finite = torch.isfinite(got) & torch.isfinite(exact)

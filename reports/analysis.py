@@ -118,6 +118,9 @@ def _classify(old: dict, new: dict) -> dict | None:
         return {"kind": "regression", "what": "same verdict, other bits: the compared outputs' fingerprint moved"
                 + _first_difference(old, new), "before": _short(old["bits_fingerprint"]),
                 "after": _short(new["bits_fingerprint"])}
+    if old.get("bits_fingerprint") and not new.get("bits_fingerprint") and new["status"] in ("ok", "vacuous"):
+        return {"kind": "regression", "what": "the compared outputs' fingerprint is missing now: whether their "
+                "bits moved cannot be told", "before": _short(old["bits_fingerprint"]), "after": "-"}
     if old["status"] in bad and new["status"] not in bad:
         return {"kind": "improvement", "what": f"was {old['status']}, now {new['status']}",
                 "before": old["status"], "after": new["status"]}

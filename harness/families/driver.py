@@ -22,7 +22,8 @@ Vacuity, decided here for every family and property (a check that could not fail
   whose "first", "middle" and "last" positions coincide), except for run-to-run and
   graph-invariance, which repeat one placement by design;
 * rank-invariance with the probe on a single destination;
-* no probe element that any reordering the property could expose would change.
+* no probe element that any reordering the property could expose would change;
+* no element compared at all (a reference check whose every token was left out).
 """
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_wha
     return None
 
 
+def compared_nothing(m: Measurement) -> str | None:
+    """A comparison over no element (every token left out, an empty output) holds whatever
+    the subject returned."""
+    if m.total == 0 and m.held and not m.extra_failure and not m.error:
+        return "0 elements were compared (every one left out or none produced)"
+    return None
+
+
 def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
     """Every run of the check executed once, untimed and unmeasured: a JIT-compiling subject
     compiles (or loads from its cache) each kernel the check will time."""
@@ -112,7 +121,7 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     if ctx.rank == 0:
         result = family.measure(check, subject, ctx, p, runs, gathered)
         result.vacuous_reason = result.vacuous_reason or vacuity(prop, runs, result.sensitivity,
-                                                                 result.sensitivity_what)
+                                                                 result.sensitivity_what) or compared_nothing(result)
         if trace:
             _prove_kernels(result, subject, p, kernels)
         if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration

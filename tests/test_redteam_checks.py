@@ -1,0 +1,148 @@
+"""Red-team review of the checks (2026-12-01): ways the new checks could be made to lie, each
+with the behaviour that closes it. Every test failed before its fix."""
+import pytest
+import torch
+
+from harness import kernel_trace
+from harness.check import single_check
+from harness.families import execute
+from harness.families import moe_layer
+from harness.families.driver import compared_nothing
+from harness.measurement import Bound, Measurement
+from harness.subject import register
+from harness.subjects.gemm.torch_mm import TorchMm
+from harness.subjects.moe.composed import ComposedMoE
+from reports.analysis import compare_runs
+from tests.test_reports import record
+
+RULE = Bound(rule="test")
+
+
+class _DeclaresAString(TorchMm):
+    """Declares its kernel as a bare string, and never runs it."""
+
+    def kernels(self, params):
+        return "fast_gemm::grouped"
+
+
+@register
+class DeclaresAString(_DeclaresAString):
+    name, summary = "test_declares_a_string", "declares 'fast_gemm::grouped' as a str, runs torch.mm"
+
+
+def test_a_kernel_declared_as_a_bare_string_is_refused_not_matched_letter_by_letter(one_rank):
+    """tuple('fast_gemm::grouped') is its letters, each of which some CPU event's name holds:
+    with enough CPU events the proof of path passed without the kernel ever running."""
+    from harness import subject as registry
+
+    subject = registry.get("test_declares_a_string")
+    with pytest.raises(TypeError, match="return a tuple of non-empty kernel-name substrings"):
+        kernel_trace.declared(subject, {})
+    check = single_check(subject, "reference", {"dtype": "bfloat16", "layout": "contiguous"})
+    with pytest.raises(TypeError):
+        execute(check, subject, one_rank)
+
+
+def test_an_empty_kernel_name_is_refused():
+    class Empty:
+        name = "empty"
+
+        def kernels(self, params):
+            return ("deep_gemm::sm90_", "")
+
+    with pytest.raises(TypeError, match="non-empty"):
+        kernel_trace.declared(Empty(), {})
+    assert kernel_trace.missing(("deep_gemm::sm90_",), [{"aten::mm"}]) == ["deep_gemm::sm90_"]  # control
+
+
+def test_a_fingerprint_missing_from_the_new_run_is_a_regression():
+    old = record("c/x", bits_fingerprint="blake2b:" + "a" * 32)
+    changes = compare_runs([record("c/x")], [old])
+    assert [c["kind"] for c in changes] == ["regression"]
+    assert "fingerprint is missing" in changes[0]["what"]
+    # controls: the same fingerprint passes; a check skipped now is not a regression of its bits
+    assert compare_runs([dict(old)], [old]) == []
+    assert compare_runs([record("c/x", status="skipped", held=None, mismatched=None, total=None)],
+                        [dict(old, status="vacuous")]) == []
+
+
+def test_a_bounded_comparison_refuses_outputs_of_another_shape():
+    """[1, H] against a [T, H] reference broadcast: T rows compared with row 0, `total` H."""
+    exact = torch.ones(4, 8, dtype=torch.float64)
+    bound = torch.full_like(exact, 1e-3)
+    with pytest.raises(ValueError, match=r"output \(1, 8\), reference \(4, 8\)"):
+        Measurement.within(torch.ones(1, 8), exact, bound, RULE)
+    with pytest.raises(ValueError, match=r"valid \(8,\)"):
+        Measurement.within(torch.ones(4, 8), exact, bound, RULE, torch.ones(8, dtype=torch.bool))
+    assert Measurement.within(torch.ones(4, 8), exact, bound, RULE).held  # control
+
+
+def test_a_comparison_of_no_element_is_vacuous_not_ok():
+    exact = torch.ones(4, 8, dtype=torch.float64)
+    none = torch.zeros(4, 8, dtype=torch.bool)
+    m = Measurement.within(torch.full((4, 8), 5.0), exact, torch.zeros_like(exact), RULE, none)
+    assert m.held and m.total == 0
+    assert "0 elements were compared" in compared_nothing(m)
+    some = Measurement.within(torch.full((4, 8), 5.0), exact, torch.zeros_like(exact), RULE)
+    assert compared_nothing(some) is None and not some.held  # control
+
+
+class _SwapsTheLastExpert(ComposedMoE):
+    """Claims the (k+1)-th expert instead of the k-th wherever the harness's own router
+    margin admits that swap (15 of 16 tokens at hidden 2048), and returns zeros there."""
+
+    def forward(self, partials, weights, params, group):
+        out, idx = super().forward(partials, weights, params, group)
+        parts = [partials.double()]  # one rank: its partials are the sum
+        logits = parts[0] @ weights["router"].double().T
+        order = logits.argsort(dim=1, descending=True)
+        k = params["topk"]
+        swapped = torch.cat([order[:, :k - 1], order[:, k:k + 1]], dim=1)
+        _, admitted = moe_layer.router_flips(swapped, idx, logits, moe_layer.logit_margin(parts, weights["router"]))
+        lie = admitted.unsqueeze(1)
+        return torch.where(lie, torch.zeros_like(out), out), torch.where(lie, swapped, idx)
+
+
+@register
+class SwapsTheLastExpert(_SwapsTheLastExpert):
+    name, summary = "test_moe_swaps_last_expert", "zeros behind a claimed near-tie router swap"
+
+
+MOE_PARAMS = {"hidden": 2048, "intermediate": 64, "num_experts": 32, "topk": 4, "tokens": 16,
+              "batch_sizes": [16], "world_size": 1}
+
+
+def test_a_moe_layer_cannot_hide_its_output_behind_admitted_router_flips(one_rank):
+    """Every claimed swap is within the margin (admitted), so those tokens were left out and
+    their zeros held: 1 of 16 tokens compared, status ok. Admitted tokens are now compared with the
+    float64 layer routed to the experts they chose."""
+    from harness import subject as registry
+
+    subject = registry.get("test_moe_swaps_last_expert")
+    m = execute(single_check(subject, "reference", MOE_PARAMS), subject, one_rank)
+    assert m.detail["router_flips"] == m.detail["router_flips_admitted"] >= 12  # most tokens lie, all admitted
+    assert not m.held and m.mismatched > 0 and m.total == 16 * 2048
+    control = registry.get("composed_moe")
+    ok = execute(single_check(control, "reference", MOE_PARAMS), control, one_rank)
+    assert ok.held and ok.total == 16 * 2048 and ok.vacuous_reason is None
+
+
+def test_an_admitted_flip_is_held_to_the_layer_routed_as_chosen():
+    """A token routed to other experts, computed exactly for them, is within its bound of
+    routed_as; the reference routing's output is not (the positive control)."""
+    p = {**MOE_PARAMS, "cancel": False, "seed": 0, "scoring": "softmax"}
+    w = moe_layer.layer_weights(p)
+    x = torch.randn(3, 2048, dtype=torch.float64)
+    logits = x @ w["router"].double().T
+    mine = logits.argsort(dim=1, descending=True)[:, 1:5]  # not the reference's top 4
+    from reference import moe as ref
+
+    want, _ = ref.moe_layer(x, logits, w["gate_up"], w["down"], 4)
+    got, mag = moe_layer.routed_as(x, logits, mine, w, p)
+    scores = torch.softmax(logits, -1).gather(1, mine)
+    for t in range(3):
+        expect = sum(ref.swiglu_expert(x[t:t + 1], w["gate_up"][e], w["down"][e])[0] * scores[t, j] / scores[t].sum()
+                     for j, e in enumerate(mine[t].tolist()))
+        assert torch.allclose(got[t], expect, rtol=1e-12, atol=1e-12)
+    assert (mag >= got.abs() - 1e-12).all()
+    assert not torch.allclose(got, want)  # another routing, another output
