@@ -53,17 +53,20 @@ def _widened(t: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_counts(actual: torch.Tensor, expected: torch.Tensor, where: torch.Tensor | None = None) -> dict:
-    """How many elements of `actual` are NaN, +Inf or -Inf where `expected` is finite, and how
-    many are finite where `expected` is not (a non-finite value lost): only the non-zero
-    counts, so an all-finite comparison gives {}."""
+    """How many elements of `actual` are NaN, +Inf or -Inf where `expected` is finite, how
+    many are finite where `expected` is not (a non-finite value lost), and how many are
+    another non-finite value than `expected`'s (-Inf for +Inf, NaN for an infinity): only
+    the non-zero counts, so an all-finite comparison gives {}."""
     actual, expected = _widened(actual), _widened(expected)
     a_finite, e_finite = torch.isfinite(actual), torch.isfinite(expected)
     where = torch.ones_like(a_finite) if where is None else where
     new = ~a_finite & e_finite & where
+    both_nan = torch.isnan(actual) & torch.isnan(expected)
     counts = {"nan": int((new & torch.isnan(actual)).sum()),
               "+inf": int((new & (actual == math.inf)).sum()),
               "-inf": int((new & (actual == -math.inf)).sum()),
-              "reference_nonfinite": int((a_finite & ~e_finite & where).sum())}
+              "reference_nonfinite": int((a_finite & ~e_finite & where).sum()),
+              "other_nonfinite": int((~a_finite & ~e_finite & ~both_nan & (actual != expected) & where).sum())}
     return {k: n for k, n in counts.items() if n}
 
 
@@ -134,7 +137,8 @@ def compare_bitwise(
 
     ulps = ulp_distance(actual, expected)
     absdiff = (actual.double() - expected.double()).abs()
-    absdiff = torch.where(diff, absdiff, torch.zeros_like(absdiff))
+    absdiff = torch.where(diff & ~(torch.isnan(absdiff) & torch.isnan(actual.double()) & torch.isnan(expected.double())),
+                          absdiff, torch.zeros_like(absdiff))  # NaN vs NaN (another payload): bits, not value
     absdiff = torch.nan_to_num(absdiff, nan=math.inf, posinf=math.inf)  # keep Inf: not the largest float
     flat_abs = int(absdiff.reshape(-1).argmax())
     ulps_masked = torch.where(diff, ulps, torch.zeros_like(ulps))

@@ -15,6 +15,9 @@ def nonfinite_text(nonfinite: dict | None) -> str:
     lost = nonfinite.get("reference_nonfinite")
     if lost:
         text += ("; " if text else "") + f"{lost:,} finite where the reference is not"
+    other = nonfinite.get("other_nonfinite")
+    if other:
+        text += ("; " if text else "") + f"{other:,} another NaN or Inf than the reference's"
     return f" ({text})"
 
 

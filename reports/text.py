@@ -4,7 +4,8 @@ from __future__ import annotations
 DASH = "-"
 NONFINITE_WORDS = {"nan": "NaN where the reference is finite", "+inf": "+Inf where the reference is finite",
                    "-inf": "-Inf where the reference is finite",
-                   "reference_nonfinite": "finite where the reference is NaN or Inf"}
+                   "reference_nonfinite": "finite where the reference is NaN or Inf",
+                   "other_nonfinite": "another NaN or Inf than the reference's (-Inf for +Inf, NaN for Inf)"}
 BIT_ONLY_WORDS = {"signed_zero": "+0.0 vs -0.0", "nan_payload": "NaN vs NaN with another payload"}
 
 

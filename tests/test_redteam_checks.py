@@ -146,3 +146,32 @@ def test_an_admitted_flip_is_held_to_the_layer_routed_as_chosen():
         assert torch.allclose(got[t], expect, rtol=1e-12, atol=1e-12)
     assert (mag >= got.abs() - 1e-12).all()
     assert not torch.allclose(got, want)  # another routing, another output
+
+
+def test_a_wrong_infinity_is_named_not_left_unexplained():
+    """-Inf for +Inf and NaN for +Inf were mismatches whose `nonfinite` said nothing ({})."""
+    import math
+
+    from harness.compare import compare_bitwise
+    from harness.verdict import nonfinite_text
+
+    got = torch.tensor([1.0, -math.inf, math.nan, math.inf, math.nan])
+    exact = torch.tensor([1.0, math.inf, math.inf, math.inf, math.nan], dtype=torch.float64)
+    m = Measurement.within(got, exact, torch.zeros_like(exact), RULE)
+    assert m.mismatched == 2 and m.nonfinite == {"other_nonfinite": 2}  # same Inf and NaN with NaN match
+    assert "2 another NaN or Inf than the reference's" in nonfinite_text(m.nonfinite)
+    b = compare_bitwise(got, exact.float())
+    assert b.mismatched == 2 and b.nonfinite == {"other_nonfinite": 2}
+
+
+def test_a_nan_payload_difference_is_bits_not_an_infinite_difference():
+    """Both NaN, another payload: a bitwise mismatch (bit_only), but max |diff| was 'inf'."""
+    from harness.compare import compare_bitwise
+
+    x = torch.tensor([math_nan := float("nan"), 1.0])
+    y = x.clone()
+    y.view(torch.int32)[0] = 0x7FC00001
+    r = compare_bitwise(x, y)
+    assert r.mismatched == 1 and r.bit_only == {"nan_payload": 1} and r.max_abs == 0.0
+    z = torch.tensor([2.0, 1.0])  # control: a NaN against a number is an infinite difference
+    assert compare_bitwise(x, z).max_abs == "inf" and math_nan != math_nan
