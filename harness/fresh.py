@@ -29,6 +29,9 @@ def compare_launches(record: dict, later: list[Outcome | None]) -> dict:
             return {**record, "status": "error",
                     "reason": f"a fresh-process relaunch of this check did not measure "
                               f"({outcome.error if outcome is not None else 'no outcome'}); {record['reason']}"}
+        if m.error:  # measured, but not as pinned (a declared kernel that did not run): same bits prove nothing
+            return {**record, "status": "error",
+                    "reason": f"a fresh-process relaunch of this check: {m.error}; {record['reason']}"}
         theirs.append(m.bits_fingerprint)
         if m.bits_fingerprint != mine:
             differing += 1

@@ -175,3 +175,23 @@ def test_a_nan_payload_difference_is_bits_not_an_infinite_difference():
     assert r.mismatched == 1 and r.bit_only == {"nan_payload": 1} and r.max_abs == 0.0
     z = torch.tensor([2.0, 1.0])  # control: a NaN against a number is an infinite difference
     assert compare_bitwise(x, z).max_abs == "inf" and math_nan != math_nan
+
+
+def test_a_relaunch_that_fell_back_to_another_kernel_is_an_error_not_ok():
+    """--fresh-processes compared only the relaunches' fingerprints: a relaunch whose declared
+    kernel did not run (its measurement an error), with the same bits, left the check ok."""
+    from harness.fresh import compare_launches
+    from harness.launch import Outcome
+
+    fp = "blake2b:" + "b" * 32
+    first = record("c/x", bits_fingerprint=fp)
+
+    def relaunch(error=None):
+        return Outcome(0.1, measured=Measurement(comparison="bitwise", mismatched=0, total=8, held=True,
+                                                 bits_fingerprint=fp, error=error))
+
+    fell_back = compare_launches(first, [relaunch(), relaunch("deepgemm declares kernels ['deep_gemm::sm90_'] "
+                                                              "but none ran during the measured calls")])
+    assert fell_back["status"] == "error" and "none ran" in fell_back["reason"]
+    same = compare_launches(first, [relaunch(), relaunch()])  # control
+    assert same["status"] == "ok" and same["fresh_processes"]["differing"] == 0
