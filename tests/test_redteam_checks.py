@@ -195,3 +195,30 @@ def test_a_relaunch_that_fell_back_to_another_kernel_is_an_error_not_ok():
     assert fell_back["status"] == "error" and "none ran" in fell_back["reason"]
     same = compare_launches(first, [relaunch(), relaunch()])  # control
     assert same["status"] == "ok" and same["fresh_processes"]["differing"] == 0
+
+
+NONFINITE_EMPTY_SLOT = {"data": "nonfinite", "routing": "empty", "num_experts": 2, "topk": 2, "world_size": 1,
+                        "probe_experts": [0, 1]}
+
+
+def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_rank):
+    """routing = empty leaves a slot without expert (-1); the reference multiplied the token
+    by that slot's 0 scale, 0 * Inf = NaN, so a correct combine (+-Inf there) failed: 42 of
+    4,096 elements 'another NaN or Inf than the reference's'."""
+    from harness import subject as registry
+    from harness.families import dispatch
+    from harness.moe_scenario import placements
+
+    subject = registry.get("torch_a2a_dispatch")
+    check = single_check(subject, "combine-reference", NONFINITE_EMPTY_SLOT)
+    m = execute(check, subject, one_rank)
+    assert m.held and m.total == 4096 and m.nonfinite is None, (m.mismatched, m.nonfinite)
+    # control: the same check catches a combine that turns those infinities into NaN
+    p = check.p
+    run = placements("combine-reference", p, 1)[0]
+    (y, w), = dispatch._combine_inputs(p, run, 1)
+    exact = (y * w.unsqueeze(-1)).sum(1)
+    assert torch.isinf(exact).any()
+    poisoned = torch.where(torch.isinf(exact), torch.nan, exact).to(torch.bfloat16)
+    bad = dispatch._measure_combine(p, run, [poisoned], 1)
+    assert not bad.held and bad.nonfinite == {"other_nonfinite": int(torch.isinf(exact).sum())}

@@ -176,6 +176,7 @@ def _combine_inputs(p, run, world):
             xd = ref_quant.dequantize_per_token_group(q, s)
         scale = torch.tensor([expert_scale(int(e)) if e >= 0 else 0.0 for e in idx.flatten()], dtype=torch.float64)
         y = xd.unsqueeze(1) * scale.view(idx.shape).unsqueeze(-1)
+        y = torch.where((idx >= 0).unsqueeze(-1), y, 0.0)  # an empty slot adds nothing (not 0 * Inf = NaN)
         y = y.to(torch.bfloat16).double()  # experts write bf16 (exact here: powers of two)
         outs.append((y, w.double()))
     return outs
