@@ -154,6 +154,17 @@ class MoeParams(TokenParams):
     dispatch: str = _opt("torch_a2a_dispatch")
     gemm: str = _opt("torch_mm")
 
+    def validate(self, subject):
+        # The router's fp32 scores must order the experts as its float64 logits do, up to the
+        # rounding margin (families/moe_layer.py): spread values (subnormal builds on them) give
+        # logits of 100s whose fp32 softmax underflows to tied zeros; NaN and Inf leave no order.
+        if self.data in ("spread", "subnormal", "nonfinite"):
+            why = ("NaN and Inf in the hidden state leave the router's top-k undefined" if self.data == "nonfinite"
+                   else "spread values give router logits of 100s, whose fp32 scores underflow to tied zeros "
+                        "that the float64 router tells apart (a correct layer fails)")
+            return f"data = {self.data!r} for the MoE layer: {why}; use randn, uniform or integers"
+        return super().validate(subject)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelParams(CommonParams):

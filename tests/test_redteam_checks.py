@@ -222,3 +222,18 @@ def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_
     poisoned = torch.where(torch.isinf(exact), torch.nan, exact).to(torch.bfloat16)
     bad = dispatch._measure_combine(p, run, [poisoned], 1)
     assert not bad.held and bad.nonfinite == {"other_nonfinite": int(torch.isinf(exact).sum())}
+
+
+@pytest.mark.parametrize("data", ["spread", "subnormal", "nonfinite"])
+def test_moe_data_the_router_cannot_order_is_refused_when_planned(data):
+    """The harness's own composed_moe failed its reference with data = spread (3 of 8 tokens
+    'not admitted': fp32 softmax scores underflow to tied zeros), subnormal (the same values)
+    and nonfinite (NaN logits): a false failure. Such data is now a one-line plan error."""
+    from harness import subject as registry
+    from harness.errors import HarnessError
+
+    subject = registry.get("composed_moe")
+    with pytest.raises(HarnessError, match=f"data = '{data}' for the MoE layer: .*; use randn, uniform or integers"):
+        single_check(subject, "reference", {"data": data, "world_size": 1})
+    for fine in ("randn", "uniform", "integers"):  # control: what it takes still plans
+        single_check(subject, "reference", {"data": fine, "world_size": 1})
