@@ -11,7 +11,6 @@ from harness.families.driver import compared_nothing
 from harness.measurement import Bound, Measurement
 from harness.subject import register
 from harness.subjects.gemm.torch_mm import TorchMm
-from harness.subjects.moe.composed import ComposedMoE
 from reports.analysis import compare_runs
 from tests.test_reports import record
 
@@ -87,50 +86,52 @@ def test_a_comparison_of_no_element_is_vacuous_not_ok():
     assert compared_nothing(some) is None and not some.held  # control
 
 
-class _SwapsTheLastExpert(ComposedMoE):
-    """Claims the (k+1)-th expert instead of the k-th wherever the harness's own router
-    margin admits that swap (15 of 16 tokens at hidden 2048), and returns zeros there."""
-
-    def forward(self, partials, weights, params, group):
-        out, idx = super().forward(partials, weights, params, group)
-        parts = [partials.double()]  # one rank: its partials are the sum
-        logits = parts[0] @ weights["router"].double().T
-        order = logits.argsort(dim=1, descending=True)
-        k = params["topk"]
-        swapped = torch.cat([order[:, :k - 1], order[:, k:k + 1]], dim=1)
-        _, admitted = moe_layer.router_flips(swapped, idx, logits, moe_layer.logit_margin(parts, weights["router"]))
-        lie = admitted.unsqueeze(1)
-        return torch.where(lie, torch.zeros_like(out), out), torch.where(lie, swapped, idx)
-
-
-@register
-class SwapsTheLastExpert(_SwapsTheLastExpert):
-    name, summary = "test_moe_swaps_last_expert", "zeros behind a claimed near-tie router swap"
-
-
 MOE_PARAMS = {"hidden": 2048, "intermediate": 64, "num_experts": 32, "topk": 4, "tokens": 16,
-              "batch_sizes": [16], "world_size": 1}
+              "batch_sizes": [16]}
 
 
-def test_a_moe_layer_cannot_hide_its_output_behind_admitted_router_flips(one_rank):
-    """Every claimed swap is within the margin (admitted), so those tokens were left out and
-    their zeros held: 1 of 16 tokens compared, status ok. Admitted tokens are now compared with the
-    float64 layer routed to the experts they chose."""
+def _moe_outputs(world: int, lie: bool):
+    """Per rank (output, experts) of a layer that returns the float64 layer rounded to bf16,
+    or, with `lie`, zeros and the (k+1)-th expert instead of the k-th wherever the harness's
+    own router margin admits that swap."""
     from harness import subject as registry
+    from harness.moe_scenario import placements
+    from reference import moe as ref
 
-    subject = registry.get("test_moe_swaps_last_expert")
-    m = execute(single_check(subject, "reference", MOE_PARAMS), subject, one_rank)
-    assert m.detail["router_flips"] == m.detail["router_flips_admitted"] >= 12  # most tokens lie, all admitted
-    assert not m.held and m.mismatched > 0 and m.total == 16 * 2048
-    control = registry.get("composed_moe")
-    ok = execute(single_check(control, "reference", MOE_PARAMS), control, one_rank)
-    assert ok.held and ok.total == 16 * 2048 and ok.vacuous_reason is None
+    p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).p
+    run = placements("reference", p, world)[0]
+    parts = [moe_layer.partials(p, run, r, world).double() for r in range(world)]
+    w = moe_layer.layer_weights(p)
+    logits = sum(parts) @ w["router"].double().T
+    out, idx = ref.moe_layer(sum(parts), logits, w["gate_up"], w["down"], p["topk"], p["scoring"])
+    order = logits.argsort(dim=1, descending=True)
+    swapped = torch.cat([order[:, :p["topk"] - 1], order[:, p["topk"]:p["topk"] + 1]], dim=1)
+    _, admitted = moe_layer.router_flips(swapped, idx, logits, moe_layer.logit_margin(parts, w["router"]))
+    admitted &= lie
+    out = torch.where(admitted.unsqueeze(1), 0.0, out).to(torch.bfloat16)
+    idx = torch.where(admitted.unsqueeze(1), swapped, idx)
+    local = out.shape[0] // world
+    return p, run, [(out[r * local:(r + 1) * local], idx[r * local:(r + 1) * local]) for r in range(world)], admitted
+
+
+def test_a_moe_layer_cannot_hide_its_output_behind_admitted_router_flips():
+    """At 2 ranks the worst-case margin admits the swap for all 32 tokens; admitted tokens
+    were left out of the comparison, so zeros there held (0 of 32 tokens compared, status
+    ok). Admitted tokens are now compared with the float64 layer routed as they chose."""
+    p, run, outputs, admitted = _moe_outputs(2, lie=True)
+    assert int(admitted.sum()) >= 24  # most tokens lie, each within the margin
+    m = moe_layer._measure_reference(p, run, outputs, 2)
+    assert m.detail["router_flips"] == m.detail["router_flips_admitted"] == int(admitted.sum())
+    assert m.extra_failure is None and not m.held and m.total == 32 * 2048
+    p, run, outputs, _ = _moe_outputs(2, lie=False)  # control: the honest layer holds
+    ok = moe_layer._measure_reference(p, run, outputs, 2)
+    assert ok.held and ok.total == 32 * 2048 and ok.detail["router_flips"] == 0
 
 
 def test_an_admitted_flip_is_held_to_the_layer_routed_as_chosen():
     """A token routed to other experts, computed exactly for them, is within its bound of
     routed_as; the reference routing's output is not (the positive control)."""
-    p = {**MOE_PARAMS, "cancel": False, "seed": 0, "scoring": "softmax"}
+    p = {**MOE_PARAMS, "cancel": False, "seed": 0, "scoring": "softmax"}  # routed_as reads intermediate, scoring
     w = moe_layer.layer_weights(p)
     x = torch.randn(3, 2048, dtype=torch.float64)
     logits = x @ w["router"].double().T
@@ -237,3 +238,12 @@ def test_moe_data_the_router_cannot_order_is_refused_when_planned(data):
         single_check(subject, "reference", {"data": data, "world_size": 1})
     for fine in ("randn", "uniform", "integers"):  # control: what it takes still plans
         single_check(subject, "reference", {"data": fine, "world_size": 1})
+
+
+def test_one_rank_has_no_tp_rounding_to_excuse_a_router_swap():
+    """One partial is the hidden state itself (no sum, no rounding), but the margin charged
+    it u*|x| + gamma(1, u)*|x|: the (k+1)-th-expert swap was admitted for 15 of 16 tokens."""
+    _, _, _, admitted = _moe_outputs(1, lie=True)
+    assert int(admitted.sum()) == 0
+    _, _, _, admitted = _moe_outputs(2, lie=True)  # control: two partials do round
+    assert int(admitted.sum()) > 0

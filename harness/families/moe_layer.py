@@ -126,11 +126,12 @@ def _measure_reference(p, run, outputs, world) -> Measurement:
 def logit_margin(parts: list[torch.Tensor], router: torch.Tensor) -> torch.Tensor:
     """How far each token's router logit [T, E] may move from the float64 one under the
     roundings before it: the TP sum of W bf16 partials rounded after every hop and once more
-    to bf16, |dx_h| <= u*|x_h| + gamma(W, u) * sum_r |x_rh| with u = 2^-8, carried through the
-    router, plus 8 ulp of float32 for the score's own rounding."""
+    to bf16, |dx_h| <= u*|x_h| + gamma(W, u) * sum_r |x_rh| with u = 2^-8 (0 for one partial:
+    it is the hidden state itself), carried through the router, plus 8 ulp of float32 for
+    the score's own rounding."""
     u = 2.0 ** -8
     x = sum(parts)
-    dx = u * x.abs() + gamma(len(parts), u) * sum(q.abs() for q in parts)
+    dx = u * x.abs() + gamma(len(parts), u) * sum(q.abs() for q in parts) if len(parts) > 1 else torch.zeros_like(x)
     logits = x @ router.double().T
     return dx @ router.double().abs().T + 8 * 2.0 ** -24 * (1 + logits.abs())
 
