@@ -247,3 +247,22 @@ def test_one_rank_has_no_tp_rounding_to_excuse_a_router_swap():
     assert int(admitted.sum()) == 0
     _, _, _, admitted = _moe_outputs(2, lie=True)  # control: two partials do round
     assert int(admitted.sum()) > 0
+
+
+@pytest.mark.parametrize("name", ["deepep_v2", "deepep_v1_ll"])
+def test_a_dispatcher_without_sources_is_an_error_not_every_row_lost(one_rank, name):
+    """deepep_v2 and deepep_v1_ll leave src_rank at -1: the reference property reported
+    'all (token, slot) rows were lost or misrouted', a failure of DeepEP it never measured."""
+    from tests import fake_deep_ep
+    from harness.subjects.dispatch import deepep
+
+    subject = {"deepep_v2": deepep.DeepEPElastic, "deepep_v1_ll": deepep.DeepEPLowLatency}[name]()
+    subject.module = staticmethod(lambda: fake_deep_ep)
+    layout = "masked" if name == "deepep_v1_ll" else "contiguous"
+    m = execute(single_check(subject, "reference", {"num_experts": 8, "layout": layout, "world_size": 1}),
+                subject, one_rank)
+    assert m.error and "received rows without their source" in m.error and "lost" not in m.error
+    v1 = deepep.DeepEPNormal()  # control: v1 normal mode says where each row came from, and holds
+    v1.module = staticmethod(lambda: fake_deep_ep)
+    ok = execute(single_check(v1, "reference", {"num_experts": 8, "world_size": 1}), v1, one_rank)
+    assert ok.error is None and ok.held and ok.total > 0

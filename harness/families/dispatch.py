@@ -73,7 +73,10 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
         if prop == "combine-reference":
             outputs.append(kept(out))
         if prop == "reference":
-            mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
+            try:
+                mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
+            except SourcesUnknown as exc:
+                mine_dispatch.append(exc.args[0])  # how many rows: rank 0 reports it
     return copies, outputs, mine_dispatch
 
 
@@ -114,6 +117,10 @@ def _predicted_probe(model, p: dict, run, rank: int, pos: int, world: int) -> to
     return model(_expert_outputs(p, x[pos], idx[pos]), w[pos], idx[pos], p["num_experts"] // world)
 
 
+class SourcesUnknown(Exception):
+    """A dispatcher that does not say where its received rows came from (src_rank -1)."""
+
+
 def _received_rows(received: Received, rank: int,
                    per_rank: int) -> tuple[list[tuple], torch.Tensor, torch.Tensor | None]:
     """Every valid received row: its (expert, src rank, token, slot), the rows themselves as
@@ -123,8 +130,14 @@ def _received_rows(received: Received, rank: int,
     valid = (received.src_rank >= 0).nonzero().flatten()
     if received.layout == "masked":
         local = torch.arange(received.x.shape[0], device=valid.device).repeat_interleave(received.x.shape[1])
+        slot = torch.arange(received.x.shape[1], device=valid.device).repeat(received.x.shape[0])
+        real = slot < torch.tensor(received.counts, device=valid.device).repeat_interleave(received.x.shape[1])
     else:
         local = received.grouped_layout.to(valid.device).long()
+        real = local >= 0
+    unknown = int((real & (received.src_rank.to(valid.device) < 0)).sum())
+    if unknown:  # rows without a source cannot be matched to what was sent: not a loss
+        raise SourcesUnknown(unknown)
     keys = torch.stack([rank * per_rank + local[valid], received.src_rank[valid], received.src_token[valid],
                         received.src_slot[valid]], dim=1).cpu().tolist()
     rows = received.rows()[valid].cpu()
@@ -135,6 +148,13 @@ def _received_rows(received: Received, rank: int,
 
 
 def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
+    unknown = [(r, n) for r, n in enumerate(per_rank_rows) if isinstance(n, int)]
+    if unknown:
+        where = ", ".join(f"{n} on rank {r}" for r, n in unknown)
+        return Measurement(comparison="bitwise", mismatched=0, total=0, held=False,
+                           error=f"received rows without their source (src_rank -1: {where}): the dispatch reference "
+                                 f"matches rows to what was sent by source; this subject can be checked by "
+                                 f"combine-reference and the invariances")
     keys = [k for ks, _, _ in per_rank_rows for k in ks]
     rows = torch.cat([r for _, r, _ in per_rank_rows])
     order = sorted(range(len(keys)), key=keys.__getitem__)
