@@ -114,11 +114,13 @@ def _classify(old: dict, new: dict) -> dict | None:
         return {"kind": "regression", "what": "control's mismatch count changed for the same inputs",
                 "before": _count(old), "after": _count(new)}
     if (old.get("bits_fingerprint") and new.get("bits_fingerprint") and old["params"] == new["params"]
-            and old["bits_fingerprint"] != new["bits_fingerprint"] and new["status"] not in bad):
+            and old["bits_fingerprint"] != new["bits_fingerprint"] and new["status"] not in bad
+            and old["status"] not in bad):  # an error fixed is an improvement, whatever its bits
         return {"kind": "regression", "what": "same verdict, other bits: the compared outputs' fingerprint moved"
                 + _first_difference(old, new), "before": _short(old["bits_fingerprint"]),
                 "after": _short(new["bits_fingerprint"])}
-    if old.get("bits_fingerprint") and not new.get("bits_fingerprint") and new["status"] in ("ok", "vacuous"):
+    if (old.get("bits_fingerprint") and not new.get("bits_fingerprint") and new["status"] in ("ok", "vacuous")
+            and old["status"] not in bad):
         return {"kind": "regression", "what": "the compared outputs' fingerprint is missing now: whether their "
                 "bits moved cannot be told", "before": _short(old["bits_fingerprint"]), "after": "-"}
     if old["status"] in bad and new["status"] not in bad:

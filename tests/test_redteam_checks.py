@@ -266,3 +266,13 @@ def test_a_dispatcher_without_sources_is_an_error_not_every_row_lost(one_rank, n
     v1.module = staticmethod(lambda: fake_deep_ep)
     ok = execute(single_check(v1, "reference", {"num_experts": 8, "world_size": 1}), v1, one_rank)
     assert ok.error is None and ok.held and ok.total > 0
+
+
+def test_an_error_that_is_fixed_is_an_improvement_not_moved_bits():
+    """A baseline check that errored (its declared kernel did not run: a fallback) and now
+    runs its kernel, with other bits, was a regression 'same verdict, other bits'."""
+    old = record("c/x", status="error", reason="declares kernels but none ran", bits_fingerprint="blake2b:" + "a" * 32)
+    new = record("c/x", bits_fingerprint="blake2b:" + "b" * 32)
+    assert [c["kind"] for c in compare_runs([new], [old])] == ["improvement"]
+    moved = compare_runs([new], [dict(old, status="ok", reason="holds")])  # control: ok to ok, other bits
+    assert [c["kind"] for c in moved] == ["regression"] and "fingerprint moved" in moved[0]["what"]
