@@ -74,7 +74,8 @@ class Measurement(Mismatch):
         is also a mismatch where got and exact are not both finite and not the same non-finite
         value (NaN with NaN, or an infinity of the same sign). Such elements count as an
         infinite error in max |err| and error_vs_reference, and `nonfinite` says how many
-        outputs were NaN, +Inf or -Inf where the reference was finite (and the converse)."""
+        outputs were NaN, +Inf or -Inf where the reference was finite (and the converse, and
+        another non-finite value than the reference's)."""
         shapes = {"output": got.shape, "reference": exact.shape, "bound": bound.shape,
                   **({} if valid is None else {"valid": valid.shape})}
         if len(set(shapes.values())) > 1:  # broadcasting would compare other elements, and count fewer
