@@ -31,7 +31,7 @@ class Mismatch:
     first_mismatches: list[dict] = field(default_factory=list)
     ulp_histogram: dict[str, int] = field(default_factory=dict)
     mismatch_map: dict | None = None
-    nonfinite: dict | None = None  # {"nan": n, "+inf": n, "-inf": n, "reference_nonfinite": n}
+    nonfinite: dict | None = None  # {"nan": n, "+inf": n, "-inf": n, "reference_nonfinite": n, "other_nonfinite": n}
     bit_only: dict | None = None  # differences no value comparison sees: {"signed_zero": n, "nan_payload": n}
     rows_differing: int | None = None  # observed copies (runs, repeats) with any differing element
     rows: int | None = None
@@ -137,8 +137,8 @@ def compare_bitwise(
 
     ulps = ulp_distance(actual, expected)
     absdiff = (actual.double() - expected.double()).abs()
-    absdiff = torch.where(diff & ~(torch.isnan(absdiff) & torch.isnan(actual.double()) & torch.isnan(expected.double())),
-                          absdiff, torch.zeros_like(absdiff))  # NaN vs NaN (another payload): bits, not value
+    both_nan = torch.isnan(actual.double()) & torch.isnan(expected.double())  # another payload: bits, not value
+    absdiff = torch.where(diff & ~both_nan, absdiff, torch.zeros_like(absdiff))
     absdiff = torch.nan_to_num(absdiff, nan=math.inf, posinf=math.inf)  # keep Inf: not the largest float
     flat_abs = int(absdiff.reshape(-1).argmax())
     ulps_masked = torch.where(diff, ulps, torch.zeros_like(ulps))
