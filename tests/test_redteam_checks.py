@@ -276,3 +276,19 @@ def test_an_error_that_is_fixed_is_an_improvement_not_moved_bits():
     assert [c["kind"] for c in compare_runs([new], [old])] == ["improvement"]
     moved = compare_runs([new], [dict(old, status="ok", reason="holds")])  # control: ok to ok, other bits
     assert [c["kind"] for c in moved] == ["regression"] and "fingerprint moved" in moved[0]["what"]
+
+
+@pytest.mark.parametrize("capability, prefix", [((9, 0), "deep_gemm::sm90_"), ((10, 0), "deep_gemm::sm100_")])
+def test_deepgemm_declares_the_kernels_of_the_gpu_it_runs_on(monkeypatch, capability, prefix):
+    """DeepGEMM runs on sm90 and sm100 (unavailable() takes both), but declared sm90_ kernels
+    only: on a Blackwell GPU every DeepGEMM check would have been an error ('none ran')."""
+    from harness import subject as registry
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    subject = registry.get("deepgemm_bf16_contiguous")
+    assert kernel_trace.declared(subject, {}) == (prefix,)
+    ran = [{f"void {prefix}bf16_gemm_impl<...>(...)"}]
+    assert kernel_trace.missing(kernel_trace.declared(subject, {}), ran) == []
+    other = "deep_gemm::sm90_" if prefix != "deep_gemm::sm90_" else "deep_gemm::sm100_"
+    assert kernel_trace.missing((prefix,), [{f"void {other}bf16_gemm_impl<...>(...)"}]) == [prefix]  # control

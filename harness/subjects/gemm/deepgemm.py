@@ -80,8 +80,13 @@ class _DeepGemm:
     def compiles_kernels(self, params):  # DeepGEMM JIT-compiles a kernel per shape on first use
         return True
 
-    def kernels(self, params):  # every sm90 GEMM kernel DeepGEMM builds (bf16 and fp8 1d2d) is named so
-        return ("deep_gemm::sm90_",)
+    def kernels(self, params):
+        """Every GEMM kernel DeepGEMM builds for this GPU is named deep_gemm::sm<arch>_... (sm90_ on
+        Hopper, sm100_ on Blackwell, which unavailable() also accepts)."""
+        import torch
+
+        major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 9
+        return (f"deep_gemm::sm{major}0_",)
 
     def describe(self, params) -> dict:
         return {"deep_gemm": settings()}
