@@ -129,23 +129,29 @@ class Measurement(Mismatch):
 
     def combine(self, other: Measurement) -> Measurement:
         """Two bitwise comparisons counted as one (e.g. FP8 values and their scales): counts
-        add up, the greater differences and the first mismatch come from either side."""
+        (mismatches, non-finite and bit-only kinds, ULP buckets) add up, the greater differences
+        and the first mismatches come from either side, and the fingerprint covers both."""
         self.mismatched += other.mismatched
         self.total += other.total
         self.held = self.mismatched == 0
-        if other.nonfinite:
-            merged = dict(self.nonfinite or {})
-            for key, n in other.nonfinite.items():
-                merged[key] = merged.get(key, 0) + n
-            self.nonfinite = merged
+        for name in ("nonfinite", "bit_only", "ulp_histogram"):  # counts per kind: added up
+            theirs = getattr(other, name)
+            if theirs:
+                merged = dict(getattr(self, name) or {})
+                for key, n in theirs.items():
+                    merged[key] = merged.get(key, 0) + n
+                setattr(self, name, merged)
         if _magnitude(other.max_abs) > _magnitude(self.max_abs):
             self.max_abs, self.max_abs_index = other.max_abs, other.max_abs_index
         if (other.max_ulp or 0) > (self.max_ulp or 0):
             self.max_ulp, self.max_ulp_index = other.max_ulp, other.max_ulp_index
         self.first_mismatch = self.first_mismatch or other.first_mismatch
+        self.first_mismatches = self.first_mismatches or other.first_mismatches  # the list first_mismatch heads
         if self.bits_fingerprint and other.bits_fingerprint:
             self.bits_fingerprint = combine_fingerprints([self.bits_fingerprint, other.bits_fingerprint])
-            self.bits_blocks = None  # two tensors' blocks: the whole fingerprint still says whether bits moved
+        else:  # one side's bits unfingerprinted: no fingerprint says the whole is unchanged
+            self.bits_fingerprint = None
+        self.bits_blocks = None  # two tensors' blocks: the whole fingerprint still says whether bits moved
         return self
 
 

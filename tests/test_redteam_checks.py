@@ -292,3 +292,23 @@ def test_deepgemm_declares_the_kernels_of_the_gpu_it_runs_on(monkeypatch, capabi
     assert kernel_trace.missing(kernel_trace.declared(subject, {}), ran) == []
     other = "deep_gemm::sm90_" if prefix != "deep_gemm::sm90_" else "deep_gemm::sm100_"
     assert kernel_trace.missing((prefix,), [{f"void {other}bf16_gemm_impl<...>(...)"}]) == [prefix]  # control
+
+
+def test_combined_comparisons_keep_both_sides_evidence():
+    """FP8 values + scales: the scales' bit-only kinds, ULP buckets and first mismatches were
+    dropped when the values matched; a side without fingerprint left the other's standing for both."""
+    from harness.compare import compare_bitwise
+
+    values = torch.tensor([1.0, 2.0])
+    scales, moved = torch.tensor([0.0, 4.0]), torch.tensor([-0.0, 4.5])
+    m = Measurement.bitwise(compare_bitwise(values, values)).combine(
+        Measurement.bitwise(compare_bitwise(moved, scales)))
+    assert m.mismatched == 2 and m.total == 4 and not m.held
+    assert m.bit_only == {"signed_zero": 1} and m.ulp_histogram == compare_bitwise(moved, scales).ulp_histogram
+    assert m.first_mismatches and m.first_mismatch == m.first_mismatches[0]
+    whole = Measurement.bitwise(compare_bitwise(values, values))
+    bare = Measurement(comparison="bitwise", mismatched=0, total=2, held=True)
+    assert whole.combine(bare).bits_fingerprint is None
+    both = Measurement.bitwise(compare_bitwise(values, values)).combine(
+        Measurement.bitwise(compare_bitwise(scales, scales)))
+    assert both.bits_fingerprint.startswith("blake2b:") and both.held  # control
