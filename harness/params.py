@@ -139,6 +139,10 @@ class DispatchParams(TokenParams):
     def validate(self, subject):
         if self.hidden % 128 and self.expert_quant == "fp8":
             return f"hidden = {self.hidden} is not a multiple of 128, which FP8 dispatch needs"
+        probe = [e % self.num_experts for e in self.probe_experts[:self.topk]]
+        if self.topk <= self.num_experts and len(set(probe)) < self.topk:  # the probe token's own top-k
+            return (f"probe_experts = {self.probe_experts} gives the probe {sorted(probe)} (mod num_experts = "
+                    f"{self.num_experts}), not topk = {self.topk} distinct experts; list {self.topk} distinct experts")
         return super().validate(subject)
 
 

@@ -1,5 +1,7 @@
 """Red-team review of the checks (2026-12-01): ways the new checks could be made to lie, each
 with the behaviour that closes it. Every test failed before its fix."""
+import re
+
 import pytest
 import torch
 
@@ -312,3 +314,18 @@ def test_combined_comparisons_keep_both_sides_evidence():
     both = Measurement.bitwise(compare_bitwise(values, values)).combine(
         Measurement.bitwise(compare_bitwise(scales, scales)))
     assert both.bits_fingerprint.startswith("blake2b:") and both.held  # control
+
+
+@pytest.mark.parametrize("params, shown", [({"topk": 8}, "[0, 1, 4, 5]"),
+                                           ({"num_experts": 4}, "[0, 0, 1, 1]")])
+def test_a_probe_without_topk_distinct_experts_is_refused_when_planned(params, shown):
+    """topk = 8 with the default four probe experts crashed every rank with a RuntimeError
+    (rank_tokens); num_experts = 4 folded them onto [0, 1, 0, 1], a top-k with duplicates."""
+    from harness import subject as registry
+    from harness.errors import HarnessError
+
+    subject = registry.get("torch_a2a_dispatch")
+    with pytest.raises(HarnessError, match=rf"gives the probe {re.escape(shown)} .*list \d+ distinct experts"):
+        single_check(subject, "rank-invariance", {"world_size": 1, "num_experts": 16, **params})
+    single_check(subject, "rank-invariance", {"world_size": 1, "num_experts": 16, "topk": 8,  # control
+                                              "probe_experts": [4, 5, 0, 1, 2, 3, 6, 7]})
