@@ -329,3 +329,21 @@ def test_a_probe_without_topk_distinct_experts_is_refused_when_planned(params, s
         single_check(subject, "rank-invariance", {"world_size": 1, "num_experts": 16, **params})
     single_check(subject, "rank-invariance", {"world_size": 1, "num_experts": 16, "topk": 8,  # control
                                               "probe_experts": [4, 5, 0, 1, 2, 3, 6, 7]})
+
+
+def test_a_row_delivered_twice_is_named_not_called_zero_lost(one_rank):
+    """A dispatcher that delivers one row twice failed with '0 (token, slot) rows were lost or
+    misrouted': the failure said nothing happened."""
+    from harness import subject as registry
+    from harness.families import dispatch
+
+    subject = registry.get("torch_a2a_dispatch")
+    check = single_check(subject, "reference", {"world_size": 1, "num_experts": 8})
+    runs = dispatch.FAMILY.runs("reference", check.p, 1)
+    (keys, rows, scales), = dispatch._observe(subject, one_rank, check.p, "reference", runs)[2]
+    twice = ([*keys, keys[0]], torch.cat([rows, rows[:1]]), scales)
+    m = dispatch._measure_dispatch(check.p, "bf16", runs[0].spec, [twice], 1)
+    assert not m.held and m.mismatched == 1
+    assert m.extra_failure == "0 (token, slot) rows were lost or misrouted, 1 delivered that were not sent once"
+    ok = dispatch._measure_dispatch(check.p, "bf16", runs[0].spec, [(keys, rows, scales)], 1)  # control
+    assert ok.held and ok.total == rows.numel()

@@ -170,8 +170,10 @@ def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
     by_key = sorted(range(len(want)), key=want.__getitem__)
     if got != [want[i] for i in by_key]:
         missing = len(set(want) - set(got))
-        return Measurement(comparison="bitwise", mismatched=max(missing, 1), total=len(want), held=False,
-                           extra_failure=f"{missing} (token, slot) rows were lost or misrouted")
+        extra = len(got) - len(set(got)) + len(set(got) - set(want))  # delivered twice, or never sent
+        return Measurement(comparison="bitwise", mismatched=max(missing + extra, 1), total=len(want), held=False,
+                           extra_failure=f"{missing} (token, slot) rows were lost or misrouted"
+                                         + (f", {extra} delivered that were not sent once" if extra else ""))
     actual = rows[order]
     if actual.dtype == torch.uint8:
         actual = actual.view(torch.float8_e4m3fn)
