@@ -28,10 +28,11 @@ def declared(subject, params: dict) -> tuple[str, ...]:
     if not callable(hook):
         return ()
     names = hook(params)
+    names = names if isinstance(names, str) else tuple(names)  # a generator is read once, here
     if isinstance(names, str) or not all(isinstance(n, str) and n.strip() for n in names):
         raise TypeError(f"{getattr(subject, 'name', subject)}.kernels(params) returned {names!r}; "
                         f"return a tuple of non-empty kernel-name substrings, e.g. ('deep_gemm::sm90_',)")
-    return tuple(names)
+    return names
 
 
 def traced(subject, params: dict, device: torch.device) -> bool:

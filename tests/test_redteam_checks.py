@@ -53,6 +53,14 @@ def test_an_empty_kernel_name_is_refused():
 
     with pytest.raises(TypeError, match="non-empty"):
         kernel_trace.declared(Empty(), {})
+
+    class Generated:
+        name = "generated"
+
+        def kernels(self, params):
+            return (k for k in ("deep_gemm::sm90_",))
+
+    assert kernel_trace.declared(Generated(), {}) == ("deep_gemm::sm90_",)  # read once, not emptied
     assert kernel_trace.missing(("deep_gemm::sm90_",), [{"aten::mm"}]) == ["deep_gemm::sm90_"]  # control
 
 
