@@ -18,11 +18,11 @@ MoE layer (bf16 activations; roundings at the TP reduce, gate-up, silu*up, down 
 
     |out - out64| <= u_out * |out64| + factor * u_out * sum_j w_j * (|silu(g_j) * u_j| @ |W_down_j|^T)
 
-with u_out = 2^-8 and factor = 8: a coarse bound at the down projection's scale, counted
-only over tokens whose selected experts match the reference. A router flip changes the
-function, not its rounding, so a flipped token is left out, but only where the swapped
-experts' float64 logits lie within the rounding margin of the router's inputs
-(families/moe_layer.logit_margin); a flip outside it is a failure.
+with u_out = 2^-8 and factor = 8: a coarse bound at the down projection's scale, for every
+token. A router flip changes the function, not its rounding: a flipped token is admitted only
+where the swapped experts' float64 logits lie within the rounding margin of the router's
+inputs (families/moe_layer.logit_margin), and is then held to the float64 layer routed to
+the experts it chose; a flip outside the margin is a failure.
 
 Model (harness/families/model.py; bf16 activations rounded at every stage of every layer,
 bf16 logits, float32 log_softmax), per vocabulary entry v of a scored position:
