@@ -96,7 +96,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
     env = {**os.environ, **pinned_env(platform, {}), **import_paths()}
-    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, module="harness.explore_rank",
+    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, job_dir, module="harness.explore_rank",
                                args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:
         with interruptible():

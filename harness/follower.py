@@ -117,7 +117,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
                 job_dir = out_dir / launch["job"]
                 job_dir.mkdir(parents=True, exist_ok=True)
                 ns = channel.sub(f"launch{k}")
-                proc = spawn(agent_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint),
+                proc = spawn(agent_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint, job_dir),
                              child_env(launch["env"], nodes.endpoint, ns.namespace, job_dir, nodes, nodes.run_secret),
                              job_dir / f"torchrun-launch{k}.log")
                 try:

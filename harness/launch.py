@@ -294,7 +294,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         log_path = job_dir / f"torchrun-{attempt}.log"
         proc = start_launch = None
         try:
-            proc = spawn(agent_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint),
+            proc = spawn(agent_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint, job_dir),
                          child_env(env, head.endpoint, launch.namespace, job_dir, nodes, head.secret), log_path)
             start_launch = time.time()
             failed_at, error, details = _watch(head, proc, launch, world_size, checks, start, start_launch, log_path,

@@ -31,18 +31,21 @@ def _die_with_parent() -> None:
         pass
 
 
-def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None,
+def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None, job_dir: Path,
                   module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
     """torchrun's agent on this node (harness/agent/: torchrun's options, ranks forked); on
     several nodes, c10d rendezvous at the head's store, which the agents reach as
-    clients (is_host=false); with Slurm, wrapped in one srun task per node."""
+    clients (is_host=false); with Slurm, wrapped in one srun task per node. torchrun's own
+    log directory goes under `job_dir` (its default is a new /tmp/torchelastic_* per launch,
+    left behind)."""
     if nodes.multi:
         rendezvous = ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                       "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
     else:  # what torchrun's --standalone means
         rendezvous = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", rdzv_id]
     agent = [sys.executable, "-m", "harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
-             "--max-restarts", "0", "--monitor-interval", "0.1", "-m", module, *args]
+             "--max-restarts", "0", "--monitor-interval", "0.1", "--log-dir", str(Path(job_dir) / "torchelastic"),
+             "-m", module, *args]
     if nodes.launcher == "slurm":
         return ["srun", f"--nodes={nodes.nnodes}", f"--ntasks={nodes.nnodes}", "--ntasks-per-node=1",
                 "--kill-on-bad-exit=1", "--export=ALL", *agent]

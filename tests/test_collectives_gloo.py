@@ -19,7 +19,8 @@ WITH_REPO_ON_PATH = {**os.environ, **REPO_ON_PYTHONPATH}
 def test_subject_contracts(tmp_path, world):
     out = tmp_path / "findings.json"
     proc = subprocess.run(
-        agent_command(Nodes(), world, "contracts", None, module="tests.distributed.contracts", args=(str(out),)),
+        agent_command(Nodes(), world, "contracts", None, tmp_path, module="tests.distributed.contracts",
+                      args=(str(out),)),
         cwd=REPO, capture_output=True, text=True, timeout=240, env=WITH_REPO_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(out.read_text())
@@ -52,7 +53,8 @@ AGENT_WITH_THREADS = ("import sys, threading; from harness.agent import main\n"
 @pytest.mark.parametrize("threads, fork_server", [(1, "from harness.agent import main"),  # a fork of the agent
                                                   (2, "from multiprocessing.forkserver import main")])
 def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, fork_server):
-    agent = agent_command(Nodes(), 2, "origin", None, module="tests.distributed.fork_origin", args=(str(tmp_path),))
+    agent = agent_command(Nodes(), 2, "origin", None, tmp_path, module="tests.distributed.fork_origin",
+                          args=(str(tmp_path),))
     assert agent[1:3] == ["-m", "harness.agent"]
     proc = subprocess.run([sys.executable, "-c", AGENT_WITH_THREADS, str(threads), *agent[3:]], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=WITH_REPO_ON_PATH)
