@@ -241,7 +241,7 @@ class Bench:
 
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:
-        from harness.gemm_problem import GemmProblem
+        from harness.contracts import GemmProblem
 
         torch = self.torch
         section = {"kind": "dense", "title": title, "n": n, "k": k, "points": []}
@@ -333,7 +333,7 @@ class Bench:
 
     # grouped ------------------------------------------------------------------------------
     def grouped(self, model: MoeModel, projection: str, n: int, k: int, m_values) -> dict:
-        from harness.gemm_problem import GemmProblem
+        from harness.contracts import GemmProblem
         from harness.subjects.quant.torch_fp8 import TorchFp8QuantReciprocal
         from reference.quant import quantize_per_block
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from harness.params import FAMILY_PARAMS, CommonParams, build
+from harness.params import CommonParams, build, family_params
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Check:
 
     @classmethod
     def from_json(cls, d: dict) -> Check:
-        return cls(**{**d, "params": FAMILY_PARAMS[d["family"]](**d["params"])})
+        return cls(**{**d, "params": family_params(d["family"])(**d["params"])})
 
 
 def single_check(subject, prop: str, raw_params: dict, backend: str = "gloo", check_id: str | None = None,

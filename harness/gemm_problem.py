@@ -1,60 +1,17 @@
-"""Grouped-GEMM problems: the inputs a gemm subject receives, built from seeded values.
-
-Layouts follow DeepGEMM: `contiguous` (rows of all experts in one [M_sum, K] tensor, each
-expert's segment starting at a multiple of `align`, padding rows zero with grouped_layout
--1), `masked` ([G, max_m, K] with masked_m[g] valid rows and an expected_m hint) and
-`dense` (one [M, K] x [N, K] product).
+"""The GEMM family's input builder: grouped-GEMM problems (harness.contracts.GemmProblem,
+in DeepGEMM's layouts) built from seeded values, and their float64 operands.
 """
 from __future__ import annotations
 
 import functools
 
-from dataclasses import dataclass
-
 import torch
 
 from harness import inputs as gen
+from harness.contracts import GemmProblem, align, aligned_starts
 from reference import quant
 
 FP8 = "float8_e4m3fn"
-
-
-@dataclass
-class GemmProblem:
-    layout: str
-    a: torch.Tensor  # bf16/fp32, or fp8 when a_scale is set
-    b: torch.Tensor  # [G, N, K] ([N, K] for dense)
-    counts: list[int]  # valid rows per expert
-    starts: list[int]  # first row of each expert (contiguous) ; 0 for masked
-    grouped_layout: torch.Tensor | None = None  # contiguous: int32 [M_sum]
-    masked_m: torch.Tensor | None = None  # masked: int32 [G]
-    expected_m: int | None = None
-    a_scale: torch.Tensor | None = None  # fp8: float32 [rows, K // 128]
-    b_scale: torch.Tensor | None = None  # fp8: float32 [G, N // 128, K // 128]
-
-    def row_index(self, group: int, row: int):
-        """Where row `row` of expert `group` sits in the output."""
-        return (self.starts[group] + row,) if self.layout in ("contiguous", "dense") else (group, row)
-
-    def to(self, device) -> "GemmProblem":
-        """A copy on `device`, always: the subject gets tensors of its own, so one that writes
-        into its operands cannot change the cached weights that later checks and the
-        reference read (on the CPU `.to` alone would hand over the cached tensors)."""
-        moved = {k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return GemmProblem(**moved)
-
-
-def align(x: int, to: int) -> int:
-    return -(-x // to) * to
-
-
-def aligned_starts(counts: list[int], alignment: int) -> tuple[list[int], int]:
-    """Contiguous layout: where each expert's segment starts, and the padded total rows."""
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += align(max(c, 0), alignment)
-    return starts, total
 
 
 @functools.lru_cache(maxsize=2)

@@ -47,6 +47,10 @@ class CommonParams:
         """Family-specific limits across fields: a message, or None."""
         return None
 
+    def completed(self, subject) -> CommonParams:
+        """Defaults that depend on the subject, filled in (before `validate`)."""
+        return self
+
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveParams(CommonParams):
@@ -81,6 +85,9 @@ class GemmParams(CommonParams):
     alignment: int = _opt(128, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)
     cancel: bool = _opt(True)
+
+    def completed(self, subject):
+        return self if self.layout is not None else replace(self, layout=subject.layouts[0])
 
     def validate(self, subject):
         if self.probe_group >= self.groups:
@@ -213,11 +220,11 @@ class ModelParams(CommonParams):
         return None
 
 
-FAMILY_PARAMS: dict[str, type[CommonParams]] = {
-    "collective": CollectiveParams, "gemm": GemmParams, "quant": QuantParams,
-    "dispatch": DispatchParams, "moe_layer": MoeParams,
-    "model": ModelParams,
-}
+def family_params(family: str) -> type[CommonParams]:
+    """The parameter dataclass of `family`, as its registered Family declares it."""
+    from harness import families
+
+    return families.get(family).params
 
 
 def _type_name(hint) -> str:
@@ -256,7 +263,7 @@ def _limits(name: str, value, meta: dict) -> str | None:
 
 def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
     """The typed parameters of one check; `where` prefixes every error ("cases/x.toml: case 'y'")."""
-    cls = FAMILY_PARAMS[family]
+    cls = family_params(family)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)} - {"backend"}
     for key in raw:
@@ -277,9 +284,7 @@ def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) ->
         problem = _limits(f.name, value, f.metadata)
         if problem:
             raise HarnessError(f"{where}: {problem}")
-    params = cls(**raw)
-    if family == "gemm" and params.layout is None:
-        params = replace(params, layout=subject.layouts[0])
+    params = cls(**raw).completed(subject)
     problem = params.validate(subject)
     if problem:
         raise HarnessError(f"{where}: {problem}")

@@ -7,12 +7,11 @@ import re
 
 from dataclasses import asdict, replace
 
-from harness import params
+from harness import families, params, properties
 from harness import subject as registry
 from harness.cases import Suite, timeout_problem
 from harness.check import Check
 from harness.errors import HarnessError, did_you_mean
-from harness.families import PROPERTIES
 from harness.subject import Platform
 
 
@@ -29,8 +28,9 @@ def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | N
         where = (f"--gpus {platform.ranks}" if platform.device == "cuda"
                  else f"the CPU default of {platform.ranks} gloo ranks")
         return f"needs {world_size} ranks; this run has {platform.ranks} ({where})"
-    if (params.get("mode") == "graph" or prop == "graph-invariance") and platform.device != "cuda":
-        return "CUDA graphs need a GPU"
+    needs_gpu = "CUDA graphs need a GPU" if params.get("mode") == "graph" else properties.get(prop).gpu
+    if needs_gpu and platform.device != "cuda":
+        return needs_gpu
     if params.get("gpu_only") and platform.device != "cuda":
         return "sized for GPUs (gpu_only = true in the case file)"
     return subject.unavailable(platform, params)
@@ -75,7 +75,7 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
             raise HarnessError(f"{suite.path}: case {case.name!r}: expect = \"model\" needs an order model and "
                                f"subject {subject.name!r} has none; write expect = \"holds\" or \"violated\", or "
                                f"give the subject order_model(backend)")
-        known = PROPERTIES.get(subject.family, ())
+        known = families.get(subject.family).properties
         for prop in case.properties:
             if prop not in known:
                 raise HarnessError(

@@ -21,7 +21,6 @@ from typing import Callable, Protocol, runtime_checkable
 
 from harness.errors import HarnessError, did_you_mean
 
-FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
 ENTRY_POINT_GROUP = "ep_harness.subjects"
 
 
@@ -101,13 +100,13 @@ class GemmSubject(Subject, Protocol):
     dtypes: tuple[str, ...]  # operand dtypes: "bfloat16", "float32", "float8_e4m3fn"
 
     def run(self, problem, out) -> None:
-        """Write D = A @ B^T per expert into `out` (see harness.gemm_problem.GemmProblem)."""
+        """Write D = A @ B^T per expert into `out` (see harness.contracts.GemmProblem)."""
 
 
 class DispatchSubject(Subject, Protocol):
     def dispatch(self, x, topk_idx, topk_weights, cfg: dict, group):
         """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
-        (-1: none); return a harness.subjects.dispatch.common.Received in cfg["layout"]."""
+        (-1: none); return a harness.contracts.Received in cfg["layout"]."""
 
     def combine(self, expert_out, handle, topk_weights, group):
         """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""
@@ -127,15 +126,9 @@ class ModelSubject(Subject, Protocol):
     def generate(self, prompts, score_from, new_tokens: int, weights: dict, params: dict, group, tracer):
         """Serve one batch: prefill `prompts` (lists of token ids), return the log-softmax rows
         that predict tokens score_from[i] .. len(prompts[i]) of each prompt, then greedily decode
-        `new_tokens` - 1 more (a harness.subjects.model.common.Served). `tracer` (a
+        `new_tokens` - 1 more (a harness.contracts.Served). `tracer` (a
         harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
 
-
-PROTOCOLS = {"collective": CollectiveSubject, "gemm": GemmSubject, "quant": QuantSubject,
-             "dispatch": DispatchSubject, "moe_layer": MoeLayerSubject, "model": ModelSubject}
-# Methods a subject may leave out. Without an order model a collective's counts are measured
-# but not predicted (and `expect = "model"` cannot be decided).
-OPTIONAL = {"collective": ("order_model",)}
 
 _REGISTRY: dict[str, Subject] = {}
 _ENTRY_POINT_DISTRIBUTIONS: dict[str, dict] = {}  # top-level module -> the distribution whose entry point loaded it
@@ -197,13 +190,18 @@ def register(cls):
     for attr in ("name", "family", "summary"):
         if not isinstance(getattr(subject, attr, None), str):
             raise ContractError(f"subject class {where} needs a string `{attr}`; add {attr} = \"...\" to the class")
-    if subject.family not in FAMILIES:
+    from harness import families  # the family registry (its modules import this one)
+
+    family = families.FAMILIES.get(subject.family)
+    if family is None:
         raise ContractError(f"subject {subject.name!r} ({where}) has unknown family {subject.family!r}; "
-                            f"known: {', '.join(FAMILIES)}")
-    problems = _contract_problems(subject, PROTOCOLS[subject.family], OPTIONAL.get(subject.family, ()))
+                            f"known: {', '.join(families.FAMILIES)}")
+    protocol = family.protocol or Subject
+    problems = _contract_problems(subject, protocol, family.optional)
     if problems:
+        where_declared = protocol.__module__.replace(".", "/") + ".py"
         raise ContractError(f"subject {subject.name!r} ({where}) does not implement the {subject.family} contract "
-                            f"({PROTOCOLS[subject.family].__name__} in harness/subject.py): {'; '.join(problems)}")
+                            f"({protocol.__name__} in {where_declared}): {'; '.join(problems)}")
     if subject.name in _REGISTRY and type(_REGISTRY[subject.name]) is not cls:
         raise ContractError(f"two subjects are named {subject.name!r} ({where} and "
                             f"{type(_REGISTRY[subject.name]).__module__}); rename one")

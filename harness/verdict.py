@@ -2,6 +2,7 @@
 the launcher and the planner)."""
 from __future__ import annotations
 
+from harness import properties
 from harness.measurement import Measurement
 
 
@@ -25,7 +26,8 @@ def decide(check, m: Measurement) -> tuple[str, str]:
     """Return (status, reason) for a Check from its expectation and its measurement."""
     expect = check.expect
     counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}"
-    if getattr(check, "property", None) == "run-to-run" and m.rows_differing:  # k of n: how often, not whether
+    prop = properties.PROPERTIES.get(getattr(check, "property", None))
+    if prop is not None and prop.counts_runs and m.rows_differing:  # k of n: how often, not whether
         counts += f"; {m.rows_differing} of {m.rows - 1} repeats differ from the first"
     if m.extra_failure:
         return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite)

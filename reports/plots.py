@@ -20,8 +20,11 @@ def _png(fig: Figure) -> str:
 
 
 def summary_figure(frame) -> str | None:
-    """Mismatch percentage per subject and property (controls red, fixes blue)."""
-    measured = frame[frame["mismatched"].notna() & ~frame["property"].str.endswith("reference")]
+    """Mismatch percentage per subject and invariance property (controls red, fixes blue); a
+    property compared with a reference counts errors, not differences, and is left out."""
+    from harness.properties import needs_reference
+
+    measured = frame[frame["mismatched"].notna() & ~frame["property"].map(needs_reference).astype(bool)]
     if measured.empty:
         return None
     grouped = (measured.assign(pct=100.0 * measured["mismatched"] / measured["total"].clip(lower=1))

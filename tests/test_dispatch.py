@@ -9,7 +9,7 @@ import torch
 from harness.check import single_check
 from harness.families import execute
 from harness.subjects.dispatch import deepep
-from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype
+from harness.contracts import check_buffer_option, resolve_wire_dtype
 from tests import fake_deep_ep
 from tests.conftest import run_cli
 

@@ -144,7 +144,7 @@ def _params(**over):
 
 def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
     from harness.families.model import logprob_bound
-    from harness.subjects.model.common import prompts, weights
+    from harness.model_inputs import prompts, weights
     from reference import model as ref
 
     p = _params()
@@ -159,7 +159,7 @@ def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
 
 
 def test_reference_routing_follows_the_run_and_reports_its_own_choice():
-    from harness.subjects.model.common import prompts, weights
+    from harness.model_inputs import prompts, weights
     from reference import model as ref
 
     p = _params()

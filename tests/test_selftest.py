@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness.bits import ulp_distance
+from harness import properties
 from harness.errors import HarnessError
 from harness.families import collective, dispatch, gemm, moe_layer, quant
 from harness.selftest import expectations, matrix
@@ -17,6 +18,7 @@ from tests.conftest import REPO, run_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
                      "dispatch": dispatch.PROPERTIES, "moe_layer": moe_layer.PROPERTIES}
+MUST_CATCH = expectations.must_catch()
 
 
 def record(prop="batch-invariance", family="collective", status="ok", expect="holds", comparison="bitwise"):
@@ -27,12 +29,12 @@ def record(prop="batch-invariance", family="collective", status="ok", expect="ho
 
 def test_every_property_of_every_wrapped_family_has_a_row():
     assert set(WRAPPERS) == set(WRAPPED_FAMILIES) == set(FAMILY_PROPERTIES)
-    missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props if p not in expectations.MUST_CATCH}
+    missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props if p not in MUST_CATCH}
     assert not missing
 
 
 def test_every_injection_class_is_required_by_some_property():
-    required = set().union(*expectations.MUST_CATCH.values(), *expectations.FAMILY_MUST_CATCH.values(),
+    required = set().union(*MUST_CATCH.values(), *expectations.FAMILY_MUST_CATCH.values(),
                            expectations.EXACT_REFERENCE)
     assert required == set(CLASSES)
 
@@ -60,14 +62,16 @@ def test_cells_that_cannot_be_tested_are_not_applicable():
     assert expectations.required(record(family="model"), "ulp")[0] is None
 
 
-def test_a_plugin_declares_its_property():
+def test_a_plugin_property_brings_its_row():
     prop = "test-declared-property"
     try:
-        expectations.declare(prop, ["one-rank"])
+        properties.register(properties.Property(prop, "destination", must_catch={"one-rank"}))
         assert expectations.required(record(prop), "one-rank")[0] is True
         assert expectations.required(record(prop), "ulp")[0] is False
+        properties.register(properties.Property(prop, "destination"))  # no row: not applicable
+        assert expectations.required(record(prop), "one-rank")[0] is None
     finally:
-        expectations.MUST_CATCH.pop(prop, None)
+        properties.PROPERTIES.pop(prop, None)
 
 
 # --- the cells ---------------------------------------------------------------------------

@@ -1,22 +1,61 @@
-"""The families and their one driver (driver.py): a family supplies its parameters, its
-runs, what each rank observes and how rank 0 measures it; the driver does the rest.
+"""The family registry, and the one driver (driver.py) that runs every family's checks.
 
-Adding a family touches this registry only (plus its subjects' Protocol in subject.py and
-its parameter dataclass in params.py).
+A family is one module that defines `FAMILY`, a harness.families.driver.Family (its
+properties, its parameter dataclass, its runs, what each rank observes, how rank 0
+measures, and its subjects' Protocol), plus one registry line: its module's name in
+`BUILT_IN` below, or, for a family of one's own, `harness.families.register(FAMILY)` at
+the end of a plugin module (loaded like a subject plugin: `--plugin`, a suite's
+`plugins`, or an entry point). Everything else (the planner's property check, the
+parameters' validation, the subjects' contract check, the records) reads it from here.
 """
 from __future__ import annotations
 
-from harness.families import collective, dispatch, driver, gemm, model, moe_layer, quant
+import importlib
+from dataclasses import is_dataclass
 
-FAMILIES = {f.name: f for f in (collective.FAMILY, gemm.FAMILY, quant.FAMILY, dispatch.FAMILY, moe_layer.FAMILY,
-                                model.FAMILY)}
-PROPERTIES = {name: f.properties for name, f in FAMILIES.items()}
+from harness import properties
+from harness.errors import HarnessError, did_you_mean
+from harness.families import driver
+from harness.families.driver import Family
+
+# One line per built-in family: harness/families/<module>.py defines FAMILY.
+BUILT_IN = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family (or replace one of the same name: a plugin re-imported, a test's variant)."""
+    from harness.params import CommonParams
+
+    if not (isinstance(family.params, type) and is_dataclass(family.params) and issubclass(family.params, CommonParams)):
+        raise HarnessError(f"family {family.name!r}: params {family.params!r} is not a dataclass derived from "
+                           f"harness.params.CommonParams; declare its parameters as one")
+    unknown = [p for p in family.properties if p not in properties.PROPERTIES]
+    if unknown:
+        raise HarnessError(f"family {family.name!r}: property {unknown[0]!r} is not registered"
+                           f"{did_you_mean(unknown[0], properties.PROPERTIES)}; register it first with "
+                           f"harness.properties.register(Property(...))")
+    FAMILIES[family.name] = family
+    return family
+
+
+def get(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise HarnessError(f"unknown family {name!r}{did_you_mean(name, FAMILIES)}; known: {', '.join(FAMILIES)} "
+                           f"(a plugin module adds one with harness.families.register)") from None
+
+
+for _module in BUILT_IN:
+    register(importlib.import_module(f"{__name__}.{_module}").FAMILY)
 
 
 def warm_up(check, subject, ctx) -> None:
-    driver.warm_up(FAMILIES[check.family], check, subject, ctx)
+    driver.warm_up(get(check.family), check, subject, ctx)
 
 
 def execute(check, subject, ctx):
     """Run one check on this rank; every rank returns the same Measurement."""
-    return driver.execute(FAMILIES[check.family], check, subject, ctx)
+    return driver.execute(get(check.family), check, subject, ctx)

@@ -40,7 +40,7 @@ from harness.nccl import models as nccl_models
 from harness.nccl.models import NcclContext, NoPrediction
 from harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
 from harness.params import CollectiveParams
-from harness.subject import order_model_of
+from harness.subject import CollectiveSubject, order_model_of
 from harness.tolerances import gamma
 from reference import orders
 from reference.collectives import reduce_scatter as reference_reduce_scatter
@@ -340,4 +340,5 @@ def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
     return Measurement.within(got, exact, g * magnitude, rule)
 
 
-FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure)
+FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
+                protocol=CollectiveSubject, optional=("order_model",))

@@ -20,12 +20,12 @@ import torch
 
 from harness.compare import compare_bitwise
 from harness.context import RankContext
+from harness.contracts import Received, resolve_wire_dtype
 from harness.families.driver import Family, kept
 from harness.measurement import Bound, Measurement
 from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
 from harness.params import DispatchParams
-from harness.subjects.dispatch.common import Received
-from harness.subjects.dispatch.wire import resolve_wire_dtype
+from harness.subject import DispatchSubject
 from harness.tolerances import gamma
 from reference import quant as ref_quant
 
@@ -239,4 +239,5 @@ def order_sensitive(p) -> int:
     return int(sensitive.sum())
 
 
-FAMILY = Family("dispatch", PROPERTIES, DispatchParams, placement_runs, _observe, _measure)
+FAMILY = Family("dispatch", PROPERTIES, DispatchParams, placement_runs, _observe, _measure,
+                protocol=DispatchSubject)

@@ -5,7 +5,9 @@
 
 A family (harness/families/<name>.py) supplies only what is its own, as a `Family`:
 
-* `params`: its parameter dataclass (harness/params.py);
+* `properties`: the names of the properties it supports (each a harness.properties.Property);
+* `params`: its parameter dataclass (a harness.params.CommonParams; it owns the defaults);
+* `protocol`: the Protocol its subjects implement (harness/subject.py);
 * `runs(prop, p, world_size)`: the runs a property compares, each with the `Copy`s of the
   probe it yields, in comparison order (where each copy sits: what the vacuity rules read);
 * `observe(subject, ctx, p, prop, runs)`: on every rank, execute the runs and return what
@@ -13,15 +15,17 @@ A family (harness/families/<name>.py) supplies only what is its own, as a `Famil
 * `measure(check, subject, ctx, p, runs, gathered)`: on rank 0, a `Measurement`, with
   `sensitivity` set to how many probe elements some reordering would change.
 
-Vacuity, decided here for every family and property (a check that could not fail is
-`vacuous`, never `ok`):
+Vacuity, decided here for every family and property from the property's comparison
+(harness/properties.py; a check that could not fail is `vacuous`, never `ok`):
 
+* none for a property compared with a reference (its every element is compared);
 * fewer than two compared copies, or one run of a property that repeats runs
   (`repeats = 1`, a one-element sweep);
 * every compared copy from the same placement (`batch_sizes = [8, 8, 8]`, a single token
-  whose "first", "middle" and "last" positions coincide), except for run-to-run and
-  graph-invariance, which repeat one placement by design;
-* rank-invariance with the probe on a single destination;
+  whose "first", "middle" and "last" positions coincide), except for a property that
+  repeats one placement by design (run-to-run, graph-invariance);
+* a property compared across destinations (rank-invariance) with the probe on a single
+  destination;
 * no probe element that any reordering the property could expose would change;
 * no element compared at all (a reference check whose every token was left out).
 """
@@ -32,13 +36,9 @@ from typing import Any, Callable
 
 import torch
 
-from harness import kernel_trace
+from harness import kernel_trace, properties
 from harness.context import RankContext
 from harness.measurement import Measurement
-
-REFERENCE = ("reference", "combine-reference")
-REPEATS = ("run-to-run", "graph-invariance")
-
 
 @dataclass(frozen=True)
 class Copy:
@@ -60,12 +60,20 @@ class Run:
 
 @dataclass(frozen=True)
 class Family:
+    """One family, registered by harness.families.register: its name, the names of the
+    properties it supports (harness/properties.py), its parameter dataclass (a subclass of
+    harness.params.CommonParams), how it runs and measures a check, and the Protocol its
+    subjects implement (harness/subject.py checks each subject against it when registered;
+    `optional` names the Protocol's members a subject may leave out)."""
+
     name: str
     properties: tuple[str, ...]
     params: type
     runs: Callable[[str, dict, int], list[Run]]
     observe: Callable
     measure: Callable
+    protocol: type | None = None  # None: only the members every subject has (harness.subject.Subject)
+    optional: tuple[str, ...] = ()
 
 
 def kept(t: torch.Tensor) -> torch.Tensor:
@@ -77,17 +85,19 @@ def kept(t: torch.Tensor) -> torch.Tensor:
 
 
 def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_what: str | None) -> str | None:
-    """Why a check of `prop` over `runs` could not have failed, or None."""
-    if prop in REFERENCE:
+    """Why a check of `prop` over `runs` could not have failed, or None: the rules follow
+    the property's comparison (harness/properties.py), whatever its name."""
+    kind = properties.get(prop)
+    if kind.needs_reference:
         return None
     copies = [c for r in runs for c in r.copies]
-    if len(copies) < 2 or (prop in REPEATS and len(runs) < 2):
+    if len(copies) < 2 or len(runs) < kind.min_runs:
         return f"only one run ({runs[0].label if runs else 'none'}): nothing to compare " \
                f"(a one-element sweep or repeats = 1)"
-    if prop not in REPEATS and len({c.placement for c in copies}) < 2:
+    if kind.comparison != "repeat" and len({c.placement for c in copies}) < 2:
         return (f"the {len(copies)} compared runs are one and the same placement ({runs[0].label}): "
                 f"nothing moved in the dimension {prop} names")
-    if prop == "rank-invariance" and len({c.destination for c in copies}) < 2:
+    if kind.comparison == "destination" and len({c.destination for c in copies}) < 2:
         return "the probe lands on only one destination"
     if sensitivity == 0:
         return f"0 {sensitivity_what or 'probe elements change bits under any reordering this check could expose'}"

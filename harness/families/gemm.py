@@ -19,10 +19,12 @@ import torch
 from harness import inputs as gen
 from harness.compare import compare_bitwise, json_float
 from harness.context import RankContext
+from harness.contracts import GemmProblem
 from harness.families.driver import Copy, Family, Run, kept
 from harness.measurement import Bound, Measurement
 from harness.params import GemmParams
-from harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
+from harness.subject import GemmSubject
+from harness.gemm_problem import FP8, build, dequantized, weights
 from harness.graphs import replay_in_graph
 from harness.tolerances import gemm_bound
 from reference import gemm as ref
@@ -152,7 +154,8 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run
     return m
 
 
-FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost)
+FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost,
+                protocol=GemmSubject)
 
 
 def order_sensitive(p: dict, w, w_scale) -> int:

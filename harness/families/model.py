@@ -40,8 +40,9 @@ from harness.divergence import Tracer, localise
 from harness.families.driver import Copy, Family, Run
 from harness.families.moe_layer import router_flips
 from harness.measurement import Bound, Measurement
+from harness.model_inputs import prompts, to_device, weights
 from harness.params import ModelParams
-from harness.subjects.model.common import prompts, to_device, weights
+from harness.subject import ModelSubject
 from harness.tolerances import MODEL, model_factor
 from reference import model as ref
 from reference.orders import order_sensitive
@@ -242,4 +243,5 @@ def _measure_reference(p: dict, b: Batch, gathered) -> Measurement:
     return m
 
 
-FAMILY = Family("model", PROPERTIES, ModelParams, _runs, _observe, _measure)
+FAMILY = Family("model", PROPERTIES, ModelParams, _runs, _observe, _measure,
+                protocol=ModelSubject)

@@ -25,6 +25,7 @@ from harness.families.driver import Family, kept
 from harness.measurement import Bound, Measurement
 from harness.moe_scenario import Placement, placement_runs, probe_copies
 from harness.params import MoeParams
+from harness.subject import MoeLayerSubject
 from harness.tolerances import MOE, gamma
 from reference import moe as ref
 from reference.orders import order_sensitive
@@ -218,4 +219,5 @@ def _measure_probe(p, prop, runs, gathered, world) -> Measurement:
     return m
 
 
-FAMILY = Family("moe_layer", PROPERTIES, MoeParams, placement_runs, _observe, _measure)
+FAMILY = Family("moe_layer", PROPERTIES, MoeParams, placement_runs, _observe, _measure,
+                protocol=MoeLayerSubject)

@@ -14,6 +14,7 @@ from harness.context import RankContext
 from harness.families.driver import Copy, Family, Run, kept
 from harness.measurement import Measurement
 from harness.params import QuantParams
+from harness.subject import QuantSubject
 from reference import quant as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
@@ -136,4 +137,5 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run
     return m
 
 
-FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure_with_cost)
+FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure_with_cost,
+                protocol=QuantSubject)

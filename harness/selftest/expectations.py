@@ -34,30 +34,18 @@ cells are not applicable. A plugin that adds a property declares its row with `d
 """
 from __future__ import annotations
 
+from harness import properties
 from harness.selftest.injections import WRAPPED_FAMILIES
 
-MUST_CATCH: dict[str, frozenset[str]] = {
-    "reference": frozenset({"nan", "inf", "stale"}),
-    "combine-reference": frozenset({"nan", "inf", "stale"}),
-    "run-to-run": frozenset({"ulp", "kth-call"}),
-    "batch-invariance": frozenset({"ulp", "kth-call", "batch-above", "order-above-size"}),
-    "position-invariance": frozenset({"ulp", "kth-call", "stale"}),
-    "size-invariance": frozenset({"ulp", "kth-call", "order-above-size"}),
-    "prefill-decode-invariance": frozenset({"ulp", "kth-call", "order-above-size", "stale"}),
-    "others-invariance": frozenset({"ulp", "kth-call"}),
-    "rank-invariance": frozenset({"one-rank"}),
-    "graph-invariance": frozenset({"ulp", "in-graph"}),
-}
 EXACT_REFERENCE = frozenset({"ulp"})  # added where a reference property compares bit for bit
 FAMILY_MUST_CATCH: dict[str, frozenset[str]] = {"collective": frozenset({"out-of-slice"})}
 # (family, property) pairs that compare something no injection touches, and why.
 NOT_TARGETED: dict[tuple[str, str], str] = {}
-REFERENCE_PROPERTIES = ("reference", "combine-reference")
 
 
-def declare(prop: str, injections) -> None:
-    """For a plugin's own property: the injections it must catch."""
-    MUST_CATCH[prop] = frozenset(injections)
+def must_catch() -> dict[str, frozenset[str]]:
+    """The table: every registered property with a row (its Property.must_catch)."""
+    return {name: p.must_catch for name, p in properties.PROPERTIES.items() if p.must_catch is not None}
 
 
 def required(record: dict, injection: str) -> tuple[bool | None, str]:
@@ -72,10 +60,11 @@ def required(record: dict, injection: str) -> tuple[bool | None, str]:
         return None, f"no injection wrapper for the {family} family (harness/selftest/wrap.py)"
     if (family, prop) in NOT_TARGETED:
         return None, NOT_TARGETED[(family, prop)]
-    if prop not in MUST_CATCH:
-        return None, f"no row for property {prop!r} in harness/selftest/expectations.py (declare one)"
-    must = MUST_CATCH[prop] | FAMILY_MUST_CATCH.get(family, frozenset())
-    if prop in REFERENCE_PROPERTIES and record.get("comparison") == "bitwise":
+    kind = properties.PROPERTIES.get(prop)
+    if kind is None or kind.must_catch is None:
+        return None, f"no row for property {prop!r} (its must_catch in harness/properties.py, or the plugin's Property)"
+    must = kind.must_catch | FAMILY_MUST_CATCH.get(family, frozenset())
+    if kind.needs_reference and record.get("comparison") == "bitwise":
         must |= EXACT_REFERENCE
     if injection in must:
         return True, f"{prop} must catch {injection}"

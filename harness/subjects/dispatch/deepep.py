@@ -28,10 +28,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness.gemm_problem import aligned_starts
 from harness.subject import register
-from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype, wire_refusal
+from harness.contracts import Received, aligned_starts, check_buffer_option, resolve_wire_dtype, wire_refusal
+from harness.subjects.dispatch.common import quantize_wire
 from reference import deepep as ref_deepep
 
 _import: dict = {}
@@ -98,7 +97,7 @@ class _DeepEP:
         self._buffers = {}  # one buffer per (group, shape): what a serving process keeps
 
     def unavailable(self, platform, params):
-        if reason := wire_refusal(params):
+        if reason := wire_refusal(params.get("expert_quant", "bf16"), params.get("wire", "auto")):
             return reason
         if platform.device != "cuda":
             return "DeepEP needs NVIDIA GPUs; this run is on the CPU"

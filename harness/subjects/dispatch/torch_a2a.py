@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.contracts import Received, align, aligned_starts, resolve_wire_dtype, wire_refusal
 from harness.subject import register
-from harness.gemm_problem import align, aligned_starts
-from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import resolve_wire_dtype, wire_refusal
+from harness.subjects.dispatch.common import quantize_wire
 
 
 def _exchange_counts(dest: torch.Tensor, world: int, device, group) -> tuple[list[int], list[int]]:
@@ -42,7 +41,7 @@ class TorchAllToAllDispatcher:
     summary = "torch.distributed all-to-all dispatch, fixed-order combine"
 
     def unavailable(self, platform, params):
-        return wire_refusal(params)
+        return wire_refusal(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
         """Weights stay on the source rank: this combine applies them where the token lives."""

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from harness.divergence import Op, rows_of
-from harness.gemm_problem import GemmProblem
+from harness.contracts import GemmProblem, Served
 from harness.subject import register
-from harness.subjects.model.common import Served, rmsnorm, shard_cols, shard_rows
+from harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from harness.subjects.moe.composed import STAGES as MOE_STAGES
 from harness.subjects.moe.composed import Composed, ComposedMoE, route
 

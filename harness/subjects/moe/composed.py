@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from harness import subject as registry
-from harness.gemm_problem import GemmProblem
+from harness.contracts import GemmProblem
 from harness.subject import register
 
 STAGES = {"tp_reduce": "all_gather_fold", "dispatch": "torch_a2a_dispatch", "gemm": "torch_mm"}
