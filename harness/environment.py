@@ -1,21 +1,16 @@
-"""The machine: what it can run, the environment every launch is pinned to, and the
-fingerprint that each run records."""
+"""The machine: what it can run, the environment every launch is pinned to, and what of
+the environment may be recorded (an allowlist, secrets redacted). What a run records of it
+is assembled by harness/run_environment.py."""
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import os
-import platform as pyplatform
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 from harness.cases import FORCED_ENV
 from harness.errors import HarnessError
 from harness.nccl.pins import launch_pins, log_settings, nccl_version
-from harness.subject import Platform, plugin_distributions
-from harness.version import harness_version
+from harness.subject import Platform
 
 CPU_DEFAULT_RANKS = 4
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
@@ -33,8 +28,6 @@ REDACTED = "<redacted>"
 PATH_MARKERS = ("PLUGIN", "FILE", "PATH", "DIR", "LIB", "PRELOAD", "COMPILER", "NVCC", "DEST", "DUMP",
                 "SCRIPT", "EXEC", "CMD", "HOME")
 APPLIED_PREFIXES = tuple(p for p in RECORDED_PREFIXES if not p.startswith("EP_HARNESS_"))  # provenance is measured
-LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
-             "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
 
 
 # What a GPU driver leaves on a machine (NVIDIA's, in containers too; ROCm's; WSL's).
@@ -191,18 +184,6 @@ def applicable_env(env, where: str) -> dict[str, str]:
     return out
 
 
-def library_versions() -> dict[str, str]:
-    """Installed distributions that decide bits, and DeepEP as its builder stated it (a
-    source build has no distribution metadata)."""
-    out = {"deep_ep": os.environ["EP_HARNESS_DEEPEP_VERSION"]} if os.environ.get("EP_HARNESS_DEEPEP_VERSION") else {}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
 def git_commit() -> str | None:
     """The harness's commit (+dirty); EP_HARNESS_COMMIT names it where the tree has no .git."""
     if os.environ.get("EP_HARNESS_COMMIT"):
@@ -221,117 +202,3 @@ def git_commit() -> str | None:
         return None
     sha = out[1]
     return sha + ("+dirty" if dirty else "")
-
-
-def gpu_driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
-def rank_fingerprint() -> dict:
-    """What one rank sees: host, device, versions, and every pinned variable."""
-    import torch
-
-    from harness.channel import local_node
-
-    info = {
-        "host": socket.gethostname(),
-        "node": local_node(),
-        "pid": os.getpid(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "env": recorded_env(),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-    }
-    if torch.cuda.is_available():
-        idx = torch.cuda.current_device()
-        info["device"] = torch.cuda.get_device_name(idx)
-        info["nccl"] = ".".join(map(str, nccl_version() or ()))
-        info["driver"] = gpu_driver()
-    else:
-        info["device"] = "cpu"
-    return info
-
-
-NODE_KEYS = ("host", "torch", "cuda", "nccl", "device", "driver")
-BIT_RELEVANT = ("torch", "cuda", "nccl", "device", "driver")  # what makes two nodes compute differently
-
-
-def nodes_of(ranks: dict[str, list[dict]]) -> dict[str, dict]:
-    """Every node of the run as its ranks saw it (first launch that reported), with its ranks."""
-    nodes: dict[str, dict] = {}
-    for fingerprints in ranks.values():
-        for rank, fp in enumerate(fingerprints or []):
-            node = nodes.setdefault(str(fp.get("node", "0")), {k: fp.get(k) for k in NODE_KEYS} | {"ranks": []})
-            if rank not in node["ranks"]:
-                node["ranks"].append(rank)
-        if nodes:
-            break
-    return dict(sorted(nodes.items()))
-
-
-def node_differences(nodes: dict[str, dict]) -> list[str]:
-    """One line per bit-relevant setting that differs between nodes, e.g. `torch: node 0
-    2.13.0, node 1 2.12.0`: such a run does not measure one stack."""
-    lines = []
-    for key in BIT_RELEVANT:
-        values = {n: info.get(key) for n, info in nodes.items()}
-        if len(set(map(str, values.values()))) > 1:
-            lines.append(f"{key}: " + ", ".join(f"node {n} {v}" for n, v in values.items()))
-    return lines
-
-
-def run_fingerprint(platform: Platform, command: list[str]) -> dict:
-    """The launcher's part of the fingerprint; ranks add theirs under `ranks`."""
-    import torch
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(redacted_command(list(command))),
-        "harness_commit": git_commit(),
-        "harness_version": harness_version(),
-        "plugin_distributions": plugin_distributions(),
-        "host": socket.gethostname(),
-        "python": sys.version.split()[0],
-        "os": pyplatform.platform(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, nccl_version() or ())) or None,
-        "driver": gpu_driver() if platform.device == "cuda" else None,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(platform.gpus or platform.ranks)] if platform.device == "cuda" else [],
-        "backend": platform.backend,
-        "max_ranks": platform.ranks,
-        "libraries": library_versions(),
-        "cpu": cpu_fingerprint(),
-    }
-
-
-ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
-
-
-def cpu_fingerprint() -> dict:
-    """What decides a CPU GEMM's bits: the CPU model, its vector ISA, the kernel level torch
-    dispatches to, and the oneDNN ISA cap (ONEDNN_MAX_CPU_ISA changes bits on one machine)."""
-    import torch
-
-    model, flags = pyplatform.processor() or pyplatform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                model = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = set(value.split())
-    except OSError:
-        pass
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        capability = None
-    return {"model": model, "isa": sorted(f for f in ISA_FLAGS if f in flags), "torch_capability": capability,
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}

@@ -13,15 +13,14 @@ from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path, suite_argument
 from harness.check import Check
 from harness.errors import HarnessError
-from harness.environment import (applicable_env, node_differences, nodes_of, pinned_env, platform_for, redacted,
-                                 run_fingerprint)
+from harness.environment import applicable_env, pinned_env, platform_for
 from harness.fresh import compare_launches
 from harness.launch import Head, Outcome, run_job
-from harness.nccl.statement import tp_reduction_statement
 from harness.nodes import Nodes
 from harness.plan import expand, jobs, literal, planned, selected
 from harness.processes import Interrupted, interruptible
 from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from harness.run_environment import EnvironmentRecord
 from harness.verdict import decide
 from reports.analysis import FAILING, nothing_shown
 
@@ -208,10 +207,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
         checks = expand(loaded, platform, options.selection, options.seed)
     run_id, run_dir = claim_run_dir(options.out_root)
-    fingerprint = run_fingerprint(platform, list(options.command))
-    fingerprint["suite"] = str(suite_path)
-    fingerprint["topology"] = platform.topology.to_dict()
-    fingerprint["ranks"] = {}
+    environment = EnvironmentRecord(platform, options.command, suite_path)
     if not options.quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
@@ -251,7 +247,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                     world_size = nodes.ranks or world_size
                     env = pinned_env(platform, env_overrides)
                     job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
-                    fingerprint.setdefault("pinned_env", {})[job_dir.name] = redacted(env)
+                    environment.launched(job_dir.name, env)
                     if not options.quiet:
                         print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
                               f"{tag.replace('-', ' ')}", flush=True)
@@ -268,19 +264,11 @@ def verify(options: RunOptions) -> tuple[int, Path]:
             print(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)", flush=True)
         finally:
             head.close()
-    for launch, reported in head.reported.items():
-        if reported["ranks"]:
-            fingerprint["ranks"][launch] = reported["ranks"]
-        if reported["nccl_topology"]:
-            fingerprint.setdefault("nccl_topology", {})[launch] = reported["nccl_topology"]
-    fingerprint["nodes"] = nodes_of(fingerprint["ranks"])
-    fingerprint["node_differences"] = node_differences(fingerprint["nodes"])
-    for line in fingerprint["node_differences"] if not options.quiet else ():
+    differ = environment.finish(head.reported, run_dir, interrupted, timing(stream.records.values(),
+                                                                           time.time() - stream.began))
+    for line in differ if not options.quiet else ():
         print(f"# WARNING: the nodes differ, {line}", flush=True)
-    fingerprint["tp_reduction"] = tp_reduction_statement(run_dir, platform.backend)
-    if interrupted is not None:
-        fingerprint["interrupted"] = str(interrupted)
-    fingerprint["timing"] = timing(stream.records.values(), time.time() - stream.began)
+    fingerprint = environment.data
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]

@@ -31,7 +31,7 @@ from harness import subject as registry
 from harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from harness.check import Check
 from harness.context import RankContext
-from harness.environment import rank_fingerprint
+from harness.run_environment import rank_fingerprint
 from harness.families import execute, warm_up
 from harness.measurement import Measurement
 from harness.subject import compiles_kernels

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.environment import node_differences
+from harness.run_environment import node_differences
 from harness.processes import process_state
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
 

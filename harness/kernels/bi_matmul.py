@@ -82,6 +82,15 @@ def program_count(tiles: int, device: torch.device) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def _tile_at(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """(tile row, tile column) of the tile-th tile in grouped order: GROUP_M tile rows
+        share each column of B while it is in L2. Both kernels walk tiles this way."""
+        tiles_per_group = GROUP_M * tiles_n
+        first_m = (tile // tiles_per_group) * GROUP_M
+        rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % tiles_per_group) % rows_here, (tile % tiles_per_group) // rows_here
+
     @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, num_programs,
                           stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -89,16 +98,9 @@ if triton is not None:
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # K is a compile-time constant (one kernel per (N, K, dtype) anyway): the K loop
         # then has static bounds, which Triton pipelines and its interpreter can run.
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        tiles_per_group = GROUP_M * tiles_n
-        tile = tl.program_id(0)
-        while tile < tiles_m * tiles_n:
-            # Grouped order: GROUP_M tile rows share each column of B while it is in L2.
-            first_m = (tile // tiles_per_group) * GROUP_M
-            rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-            tile_m = first_m + (tile % tiles_per_group) % rows_here
-            tile_n = (tile % tiles_per_group) // rows_here
+        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
+        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
             offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
@@ -121,15 +123,11 @@ if triton is not None:
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # The same tile walk as _bi_matmul_kernel; TMA zero-fills reads past M (and K) and
         # clips the store, so no masks.
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        tiles_per_group = GROUP_M * tiles_n
-        tile = tl.program_id(0)
-        while tile < tiles_m * tiles_n:
-            first_m = (tile // tiles_per_group) * GROUP_M
-            rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-            off_m = (first_m + (tile % tiles_per_group) % rows_here) * BLOCK_M
-            off_n = ((tile % tiles_per_group) // rows_here) * BLOCK_N
+        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
+        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+            off_m = tile_m * BLOCK_M
+            off_n = tile_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):  # K from 0 upward, the same steps for every tile
                 a = a_desc.load([off_m, k0])

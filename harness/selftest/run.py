@@ -21,7 +21,8 @@ from pathlib import Path
 from harness import subject as registry
 from harness.cases import load_suite, resolve_suite_path
 from harness.check import Check
-from harness.environment import pinned_env, platform_for, run_fingerprint
+from harness.environment import pinned_env, platform_for
+from harness.run_environment import run_fingerprint
 from harness.errors import HarnessError
 from harness.launch import Head, run_job
 from harness.nodes import Nodes
