@@ -130,23 +130,16 @@ def _pct(row):
     return f"{row['pct']:.1f} ({row['peak']})"
 
 
-GEMM_COLUMNS = [
-    cost.Column("M", "m", lambda v: f"{v:,}"),
-    cost.Column("subject", "subject"),
-    cost.Column("median µs", "us", cost.fmt_float(1)),
-    cost.Column("TFLOP/s", "tflops", cost.fmt_float(1)),
-    cost.Column("% of peak", "pct_cell"),
-    cost.Column("time / cuBLAS", "ratio", lambda v: f"{v:.2f}x"),
-    cost.Column("probe bits ≠ smallest M", "probe"),
-]
-QUANT_COLUMNS = [
-    cost.Column("rows", "m", lambda v: f"{v:,}"),
-    cost.Column("subject", "subject"),
-    cost.Column("median µs", "us", cost.fmt_float(1)),
-    cost.Column("GB/s", "gbps", cost.fmt_float(0)),
-    cost.Column("% of HBM peak", "pct_cell"),
-    cost.Column("time / copy", "ratio", lambda v: f"{v:.2f}x"),
-]
+def _columns(size: str, rate: cost.Column, peak: str, baseline: str) -> list[cost.Column]:
+    """A section's table: size, subject, time, rate, share of the peak, time against the baseline."""
+    return [cost.Column(size, "m", lambda v: f"{v:,}"), cost.Column("subject", "subject"),
+            cost.Column("median µs", "us", cost.fmt_float(1)), rate, cost.Column(peak, "pct_cell"),
+            cost.Column(f"time / {baseline}", "ratio", lambda v: f"{v:.2f}x")]
+
+
+GEMM_COLUMNS = [*_columns("M", cost.Column("TFLOP/s", "tflops", cost.fmt_float(1)), "% of peak", "cuBLAS"),
+                cost.Column("probe bits ≠ smallest M", "probe")]
+QUANT_COLUMNS = _columns("rows", cost.Column("GB/s", "gbps", cost.fmt_float(0)), "% of HBM peak", "copy")
 
 
 def table_rows(section: dict) -> list[dict]:
