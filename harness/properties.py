@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import HarnessError, did_you_mean
+from harness.errors import HarnessError, registered
 
 COMPARISONS = ("reference", "repeat", "placement", "destination")
 
@@ -73,11 +73,7 @@ def register(prop: Property) -> Property:
 
 
 def get(name: str) -> Property:
-    try:
-        return PROPERTIES[name]
-    except KeyError:
-        raise HarnessError(f"unknown property {name!r}{did_you_mean(name, PROPERTIES)}; known: "
-                           f"{', '.join(PROPERTIES)} (add one with harness.properties.register)") from None
+    return registered(PROPERTIES, name, "property", "add one with harness.properties.register")
 
 
 def needs_reference(name: str) -> bool:

@@ -14,7 +14,7 @@ import importlib
 from dataclasses import is_dataclass
 
 from harness import properties
-from harness.errors import HarnessError, did_you_mean
+from harness.errors import HarnessError, did_you_mean, registered
 from harness.families import driver
 from harness.families.driver import Family
 
@@ -41,11 +41,7 @@ def register(family: Family) -> Family:
 
 
 def get(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise HarnessError(f"unknown family {name!r}{did_you_mean(name, FAMILIES)}; known: {', '.join(FAMILIES)} "
-                           f"(a plugin module adds one with harness.families.register)") from None
+    return registered(FAMILIES, name, "family", "a plugin module adds one with harness.families.register")
 
 
 for _module in BUILT_IN:
