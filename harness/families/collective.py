@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import inputs as gen
+from harness import properties
 from harness.bits import int_view, unit_roundoff
 from harness.compare import compare_bitwise
 from harness.context import RankContext
@@ -321,7 +322,7 @@ def _predicted_probes(model, ctx: RankContext, p, dtype, layouts_, calls) -> lis
 
 
 def _expected(prop, observed, layouts_):
-    if prop in ("run-to-run", "graph-invariance"):
+    if properties.get(prop).comparison == "repeat":  # every repeat against the first
         per_run = len(layouts_[0].probes)
         base = observed[:per_run]
         return base.repeat(len(observed) // per_run, 1)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import inputs as gen
+from harness import properties
 from harness.compare import compare_bitwise
 from harness.context import RankContext
 from harness.divergence import Tracer, localise
@@ -154,7 +155,7 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
             m.note = f"{runs[0].label} vs {runs[other].label}: {found['note']}"
     m.sensitivity, m.sensitivity_what = _sensitivity(p, ctx.world_size), \
         "of the probe's layer-0 TP partials and q/k/v products change bits under another summation order"
-    if check.property != "run-to-run":
+    if properties.get(check.property).comparison != "repeat":
         m.vacuous_reason = _nothing_moved(p, runs, gathered)
     return m
 
