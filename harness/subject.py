@@ -1,12 +1,16 @@
 """The contract a subject implements, and the registry that finds subjects by name.
 
 A subject is a small adapter around one production implementation. It knows nothing of
-the properties that check it. Optionally it has `setup(ctx)` and `teardown(ctx)`, called
-once per launch on every rank (before its first check, after the last) with the rank's
+the properties that check it. The built-in families' Protocols are declared here; each
+family names its own in its `Family` (harness/families), and `register` checks a subject
+against the Protocol of the family it names (the data they exchange: harness/contracts.py).
+Optionally a subject has `setup(ctx)` and `teardown(ctx)`, called once per launch on every
+rank (before its first check, after the last) with the rank's
 harness.context.RankContext: where an engine creates its own parallel state (e.g. its
-`initialize_model_parallel`) once and reuses it for every check of the launch. Built-in subjects live in `harness/subjects/`, one file
-each; third-party packages add theirs through the entry-point group
-`ep_harness.subjects` (each entry point names a module that registers on import).
+`initialize_model_parallel`) once and reuses it for every check of the launch. Built-in
+subjects live in `harness/subjects/`, one file each; third-party packages add theirs
+through the entry-point group `ep_harness.subjects` (each entry point names a module that
+registers on import).
 """
 from __future__ import annotations
 
