@@ -39,7 +39,7 @@ from harness.compare import compare_bitwise
 from harness.context import RankContext
 from harness.divergence import Tracer, localise
 from harness.families.driver import Copy, Family, Run
-from harness.families.moe_layer import router_flips
+from harness.families.moe_layer import router_flips, within_router_margin
 from harness.measurement import Bound, Measurement
 from harness.model_inputs import prompts, to_device, weights
 from harness.params import ModelParams
@@ -238,10 +238,8 @@ def _measure_reference(p: dict, b: Batch, gathered) -> Measurement:
                            note=f"{flips} of {choices} (token, layer) router choices differ from the float64 router's "
                                 f"own, {admitted} of them within its rounding margin of a tie; the reference follows "
                                 f"the run's choices")
-    if flips > admitted:
-        m.extra_failure = (f"{flips - admitted} of {choices} (token, layer) router choices are not within the float64 "
-                           f"router's rounding margin of a tie")
-    return m
+    return within_router_margin(m, flips - admitted, f"{choices} (token, layer) router choices are not within the "
+                                                     f"float64 router's rounding margin of a tie")
 
 
 FAMILY = Family("model", PROPERTIES, ModelParams, _runs, _observe, _measure,

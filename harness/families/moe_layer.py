@@ -112,16 +112,15 @@ def _measure_reference(p, run, outputs, world) -> Measurement:
     bound = MOE["u_out"] * ref_out.abs() + MOE["factor"] * MOE["u_out"] * magnitude
     rule = Bound(rule=MOE["rule"], terms={"u_out": MOE["u_out"], "factor": MOE["factor"]})
     n_flips, n_admitted, tokens = int(flips.sum()), int((flips & admitted).sum()), int(flips.numel())
-    m = Measurement.within(got, ref_out, bound, rule,
+    return within_router_margin(
+        Measurement.within(got, ref_out, bound, rule,
                            detail={"router_flips": n_flips, "router_flips_admitted": n_admitted, "tokens": tokens,
                                    "tokens_compared": int(got.shape[0])},
                            note=f"{n_flips} of {tokens} tokens chose other experts than the reference, "
                                 f"{n_admitted} of them within the router's rounding margin of a tie (compared "
-                                f"with the float64 layer routed to the experts they chose)")
-    if n_flips > n_admitted:
-        m.extra_failure = (f"{n_flips - n_admitted} of {tokens} tokens chose experts the float64 router does not "
-                           f"admit (not within the rounding margin of a tie)")
-    return m
+                                f"with the float64 layer routed to the experts they chose)"),
+        n_flips - n_admitted, f"{tokens} tokens chose experts the float64 router does not admit (not within the "
+                              f"rounding margin of a tie)")
 
 
 def logit_margin(parts: list[torch.Tensor], router: torch.Tensor) -> torch.Tensor:
@@ -135,6 +134,14 @@ def logit_margin(parts: list[torch.Tensor], router: torch.Tensor) -> torch.Tenso
     dx = u * x.abs() + gamma(len(parts), u) * sum(q.abs() for q in parts) if len(parts) > 1 else torch.zeros_like(x)
     logits = x @ router.double().T
     return dx @ router.double().abs().T + 8 * 2.0 ** -24 * (1 + logits.abs())
+
+
+def within_router_margin(m: Measurement, unadmitted: int, of: str) -> Measurement:
+    """`m`, failed where `unadmitted` router choices differ from the float64 router's beyond
+    its rounding margin of a tie (`of`: out of how many, and what they are)."""
+    if unadmitted > 0:
+        m.extra_failure = f"{unadmitted} of {of}"
+    return m
 
 
 def router_flips(idx: torch.Tensor, ref_idx: torch.Tensor, logits: torch.Tensor,
