@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import cost
+from harness.params import GemmParams, QuantParams
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
 GROUPED_M = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -238,7 +239,7 @@ class Bench:
 
         torch = self.torch
         section = {"kind": "dense", "title": title, "n": n, "k": k, "points": []}
-        ready, section["unavailable"] = self.available(DENSE_SUBJECTS, {"layout": "dense", "dtype": "bfloat16"})
+        ready, section["unavailable"] = self.available(DENSE_SUBJECTS, GemmParams(layout="dense", dtype="bfloat16"))
         a_all, b = self.randn((max(m_values), k)), self.randn((n, k), k ** -0.5)
         plant_cancellation(a_all[0], b, k)
         probes = {name: {} for name in ready}
@@ -305,7 +306,7 @@ class Bench:
         torch = self.torch
         section = {"kind": "quant", "title": f"FP8 per-token-group quantization, {cols} columns (bf16 in)",
                    "cols": cols, "points": []}
-        ready, section["unavailable"] = self.available(QUANT_SUBJECTS, {"cols": cols})
+        ready, section["unavailable"] = self.available(QUANT_SUBJECTS, QuantParams(cols=cols))
         x_all = self.randn((max(QUANT_ROWS), cols))
         for rows in QUANT_ROWS:
             x = x_all[:rows]
@@ -335,9 +336,9 @@ class Bench:
                  f"contiguous layout")
         section = {"kind": "grouped", "title": title, "model": model.name, "projection": projection,
                    "n": n, "k": k, "experts": model.experts, "topk": model.topk, "points": []}
-        bf16_ready, unavailable = self.available(GROUPED_SUBJECTS[:3], {"layout": "contiguous", "dtype": "bfloat16"})
-        fp8_ready, fp8_unavailable = self.available(GROUPED_SUBJECTS[3:], {"layout": "contiguous",
-                                                                          "dtype": "float8_e4m3fn"})
+        bf16_ready, unavailable = self.available(GROUPED_SUBJECTS[:3], GemmParams(layout="contiguous", dtype="bfloat16"))
+        fp8_ready, fp8_unavailable = self.available(GROUPED_SUBJECTS[3:], GemmParams(layout="contiguous",
+                                                                                    dtype="float8_e4m3fn"))
         section["unavailable"] = {**unavailable, **fp8_unavailable}
         w = torch.empty(model.experts, n, k, dtype=torch.bfloat16, device=self.device)
         g = torch.Generator(device=self.device).manual_seed(self.seed + n * k)

@@ -26,8 +26,9 @@ class Check:
     skip_reason: str | None = None
 
     @property
-    def p(self) -> dict:
-        """The parameters as a plain dict (what families read and records store)."""
+    def params_record(self) -> dict:
+        """The parameters as a plain dict, as records store them. Families and subjects read
+        the typed `params` (`check.params.hidden`): a renamed field is an AttributeError."""
         return asdict(self.params)
 
     @property
@@ -35,7 +36,7 @@ class Check:
         return self.params.world_size
 
     def to_json(self) -> dict:
-        return {**asdict(self), "params": self.p}
+        return {**asdict(self), "params": self.params_record}
 
     @classmethod
     def from_json(cls, d: dict) -> Check:

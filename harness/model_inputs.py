@@ -18,8 +18,8 @@ from harness.params import ModelParams
 
 
 def weights(p: ModelParams) -> dict:
-    return _weights(p["seed"], p["vocab"], p["hidden"], p["layers"], p["num_experts"], p["intermediate"],
-                    p["shared_intermediate"])
+    return _weights(p.seed, p.vocab, p.hidden, p.layers, p.num_experts, p.intermediate,
+                    p.shared_intermediate)
 
 
 @functools.lru_cache(maxsize=2)
@@ -56,8 +56,8 @@ def to_device(ws: dict, device) -> dict:
 
 def prompts(p: ModelParams) -> list[list[int]]:
     """max(batch_sizes) prompts, lengths seeded in [shortest, longest], tokens uniform."""
-    g = gen.generator(p["seed"], "model-prompts")
-    lo, hi = p["prompt_lengths"]
-    count = max(p["batch_sizes"])
+    g = gen.generator(p.seed, "model-prompts")
+    lo, hi = p.prompt_lengths
+    count = max(p.batch_sizes)
     lengths = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
-    return [torch.randint(0, p["vocab"], (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, p.vocab, (n,), generator=g).tolist() for n in lengths]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 
 from harness.errors import HarnessError
 
@@ -154,6 +154,32 @@ class DispatchParams(TokenParams):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """What one dispatch call is told (a dispatcher's `cfg`): the experts and the layout to
+    deliver in, the wire dtype (resolved: bf16 or fp8, by harness.contracts.resolve_wire_dtype),
+    and the most tokens a rank sends in one call (what a buffer is sized for). `layer`: the
+    model layer that dispatches (None outside a model). Built from a check's parameters by
+    `of`, never read by string key."""
+
+    num_experts: int
+    topk: int
+    hidden: int
+    layout: str
+    alignment: int
+    expert_quant: str
+    wire: str
+    ue8m0: bool
+    tokens_max: int
+    layer: int | None = None
+
+    @classmethod
+    def of(cls, p: TokenParams | ModelParams, **given) -> DispatchConfig:
+        """The experts, shape and layout of `p`; `given` sets the rest."""
+        return cls(num_experts=p.num_experts, topk=p.topk, hidden=p.hidden, layout=p.layout,
+                   alignment=p.alignment, **given)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MoeParams(TokenParams):
     tokens: int = _opt(8, minimum=1)
     intermediate: int = _opt(128, minimum=1)
@@ -218,6 +244,18 @@ class ModelParams(CommonParams):
         if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
             return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
         return None
+
+
+def unknown_field(exc: AttributeError, who: str) -> str | None:
+    """The one-line error for `who` reading a field that a parameter dataclass does not have
+    (a renamed or mistyped field), or None when `exc` is about something else."""
+    obj = getattr(exc, "obj", None)
+    if not (is_dataclass(obj) and not isinstance(obj, type)) or exc.name in {f.name for f in fields(obj)}:
+        return None
+    known = sorted(f.name for f in fields(obj))
+    close = difflib.get_close_matches(exc.name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"its fields are: {', '.join(known)}"
+    return f"{who} reads {type(obj).__name__}.{exc.name}, which is not a field; {hint}"
 
 
 def family_params(family: str) -> type[CommonParams]:

@@ -5,13 +5,14 @@ import fnmatch
 import itertools
 import re
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from harness import families, params, properties
 from harness import subject as registry
 from harness.cases import Suite, timeout_problem
 from harness.check import Check
 from harness.errors import HarnessError, did_you_mean
+from harness.params import CommonParams
 from harness.subject import Platform
 
 
@@ -22,16 +23,16 @@ def check_id(case: str, prop: str, point: dict) -> str:
     return "/".join(parts)
 
 
-def skip_reason(platform: Platform, subject, prop: str, params: dict) -> str | None:
-    world_size = params.get("world_size", 1)
+def skip_reason(platform: Platform, subject, prop: str, params: CommonParams) -> str | None:
+    world_size = params.world_size
     if world_size > platform.ranks:
         where = (f"--gpus {platform.ranks}" if platform.device == "cuda"
                  else f"the CPU default of {platform.ranks} gloo ranks")
         return f"needs {world_size} ranks; this run has {platform.ranks} ({where})"
-    needs_gpu = "CUDA graphs need a GPU" if params.get("mode") == "graph" else properties.get(prop).gpu
+    needs_gpu = "CUDA graphs need a GPU" if params.mode == "graph" else properties.get(prop).gpu
     if needs_gpu and platform.device != "cuda":
         return needs_gpu
-    if params.get("gpu_only") and platform.device != "cuda":
+    if params.gpu_only and platform.device != "cuda":
         return "sized for GPUs (gpu_only = true in the case file)"
     return subject.unavailable(platform, params)
 
@@ -44,9 +45,15 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
         raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
+    try:
+        skip = skip_reason(platform, subject, prop, typed)
+    except AttributeError as exc:  # a subject reading a field its family's parameters lack
+        problem = params.unknown_field(exc, f"subject {subject.name!r}")
+        if problem is None:
+            raise
+        raise HarnessError(f"{where}: {problem}") from None
     return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
-                 topology=platform.topology.describe(), skip_reason=skip_reason(platform, subject, prop, asdict(typed)),
-                 **fields)
+                 topology=platform.topology.describe(), skip_reason=skip, **fields)
 
 
 def literal(check_id: str) -> str:

@@ -69,7 +69,7 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "subject": check.subject,
         "family": check.family,
         "property": check.property,
-        "params": check.p,
+        "params": check.params_record,
         "topology": check.topology,
         "expect": check.expect,
         "timeout_s": check.timeout_s,

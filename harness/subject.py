@@ -74,15 +74,16 @@ class Subject(Protocol):
     family: str
     summary: str
 
-    def unavailable(self, platform: Platform, params: dict) -> str | None:
-        """Why this subject cannot run here with these params (None when it can)."""
+    def unavailable(self, platform: Platform, params) -> str | None:
+        """Why this subject cannot run here with these params (None when it can). `params`: the
+        family's parameter dataclass (harness.params), read by attribute (`params.hidden`)."""
 
     # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
     # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
     # and the warm-up's seconds are recorded apart (harness.families.driver.warm_up).
 
 
-def compiles_kernels(subject, params: dict) -> bool:
+def compiles_kernels(subject, params) -> bool:
     hook = getattr(subject, "compiles_kernels", None)
     return bool(hook(params)) if hook is not None else False
 
@@ -108,9 +109,10 @@ class GemmSubject(Subject, Protocol):
 
 
 class DispatchSubject(Subject, Protocol):
-    def dispatch(self, x, topk_idx, topk_weights, cfg: dict, group):
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
         """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
-        (-1: none); return a harness.contracts.Received in cfg["layout"]."""
+        (-1: none); return a harness.contracts.Received in cfg.layout (cfg: a
+        harness.params.DispatchConfig)."""
 
     def combine(self, expert_out, handle, topk_weights, group):
         """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""
@@ -122,12 +124,12 @@ class QuantSubject(Subject, Protocol):
 
 
 class MoeLayerSubject(Subject, Protocol):
-    def forward(self, partials, weights: dict, params: dict, group):
+    def forward(self, partials, weights: dict, params, group):
         """partials [T, H] (this rank's TP partial sums) -> (output [T, H], chosen experts [T, k])."""
 
 
 class ModelSubject(Subject, Protocol):
-    def generate(self, prompts, score_from, new_tokens: int, weights: dict, params: dict, group, tracer):
+    def generate(self, prompts, score_from, new_tokens: int, weights: dict, params, group, tracer):
         """Serve one batch: prefill `prompts` (lists of token ids), return the log-softmax rows
         that predict tokens score_from[i] .. len(prompts[i]) of each prompt, then greedily decode
         `new_tokens` - 1 more (a harness.contracts.Served). `tracer` (a

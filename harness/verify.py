@@ -83,7 +83,7 @@ class Stream:
         self.terminal, self.path, self.run_id, self.quiet, self.rerun = terminal, run_dir / "results.jsonl", run_id, \
             quiet, rerun
         self.runnable = sum(c.skip_reason is None for c in checks)
-        self.keys = terminal.varying([{"case": c.case, "params": c.p} for c in checks])
+        self.keys = terminal.varying([{"case": c.case, "params": c.params_record} for c in checks])
         self.records: dict[str, dict] = {}  # check id -> its record, as streamed
         self.began = time.time()
         if not quiet:

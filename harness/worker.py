@@ -164,7 +164,7 @@ def rank_main() -> None:
                     subject.setup(check_ctx)
                 prepared[subject.name] = subject
             warm_s = 0.0
-            if compiles_kernels(subject, check.p):  # compile (or load) its kernels before timing
+            if compiles_kernels(subject, check.params):  # compile (or load) its kernels before timing
                 warm_began = time.perf_counter()
                 warm_up(check, subject, check_ctx)
                 warm_s = time.perf_counter() - warm_began

@@ -95,7 +95,7 @@ class ArrivalOrderCombine(TorchAllToAllDispatcher):
     summary = "combine that sums in arrival order"
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group):
-        self.topk_idx, self.per_rank = topk_idx, cfg["num_experts"] // dist.get_world_size(group)
+        self.topk_idx, self.per_rank = topk_idx, cfg.num_experts // dist.get_world_size(group)
         return super().dispatch(x, topk_idx, topk_weights, cfg, group)
 
     def fold(self, slots, weights, group):

@@ -20,8 +20,8 @@ class CombineReordersInOneLayer(TorchAllToAllDispatcher):
     planted_layer = 3
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group):
-        self.layer, self.topk_idx = cfg.get("layer"), topk_idx
-        self.per_rank = cfg["num_experts"] // dist.get_world_size(group)
+        self.layer, self.topk_idx = cfg.layer, topk_idx
+        self.per_rank = cfg.num_experts // dist.get_world_size(group)
         return super().dispatch(x, topk_idx, topk_weights, cfg, group)
 
     def fold(self, slots, weights, group):

@@ -141,12 +141,14 @@ def test_deep_gemm_kernels_are_cached_in_a_stable_directory(monkeypatch, tmp_pat
 
 
 def test_only_jit_compiling_subjects_are_warmed_up_before_timing():
+    from harness.params import CollectiveParams, GemmParams, MoeParams, QuantParams
     from harness.subject import compiles_kernels
 
     registry.load_all()
-    assert compiles_kernels(registry.get("deepgemm_fp8_contiguous"), {})
-    assert compiles_kernels(registry.get("deepgemm_fp8_quant"), {})
-    assert not compiles_kernels(registry.get("torch_mm"), {})
-    assert not compiles_kernels(registry.get("reduce_scatter_native"), {})
+    fp8 = GemmParams(dtype="float8_e4m3fn", layout="contiguous")
+    assert compiles_kernels(registry.get("deepgemm_fp8_contiguous"), fp8)
+    assert compiles_kernels(registry.get("deepgemm_fp8_quant"), QuantParams())
+    assert not compiles_kernels(registry.get("torch_mm"), GemmParams(dtype="bfloat16", layout="contiguous"))
+    assert not compiles_kernels(registry.get("reduce_scatter_native"), CollectiveParams(dtype="bfloat16"))
     moe = registry.get("composed_moe")  # the MoE layer compiles when one of its stages does
-    assert compiles_kernels(moe, {"gemm": "deepgemm_bf16_contiguous"}) and not compiles_kernels(moe, {})
+    assert compiles_kernels(moe, MoeParams(gemm="deepgemm_bf16_contiguous")) and not compiles_kernels(moe, MoeParams())

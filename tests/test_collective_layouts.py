@@ -1,12 +1,11 @@
 """Where the probe sits in each collective property's calls."""
-from dataclasses import asdict
 
 from harness.families.collective import layouts
 from harness.params import CollectiveParams
 
 
 def params(**kw):
-    return asdict(CollectiveParams(dtype="bfloat16", **kw))
+    return CollectiveParams(dtype="bfloat16", **kw)
 
 
 def test_batch_invariance_probe_moves_between_destinations():

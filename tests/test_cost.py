@@ -229,7 +229,6 @@ def test_gemm_checks_on_the_cpu_carry_no_cost():
     subject = load_all()["torch_mm"]
     p = params_mod.build("gemm", {"dtype": "float32", "layout": "dense", "n": 16, "k": 32, "m_values": [1, 5]},
                          subject, "test")
-    p = {**p.__dict__}
     ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
     runs = family.FAMILY.runs("batch-invariance", p, 1)
     gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]
@@ -271,7 +270,7 @@ def test_quant_checks_on_the_cpu_carry_no_cost():
     from harness.subject import load_all
 
     subject = load_all()["torch_fp8_quant"]
-    p = {**params_mod.build("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test").__dict__}
+    p = params_mod.build("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test")
     ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
     runs = family.FAMILY.runs("batch-invariance", p, 1)
     gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]

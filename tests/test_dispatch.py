@@ -8,6 +8,7 @@ import torch
 
 from harness.check import single_check
 from harness.families import execute
+from harness.params import DispatchParams
 from harness.subjects.dispatch import deepep
 from harness.contracts import check_buffer_option, resolve_wire_dtype
 from tests import fake_deep_ep
@@ -73,9 +74,9 @@ def test_deepep_is_skipped_with_the_import_error(monkeypatch):
     from harness.subject import Platform
 
     deepep._import.clear()
-    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4), {})
+    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4), DispatchParams())
     assert reason.startswith("deep_ep cannot be imported (ModuleNotFoundError: No module named 'deep_ep')")
-    assert deepep.DeepEPElastic().unavailable(Platform("gloo", "cpu", 4), {}) == \
+    assert deepep.DeepEPElastic().unavailable(Platform("gloo", "cpu", 4), DispatchParams()) == \
         "DeepEP needs NVIDIA GPUs; this run is on the CPU"
 
 
@@ -136,11 +137,11 @@ def test_deepep_skips_say_why(fake):
     from harness.subject import Platform
 
     gpu = Platform("nccl", "cuda", 8, gpus=1, emulated_hosts=True)
-    assert deepep.DeepEPLowLatency().unavailable(gpu, {"world_size": 4}).startswith(
+    assert deepep.DeepEPLowLatency().unavailable(gpu, DispatchParams(world_size=4)).startswith(
         "DeepEP's low-latency mode needs NVSHMEM with IBGDA and one GPU per rank; this run has 4 ranks on 1 GPU")
-    assert "take 2, 4 or 8 ranks" in deepep.DeepEPNormal().unavailable(gpu, {"world_size": 3, "hidden": 256})
-    assert "up to 8176 wide" in deepep.DeepEPNormal().unavailable(gpu, {"world_size": 4, "hidden": 8192})
-    assert deepep.DeepEPNormal().unavailable(gpu, {"world_size": 4, "hidden": 2048}) is None
+    assert "take 2, 4 or 8 ranks" in deepep.DeepEPNormal().unavailable(gpu, DispatchParams(world_size=3, hidden=256))
+    assert "up to 8176 wide" in deepep.DeepEPNormal().unavailable(gpu, DispatchParams(world_size=4, hidden=8192))
+    assert deepep.DeepEPNormal().unavailable(gpu, DispatchParams(world_size=4, hidden=2048)) is None
 
 
 def test_deepep_v2_skips_where_deep_ep_has_no_elastic_buffer(monkeypatch):
@@ -150,7 +151,7 @@ def test_deepep_v2_skips_where_deep_ep_has_no_elastic_buffer(monkeypatch):
         pass
 
     monkeypatch.setattr(deepep._DeepEP, "module", staticmethod(lambda: V1Only))
-    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4, gpus=4), {})
+    reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4, gpus=4), DispatchParams())
     assert reason.startswith("deep_ep") and "has no ElasticBuffer" in reason
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from harness.families import gemm as gemm_family
 from harness.gemm_problem import build, weights
+from harness.params import GemmParams
 from reference import gemm as ref_gemm
 from reference import quant as ref_quant
 from tests.planted import SPLIT_K_ROWS, split_k, whole_k
@@ -67,13 +68,13 @@ def test_planted_split_k_is_caught_with_the_right_count(planted_run):
     assert rec["status"] == "unexpected" and rec["held"] is False
     # The same count, computed here from the probe row alone: every run whose expert holds
     # more than SPLIT_K_ROWS rows differs from the first run wherever the two sums round apart.
-    p = rec["params"]  # every effective parameter is in the record
-    assert p["layout"] == "contiguous"
-    w, _ = weights(p["seed"], p["groups"], p["n"], p["k"], "bfloat16", p["data"], p["cancel"])
+    p = GemmParams(**rec["params"])  # every effective parameter is in the record
+    assert p.layout == "contiguous"
+    w, _ = weights(p.seed, p.groups, p.n, p.k, "bfloat16", p.data, p.cancel)
     probe = gemm_family.probe_row(p, torch.bfloat16).unsqueeze(0)
-    b = w[p["probe_group"]]
+    b = w[p.probe_group]
     differ = int((whole_k(probe, b).to(torch.bfloat16) != split_k(probe, b).to(torch.bfloat16)).sum())
-    split_runs = sum(m > SPLIT_K_ROWS for m in p["m_values"])
+    split_runs = sum(m > SPLIT_K_ROWS for m in p.m_values)
     assert differ > 0 and rec["mismatched"] == split_runs * differ
 
 

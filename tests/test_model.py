@@ -133,13 +133,11 @@ def test_untracked_items_are_not_recorded_and_rows_are_fingerprinted_like_finger
 
 
 def _params(**over):
-    from dataclasses import asdict
-
     from harness import subject as registry
     from harness.params import build
 
     registry.load_all()
-    return asdict(build("model", {"world_size": 4, **over}, registry.get("composed_model"), "test"))
+    return build("model", {"world_size": 4, **over}, registry.get("composed_model"), "test")
 
 
 def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
@@ -152,8 +150,8 @@ def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
     broken = copy.deepcopy(w)
     broken["layers"][3]["shared_down"].zero_()
     tokens = prompts(p)[0]
-    good, bad = (ref.forward(v, tokens, p["heads"], p["topk"]) for v in (w, broken))
-    bound = logprob_bound(good["logits"], good["x"], w["lm_head"], p["layers"])
+    good, bad = (ref.forward(v, tokens, p.heads, p.topk) for v in (w, broken))
+    bound = logprob_bound(good["logits"], good["x"], w["lm_head"], p.layers)
     assert float(((bad["logprobs"] - good["logprobs"]).abs() / bound).max()) > 1
     assert torch.allclose(good["logprobs"].exp().sum(-1), torch.ones(len(tokens), dtype=torch.float64))
 
@@ -164,9 +162,9 @@ def test_reference_routing_follows_the_run_and_reports_its_own_choice():
 
     p = _params()
     w, tokens = weights(p), prompts(p)[1]
-    own = ref.forward(w, tokens, p["heads"], p["topk"])
-    forced = [[[0, 1]] * p["layers"] for _ in tokens]
-    other = ref.forward(w, tokens, p["heads"], p["topk"], forced)
+    own = ref.forward(w, tokens, p.heads, p.topk)
+    forced = [[[0, 1]] * p.layers for _ in tokens]
+    other = ref.forward(w, tokens, p.heads, p.topk, forced)
     assert other["router"][0]["used"].tolist() == [[0, 1]] * len(tokens)
     assert torch.equal(other["router"][0]["own"], own["router"][0]["own"])
     assert not torch.equal(other["logprobs"], own["logprobs"])
@@ -174,17 +172,17 @@ def test_reference_routing_follows_the_run_and_reports_its_own_choice():
 
 def test_runs_that_move_nothing_are_vacuous():
     from harness.families.driver import Copy, Run
-    from harness.families.model import Batch, _nothing_moved, _runs
+    from harness.families.model import Batch, RunSeen, _nothing_moved, _runs
 
     p = _params()
-    tokens = {pid: [0] * p["new_tokens"] for pid in range(max(p["batch_sizes"]))}
+    tokens = {pid: [0] * p.new_tokens for pid in range(max(p.batch_sizes))}
     runs = _runs("batch-invariance", p, 4)
-    assert _nothing_moved(p, runs, [[{"tokens": tokens}] * len(runs)]) is None
+    assert _nothing_moved(p, runs, [[RunSeen(None, tokens, None, None)] * len(runs)]) is None
     # two runs told apart by their labels alone: the same batch, so the same rows and message sizes
     same = [Run(label, (Copy((label,)),), Batch((0, 1), (0,))) for label in ("a", "b")]
-    assert "same rows of messages of the same sizes" in _nothing_moved(p, same, [[{"tokens": tokens}] * 2])
+    assert "same rows of messages of the same sizes" in _nothing_moved(p, same, [[RunSeen(None, tokens, None, None)] * 2])
     moved = [Run("a", (Copy(("a",)),), Batch((0, 1), (0,))), Run("b", (Copy(("b",)),), Batch((1, 0), (0,)))]
-    assert _nothing_moved(p, moved, [[{"tokens": tokens}] * 2]) is None
+    assert _nothing_moved(p, moved, [[RunSeen(None, tokens, None, None)] * 2]) is None
 
 
 def test_bad_model_parameters_are_one_line_errors():

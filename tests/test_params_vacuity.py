@@ -1,6 +1,7 @@
 """Verdicts that cannot lie: parameters validated before any rank starts, and the driver's
 vacuity rules for every family (a check that compared a run with itself is never `ok`)."""
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from harness.cases import load_suite
 from harness.check import single_check
 from harness.errors import HarnessError
 from harness.families import FAMILIES
-from harness.families.driver import vacuity
+from harness.families.driver import _family_params, vacuity
 from harness.plan import expand
 from harness.subject import Platform, register
 from tests.conftest import REPO, run_cli
@@ -77,8 +78,9 @@ def test_bad_parameters_stop_verify_before_anything_is_written(tmp_path):
 
 def test_records_carry_every_effective_parameter(tmp_path):
     [check] = expand(load_suite(suite_file(tmp_path, "reduce_scatter_native", {"dtype": "bfloat16"})), GPU8)
-    assert check.p["hidden"] == 2048 and check.p["seed"] == 0 and check.p["batch_sizes"] == [1, 2, 3, 8, 32, 128]
-    assert check.p["backend"] == "nccl"
+    assert check.params.hidden == 2048 and check.params.seed == 0 and check.params.batch_sizes == [1, 2, 3, 8, 32, 128]
+    assert check.params.backend == "nccl"
+    assert check.params_record == asdict(check.params)  # what the record stores
 
 
 # Degenerate sweeps, per family and property, each with its non-degenerate twin.
@@ -107,7 +109,7 @@ DEGENERATE = [
 def runs_of(family, prop, params):
     subject, good, _ = FAMILY_CASES[family]
     check = single_check(registry.get(subject), prop, {**good, **params})
-    return FAMILIES[family].runs(prop, check.p, check.world_size)
+    return FAMILIES[family].runs(prop, _family_params(FAMILIES[family], check), check.world_size)
 
 
 @pytest.mark.parametrize("family, prop, degenerate, varied", DEGENERATE)
@@ -119,7 +121,7 @@ def test_degenerate_sweeps_are_vacuous(family, prop, degenerate, varied):
 def test_zero_sensitivity_is_vacuous_with_what_was_counted():
     subject, good, _ = FAMILY_CASES["collective"]
     check = single_check(registry.get(subject), "rank-invariance", good)
-    runs = FAMILIES["collective"].runs("rank-invariance", check.p, 4)
+    runs = FAMILIES["collective"].runs("rank-invariance", check.params, 4)
     assert vacuity("rank-invariance", runs, 0, "of 2,048 probe elements change bits") == \
         "0 of 2,048 probe elements change bits"
 
@@ -136,7 +138,7 @@ def test_every_committed_suite_compares_runs_that_differ():
         suite = load_suite(path)
         registry.load_all(suite.plugins)
         for c in expand(suite, GPU8):
-            if vacuity(c.property, FAMILIES[c.family].runs(c.property, c.p, c.world_size), None, None):
+            if vacuity(c.property, FAMILIES[c.family].runs(c.property, _family_params(FAMILIES[c.family], c), c.world_size), None, None):
                 vacuous.add(f"{path.stem}:{c.id}")
     expected = {f"nightly:dispatch-a2a/position-invariance/expert_quant={q}/layout={lay}/routing=single/world_size={ws}"
                 for q in ("bf16", "fp8") for lay in ("contiguous", "masked") for ws in (4, 8)}

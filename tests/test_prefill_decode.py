@@ -1,6 +1,5 @@
 """prefill-decode-invariance: where its copies sit, what each copy records, when it is vacuous,
 and the channel pin's verification from NCCL's log (recorded NCCL 2.28.9 logs, no GPU)."""
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 
 
 def params(**kw):
-    return asdict(CollectiveParams(dtype="bfloat16", **kw))
+    return CollectiveParams(dtype="bfloat16", **kw)
 
 
 def topology(config: str, world_size: int) -> nccl_log.Topology:

@@ -108,7 +108,7 @@ def _moe_outputs(world: int, lie: bool):
     from harness.moe_scenario import placements
     from reference import moe as ref
 
-    p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).p
+    p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).params_record
     run = placements("reference", p, world)[0]
     parts = [moe_layer.partials(p, run, r, world).double() for r in range(world)]
     w = moe_layer.layer_weights(p)
@@ -225,7 +225,7 @@ def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_
     m = execute(check, subject, one_rank)
     assert m.held and m.total == 4096 and m.nonfinite is None, (m.mismatched, m.nonfinite)
     # control: the same check catches a combine that turns those infinities into NaN
-    p = check.p
+    p = check.params_record
     run = placements("combine-reference", p, 1)[0]
     (y, w), = dispatch._combine_inputs(p, run, 1)
     exact = (y * w.unsqueeze(-1)).sum(1)
@@ -347,11 +347,11 @@ def test_a_row_delivered_twice_is_named_not_called_zero_lost(one_rank):
 
     subject = registry.get("torch_a2a_dispatch")
     check = single_check(subject, "reference", {"world_size": 1, "num_experts": 8})
-    runs = dispatch.FAMILY.runs("reference", check.p, 1)
-    (keys, rows, scales), = dispatch._observe(subject, one_rank, check.p, "reference", runs)[2]
+    runs = dispatch.FAMILY.runs("reference", check.params_record, 1)
+    (keys, rows, scales), = dispatch._observe(subject, one_rank, check.params_record, "reference", runs)[2]
     twice = ([*keys, keys[0]], torch.cat([rows, rows[:1]]), scales)
-    m = dispatch._measure_dispatch(check.p, "bf16", runs[0].spec, [twice], 1)
+    m = dispatch._measure_dispatch(check.params_record, "bf16", runs[0].spec, [twice], 1)
     assert not m.held and m.mismatched == 1
     assert m.extra_failure == "0 (token, slot) rows were lost or misrouted, 1 delivered that were not sent once"
-    ok = dispatch._measure_dispatch(check.p, "bf16", runs[0].spec, [(keys, rows, scales)], 1)  # control
+    ok = dispatch._measure_dispatch(check.params_record, "bf16", runs[0].spec, [(keys, rows, scales)], 1)  # control
     assert ok.held and ok.total == rows.numel()

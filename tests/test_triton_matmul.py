@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from harness.kernels import bi_matmul as kernel
+from harness.params import GemmParams
 from harness.subject import Platform, load_all
 from tests.conftest import REPO, REPO_ON_PYTHONPATH
 
@@ -48,16 +49,16 @@ def test_bad_operands_get_one_line_errors():
 def test_registered_as_a_dense_gemm_subject():
     subject = load_all()["triton_bi_matmul"]
     assert (subject.family, subject.layouts, subject.dtypes) == ("gemm", ("dense",), ("bfloat16", "float32"))
-    reason = subject.unavailable(CPU, {"layout": "dense", "dtype": "bfloat16"})
+    reason = subject.unavailable(CPU, GemmParams(layout="dense", dtype="bfloat16"))
     assert reason.startswith("needs a CUDA GPU") and "interpreter computes bf16 wrongly" in reason
-    assert "no contiguous layout" in subject.unavailable(H200, {"layout": "contiguous", "dtype": "bfloat16"})
-    assert "does not take float8_e4m3fn" in subject.unavailable(H200, {"layout": "dense", "dtype": "float8_e4m3fn"})
+    assert "no contiguous layout" in subject.unavailable(H200, GemmParams(layout="contiguous", dtype="bfloat16"))
+    assert "does not take float8_e4m3fn" in subject.unavailable(H200, GemmParams(layout="dense", dtype="float8_e4m3fn"))
 
 
 def test_gpu_without_triton_says_so(monkeypatch):
     subject = load_all()["triton_bi_matmul"]
     monkeypatch.setattr(kernel, "triton", None)
-    assert "triton cannot be imported" in subject.unavailable(H200, {"layout": "dense", "dtype": "bfloat16"})
+    assert "triton cannot be imported" in subject.unavailable(H200, GemmParams(layout="dense", dtype="bfloat16"))
     with pytest.raises(RuntimeError, match="needs triton"):
         kernel.bi_matmul(torch.zeros(2, 8), torch.zeros(3, 8))
 

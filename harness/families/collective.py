@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -82,52 +83,52 @@ def first_rows(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(o for o, s in zip(shard_offsets(list(sizes)), sizes) if s)
 
 
-def layouts(prop: str, p: dict, world_size: int) -> list[Layout]:
+def layouts(prop: str, p: CollectiveParams, world_size: int) -> list[Layout]:
     if prop in ("rank-invariance", "reference", "graph-invariance"):
-        sizes = shard_pattern(p["shards"], world_size, p["rows_per_rank"])
+        sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
         return [Layout(sizes, first_rows(sizes), f"rows {list(sizes)}")]
     if prop == "run-to-run":
-        sizes = shard_pattern(p["shards"], world_size, p["rows_per_rank"])
-        return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p["repeats"])]
+        sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
+        return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p.repeats)]
     if prop == "batch-invariance":
-        batches = p["batch_sizes"]
-        probe = sum(shard_pattern(p["shards"], world_size, min(batches))) - 1  # fits every batch
-        return [Layout(shard_pattern(p["shards"], world_size, b), (probe,), f"batch {b}") for b in batches]
+        batches = p.batch_sizes
+        probe = sum(shard_pattern(p.shards, world_size, min(batches))) - 1  # fits every batch
+        return [Layout(shard_pattern(p.shards, world_size, b), (probe,), f"batch {b}") for b in batches]
     if prop == "position-invariance":
-        sizes = shard_pattern(p["shards"], world_size, p["position_rows"])
+        sizes = shard_pattern(p.shards, world_size, p.position_rows)
         total = sum(sizes)
         return [Layout(sizes, (row,), name) for row, name in
                 ((0, "first"), (total // 2, "middle"), (total - 1, "last"))]
     if prop == "size-invariance":
-        per_row = p["hidden"] * gen.dtype_of(p["dtype"]).itemsize * world_size
-        return [Layout((max(1, size // per_row),) * world_size, (0,), f"{size:,} B") for size in p["message_bytes"]]
+        per_row = p.hidden * gen.dtype_of(p.dtype).itemsize * world_size
+        return [Layout((max(1, size // per_row),) * world_size, (0,), f"{size:,} B") for size in p.message_bytes]
     if prop == "prefill-decode-invariance":
         return prefill_decode_layouts(p, world_size)
     raise ValueError(f"collective checks have no property {prop!r}")
 
 
-def prefill_decode_layouts(p: dict, world_size: int) -> list[Layout]:
+def prefill_decode_layouts(p: CollectiveParams, world_size: int) -> list[Layout]:
     """message_bytes[0] is the decode message (the probe at row 0), the others prefill
     messages with the probe at their first and last rows and in the middle of each of
     `channel_probes` equal parts: NCCL deals a message out to at most that many channels in
     contiguous ranges of nearly equal size, so each range holds one of these rows."""
-    row_bytes = p["hidden"] * gen.dtype_of(p["dtype"]).itemsize
-    decode, *prefill = p["message_bytes"]
-    sizes = shard_pattern(p["shards"], world_size, max(1, decode // (row_bytes * world_size)))
+    row_bytes = p.hidden * gen.dtype_of(p.dtype).itemsize
+    decode, *prefill = p.message_bytes
+    sizes = shard_pattern(p.shards, world_size, max(1, decode // (row_bytes * world_size)))
     out = [Layout(sizes, (0,), f"decode {sum(sizes) * row_bytes:,} B")]
     for nbytes in prefill:
-        sizes = shard_pattern(p["shards"], world_size, max(1, nbytes // (row_bytes * world_size)))
-        total, parts = sum(sizes), p["channel_probes"]
+        sizes = shard_pattern(p.shards, world_size, max(1, nbytes // (row_bytes * world_size)))
+        total, parts = sum(sizes), p.channel_probes
         rows = {0, total - 1} | {(2 * i + 1) * total // (2 * parts) for i in range(parts)}
         out.append(Layout(sizes, tuple(sorted(rows)), f"prefill {total * row_bytes:,} B"))
     return out
 
 
-def rank_input(p: dict, dtype, rank: int, layout: Layout) -> torch.Tensor:
+def rank_input(p: CollectiveParams, dtype, rank: int, layout: Layout) -> torch.Tensor:
     """Rank `rank`'s [rows, hidden] input: seeded fillers with the probe's rows overwritten."""
-    seed, hidden = p["seed"], p["hidden"]
-    x = gen.values((layout.rows, hidden), dtype, seed, "filler", rank, layout.sizes, data=p["data"])
-    probe = gen.values((hidden,), dtype, seed, "probe", rank, data=p["data"])
+    seed, hidden = p.seed, p.hidden
+    x = gen.values((layout.rows, hidden), dtype, seed, "filler", rank, layout.sizes, data=p.data)
+    probe = gen.values((hidden,), dtype, seed, "probe", rank, data=p.data)
     for row in layout.probes:
         x[row] = probe
     return x
@@ -137,10 +138,10 @@ def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
     return torch.stack([rank_input(p, dtype, r, layout) for r in range(world_size)])
 
 
-def _layout_runs(prop: str, p: dict, world_size: int) -> list[Run]:
+def _layout_runs(prop: str, p: CollectiveParams, world_size: int) -> list[Run]:
     """The layouts as driver runs; graph-invariance runs each layout eager, then in a graph."""
     base = layouts(prop, p, world_size)
-    graph = p["mode"] == "graph" or prop == "graph-invariance"
+    graph = p.mode == "graph" or prop == "graph-invariance"
     plan = [(layout, graph and prop != "graph-invariance") for layout in base]
     if prop == "graph-invariance":
         plan += [(Layout(l.sizes, l.probes, f"graph {l.label}"), True) for l in base]
@@ -151,10 +152,19 @@ def _layout_runs(prop: str, p: dict, world_size: int) -> list[Run]:
     return out
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
-    """On every rank: (probe copies it owns per run, its outputs for the reference, whether
-    the subject modified its input, the NCCL calls rank 0 logged per run)."""
-    dtype = gen.dtype_of(p["dtype"])
+class RankSeen(NamedTuple):
+    """What one rank observed, gathered to rank 0."""
+
+    copies: list[dict[int, torch.Tensor]]  # per run: {copy index: probe row} of the copies it owns
+    outputs: list[torch.Tensor]  # reference: its whole output
+    mutated: bool  # whether the subject modified its input
+    calls: list[list]  # per run: the NCCL calls it logged
+
+
+def _observe(subject, ctx: RankContext, p: CollectiveParams, prop: str, runs: list[Run]) -> RankSeen:
+    """On every rank: the probe copies it owns per run, its outputs for the reference, whether
+    the subject modified its input, the NCCL calls it logged per run."""
+    dtype = gen.dtype_of(p.dtype)
     copies, outputs, mutated, calls = [], [], False, []
     for run in runs:
         layout, in_graph = run.spec
@@ -180,7 +190,7 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
         copies.append(mine)
         if prop == "reference":
             outputs.append(kept(out))
-    return copies, outputs, mutated, calls
+    return RankSeen(copies, outputs, mutated, calls)
 
 
 def _labels(layout: Layout) -> list[str]:
@@ -191,7 +201,7 @@ def _labels(layout: Layout) -> list[str]:
     return out
 
 
-def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: dict) -> None:
+def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: CollectiveParams) -> None:
     """What NCCL ran for the subject's calls, and an error when it is not what was pinned:
     another algorithm than NCCL_ALGO names, a path the pins turn off (symmetric kernels,
     NVLS, CollNet), or, under `channel_pin`, calls on different channel ranges."""
@@ -200,7 +210,7 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: dict) -
     flat = [c for per_run in calls for c in per_run]
     m.nccl_calls = list(dict.fromkeys(c.describe() for c in flat))[:12]
     violations = pin_violations(flat, ctx.nccl_algo) + escaped_paths(flat)
-    if p.get("channel_pin"):
+    if p.channel_pin:
         env = {**os.environ, **(ctx.nccl_topology.env if ctx.nccl_topology is not None else {})}
         pinned = channel_pin(env)
         m.detail["channel_pin"] = pinned
@@ -212,15 +222,15 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: dict) -
         m.error = "; ".join(dict.fromkeys(violations))
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[Run], gathered) -> Measurement:
     world_size, prop = ctx.world_size, check.property
-    dtype = gen.dtype_of(p["dtype"])
+    dtype = gen.dtype_of(p.dtype)
     layouts_ = [r.spec[0] for r in runs]
-    calls = gathered[0][3]  # rank 0 reads its own NCCL log
-    mutated_ranks = [r for r, g in enumerate(gathered) if g[2]]
+    calls = gathered[0].calls  # rank 0 reads its own NCCL log
+    mutated_ranks = [r for r, g in enumerate(gathered) if g.mutated]
     extra = f"subject modified its input on ranks {mutated_ranks}" if mutated_ranks else None
     if prop == "reference":
-        m = _measure_reference(p, dtype, layouts_[0], [g[1][0] for g in gathered], world_size)
+        m = _measure_reference(p, dtype, layouts_[0], [g.outputs[0] for g in gathered], world_size)
         m.extra_failure = extra
         _nccl_record(ctx, m, calls, p)
         return m
@@ -228,8 +238,8 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     observed, labels = [], []
     for i, layout in enumerate(layouts_):
         for copy in range(len(layout.probes)):
-            owner = next(r for r in range(world_size) if copy in gathered[r][0][i])
-            observed.append(gathered[owner][0][i][copy])
+            owner = next(r for r in range(world_size) if copy in gathered[r].copies[i])
+            observed.append(gathered[owner].copies[i][copy])
         labels += _labels(layout)
     observed = torch.stack(observed)
     m = Measurement.bitwise(compare_bitwise(observed, _expected(prop, observed, layouts_), labels),
@@ -248,10 +258,10 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
             m.order_model, m.note = model.name, f"no order-model prediction: {exc}"
 
     probe = torch.stack([
-        gen.values((p["hidden"],), dtype, p["seed"], "probe", r, data=p["data"]) for r in range(world_size)
+        gen.values((p.hidden,), dtype, p.seed, "probe", r, data=p.data) for r in range(world_size)
     ])
     m.sensitivity = int(orders.order_sensitive(probe).sum())
-    m.sensitivity_what = (f"of {p['hidden']:,} probe elements change bits under any reordering of "
+    m.sensitivity_what = (f"of {p.hidden:,} probe elements change bits under any reordering of "
                           f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))
     if prop == "prefill-decode-invariance":
         _record_paths(m, ctx, p, model, layouts_, calls, observed, pred_rows)
@@ -259,11 +269,11 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     return m
 
 
-def _copy_paths(ctx: RankContext, p: dict, model, layouts_, calls) -> list[tuple[str, tuple]]:
+def _copy_paths(ctx: RankContext, p: CollectiveParams, model, layouts_, calls) -> list[tuple[str, tuple]]:
     """Per compared copy: what reduced its elements (NCCL: the channel and tree or ring
     chunk from the logged call and NCCL's split; gloo's ring: the chunk) and a signature
     equal for copies reduced along the same path in the same-size message."""
-    hidden, size = p["hidden"], gen.dtype_of(p["dtype"]).itemsize
+    hidden, size = p.hidden, gen.dtype_of(p.dtype).itemsize
     out = []
     for layout, logged in zip(layouts_, calls):
         count = layout.rows * hidden
@@ -290,7 +300,7 @@ def _differing(rows: torch.Tensor | None) -> list[int]:
     return (bits != bits[0]).sum(dim=1).tolist()
 
 
-def _record_paths(m: Measurement, ctx: RankContext, p: dict, model, layouts_, calls,
+def _record_paths(m: Measurement, ctx: RankContext, p: CollectiveParams, model, layouts_, calls,
                   observed: torch.Tensor, predicted: torch.Tensor | None) -> None:
     """Every copy's path, measured and predicted differing elements next to its label;
     vacuous when every copy sat in the same-size message on the same path (the decode

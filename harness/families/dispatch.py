@@ -24,7 +24,7 @@ from harness.contracts import Received, resolve_wire_dtype
 from harness.families.driver import Family, kept
 from harness.measurement import Bound, Measurement
 from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
-from harness.params import DispatchParams
+from harness.params import DispatchConfig, DispatchParams
 from harness.subject import DispatchSubject
 from harness.tolerances import gamma
 from reference import quant as ref_quant
@@ -59,8 +59,9 @@ def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
 def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
     """On every rank: its probe copies per run, its combined outputs (combine-reference) and
     the rows it received (reference)."""
-    cfg = {**p, "wire": resolve_wire_dtype(p["expert_quant"], p["wire"]),
-           "tokens_max": max([p["tokens"], *p["batch_sizes"]])}
+    typed = DispatchParams(**p)  # transitional, until moe_scenario reads typed parameters
+    cfg = DispatchConfig.of(typed, expert_quant=typed.expert_quant, wire=resolve_wire_dtype(typed.expert_quant, typed.wire),
+                            ue8m0=typed.ue8m0, tokens_max=max(typed.tokens, *typed.batch_sizes))
     per_rank = p["num_experts"] // ctx.world_size
     copies, mine_dispatch, outputs = [], [], []
     for run in runs:

@@ -14,6 +14,8 @@ output element (after rounding to the output dtype), no kernel reordering could 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from harness import inputs as gen
@@ -35,62 +37,71 @@ def out_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "float32" else torch.bfloat16
 
 
-def runs_for(prop: str, p: dict) -> list[dict]:
-    """Each run: rows per expert, the probe's row within its expert, expected_m, a label."""
-    g, groups = p["probe_group"], p["groups"]
+@dataclass(frozen=True)
+class GemmRun:
+    """One GEMM a property compares: rows per expert, the probe's row within its expert, the
+    masked layout's expected_m hint (None: the problem's own), a label, whether in a graph."""
+
+    counts: tuple[int, ...]
+    pos: int
+    expected_m: int | None
+    label: str
+    graph: bool = False
+
+
+def runs_for(prop: str, p: GemmParams) -> list[GemmRun]:
+    """Each run's problem and the probe's place in it (eager; `_runs` says which are graphs)."""
+    g, groups = p.probe_group, p.groups
 
     def counts(m, other):
-        return [m if i == g else other for i in range(groups)]
+        return tuple(m if i == g else other for i in range(groups))
 
-    base_other = p["other_loads"][0]
+    base_other = p.other_loads[0]
     if prop == "batch-invariance":
-        runs = [{"counts": counts(m, base_other), "pos": 0, "expected_m": None, "label": f"m={m}"}
-                for m in p["m_values"]]
-        m0 = p["m_values"][0]
-        runs += [{"counts": counts(m0, o), "pos": 0, "expected_m": None, "label": f"m={m0} others={o}"}
-                 for o in p["other_loads"][1:]]
-        if p["layout"] == "masked":
-            runs += [{"counts": counts(m0, base_other), "pos": 0, "expected_m": e, "label": f"m={m0} expected_m={e}"}
-                     for e in p["expected_m_values"]]
+        runs = [GemmRun(counts(m, base_other), 0, None, f"m={m}") for m in p.m_values]
+        m0 = p.m_values[0]
+        runs += [GemmRun(counts(m0, o), 0, None, f"m={m0} others={o}") for o in p.other_loads[1:]]
+        if p.layout == "masked":
+            runs += [GemmRun(counts(m0, base_other), 0, e, f"m={m0} expected_m={e}") for e in p.expected_m_values]
         return runs
-    m = p["position_m"]
+    m = p.position_m
     if prop == "position-invariance":
-        return [{"counts": counts(m, base_other), "pos": pos, "expected_m": None, "label": name}
+        return [GemmRun(counts(m, base_other), pos, None, name)
                 for pos, name in ((0, "first"), (m // 2, "middle"), (m - 1, "last"))]
-    one = {"counts": counts(m, base_other), "pos": 0, "expected_m": None}
+    one = GemmRun(counts(m, base_other), 0, None, "")
     if prop == "run-to-run":
-        return [{**one, "label": f"repeat {i}"} for i in range(p["repeats"])]
+        return [replace(one, label=f"repeat {i}") for i in range(p.repeats)]
     if prop == "graph-invariance":
-        return [{**one, "label": "eager"}, {**one, "label": "graph"}]
+        return [replace(one, label="eager"), replace(one, label="graph")]
     if prop == "reference":  # every expert loaded, so the whole layout is checked
-        return [{"counts": [m] * groups, "pos": 0, "expected_m": None, "label": "reference"}]
+        return [GemmRun((m,) * groups, 0, None, "reference")]
     raise ValueError(f"gemm checks have no property {prop!r}")
 
 
 CANCEL = 2.0 ** 12  # one probe product pair: +CANCEL*w and -CANCEL*w, in different K halves
 
 
-def probe_row(p: dict, base) -> torch.Tensor:
+def probe_row(p: GemmParams, base) -> torch.Tensor:
     """The probe activation. With cancel=true two entries, K/2 apart, carry +-CANCEL against
     equal weight columns: their products cancel exactly, but whatever was added between
     them is rounded at their magnitude, so any other K order (split-K, another tile walk)
     changes the output bits. Without it, a bf16 output hides most float32 reorderings."""
-    probe = gen.values((p["k"],), base, p["seed"], "probe-row", data=p["data"])
-    if p["cancel"]:
-        probe[1], probe[1 + p["k"] // 2] = CANCEL, -CANCEL
+    probe = gen.values((p.k,), base, p.seed, "probe-row", data=p.data)
+    if p.cancel:
+        probe[1], probe[1 + p.k // 2] = CANCEL, -CANCEL
     return probe
 
 
-def make_problem(p: dict, run: dict, w, w_scale) -> GemmProblem:
-    k, dtype = p["k"], p["dtype"]
+def make_problem(p: GemmParams, run: GemmRun, w, w_scale) -> GemmProblem:
+    k, dtype = p.k, p.dtype
     base = torch.bfloat16 if dtype == FP8 else gen.dtype_of(dtype)
     probe = probe_row(p, base)
     rows = {}
-    for g, c in enumerate(run["counts"]):
-        rows[g] = gen.values((c, k), base, p["seed"], "rows", g, tuple(run["counts"]), data=p["data"])
-        if g == p["probe_group"]:
-            rows[g][run["pos"]] = probe
-    return build(p["layout"], dtype, rows, run["counts"], w, w_scale, k, p["alignment"], run["expected_m"])
+    for g, c in enumerate(run.counts):
+        rows[g] = gen.values((c, k), base, p.seed, "rows", g, run.counts, data=p.data)
+        if g == p.probe_group:
+            rows[g][run.pos] = probe
+    return build(p.layout, dtype, rows, list(run.counts), w, w_scale, k, p.alignment, run.expected_m)
 
 
 def output_for(problem: GemmProblem, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -98,46 +109,46 @@ def output_for(problem: GemmProblem, n: int, dtype: torch.dtype, device) -> torc
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _runs(prop: str, p: dict, world_size: int) -> list[Run]:
+def _runs(prop: str, p: GemmParams, world_size: int) -> list[Run]:
     out = []
     for i, run in enumerate(runs_for(prop, p)):
-        graph = p["mode"] == "graph" or (prop == "graph-invariance" and i == 1)
-        placement = (tuple(run["counts"]), run["pos"], run["expected_m"])
-        out.append(Run(run["label"], (Copy(placement),), {**run, "graph": graph}))
+        graph = p.mode == "graph" or (prop == "graph-invariance" and i == 1)
+        placement = (run.counts, run.pos, run.expected_m)
+        out.append(Run(run.label, (Copy(placement),), replace(run, graph=graph)))
     return out
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
+def _observe(subject, ctx: RankContext, p: GemmParams, prop: str, runs: list[Run]):
     """The probe row's output per run (every rank computes the same GEMMs); for the
     reference, the whole output of the one run."""
-    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+    w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
     probes = []
     for run in runs:
         problem = make_problem(p, run.spec, w, w_scale)
         dev = problem.to(ctx.device)
-        out = output_for(dev, p["n"], out_dtype(p["dtype"]), ctx.device)
-        if run.spec["graph"]:
+        out = output_for(dev, p.n, out_dtype(p.dtype), ctx.device)
+        if run.spec.graph:
             replay_in_graph(lambda o, a: subject.run(dev, o), out, dev.a)
         else:
             subject.run(dev, out)
         if prop == "reference":
             return kept(out)
-        probes.append(kept(out[dev.row_index(p["probe_group"], run.spec["pos"])]))
+        probes.append(kept(out[dev.row_index(p.probe_group, run.spec.pos)]))
     return probes
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
-    w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
+def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], gathered) -> Measurement:
+    w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
     if check.property == "reference":
         return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])
     observed = torch.stack(gathered[0])
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
     m.sensitivity = order_sensitive(p, w, w_scale)
-    m.sensitivity_what = f"probe outputs change bits when its {p['k']} products are summed in another order"
+    m.sensitivity_what = f"probe outputs change bits when its {p.k} products are summed in another order"
     return m
 
 
-def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest problem timed
     against cuBLAS (harness.cost). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
@@ -145,12 +156,12 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run
         from harness import cost
         from harness.subject import get
 
-        w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
-        dense = p["layout"] == "dense"  # a dense problem holds group 0's rows only
-        largest = max(runs, key=lambda r: r.spec["counts"][0] if dense else sum(r.spec["counts"]))
+        w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
+        dense = p.layout == "dense"  # a dense problem holds group 0's rows only
+        largest = max(runs, key=lambda r: r.spec.counts[0] if dense else sum(r.spec.counts))
         problem = make_problem(p, largest.spec, w, w_scale).to(ctx.device)
-        out = output_for(problem, p["n"], out_dtype(p["dtype"]), ctx.device)
-        m.detail["cost"] = cost.gemm_check_cost(subject, problem, out, None if p["dtype"] == FP8 else get("torch_mm"))
+        out = output_for(problem, p.n, out_dtype(p.dtype), ctx.device)
+        m.detail["cost"] = cost.gemm_check_cost(subject, problem, out, None if p.dtype == FP8 else get("torch_mm"))
     return m
 
 
@@ -158,21 +169,21 @@ FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_c
                 protocol=GemmSubject)
 
 
-def order_sensitive(p: dict, w, w_scale) -> int:
+def order_sensitive(p: GemmParams, w, w_scale) -> int:
     """Output elements of the probe whose bits depend on the K summation order."""
     run = runs_for("position-invariance", p)[0]
     problem = make_problem(p, run, w, w_scale)
     a, b = dequantized(problem)
-    row = a[problem.row_index(p["probe_group"], 0)]
-    weight = b if problem.layout == "dense" else b[p["probe_group"]]
-    row32, w32, half = row.float(), weight.float(), p["k"] // 2
+    row = a[problem.row_index(p.probe_group, 0)]
+    weight = b if problem.layout == "dense" else b[p.probe_group]
+    row32, w32, half = row.float(), weight.float(), p.k // 2
     whole = w32 @ row32
     split = w32[:, :half] @ row32[:half] + w32[:, half:] @ row32[half:]
-    dtype = out_dtype(p["dtype"])
+    dtype = out_dtype(p.dtype)
     return int((whole.to(dtype) != split.to(dtype)).sum())
 
 
-def _measure_reference(p: dict, problem: GemmProblem, out: torch.Tensor) -> dict:
+def _measure_reference(p: GemmParams, problem: GemmProblem, out: torch.Tensor) -> dict:
     a, b = dequantized(problem)
     if problem.layout == "dense":
         exact, scale = a @ b.T, ref.abs_products(a, b)
@@ -189,7 +200,7 @@ def _measure_reference(p: dict, problem: GemmProblem, out: torch.Tensor) -> dict
         for g in range(b.shape[0]):
             m = int(problem.masked_m[g])
             scale[g, :m] = ref.abs_products(a[g, :m], b[g])
-    tol = gemm_bound(p["dtype"], p["k"])
+    tol = gemm_bound(p.dtype, p.k)
     bound = tol["u_out"] * exact.abs() + tol["gamma"] * scale
     valid = _valid_mask(problem, exact.shape)
     rule = Bound(rule=tol["rule"], terms={k: v for k, v in tol.items() if k != "rule"})

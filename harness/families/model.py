@@ -59,22 +59,22 @@ class Batch:
     rescore: bool = False  # one prefill of prompt + generated tokens (of the run before it)
 
 
-def _runs(prop: str, p: dict, world: int) -> list[Run]:
-    everyone = tuple(range(max(p["batch_sizes"])))
+def _runs(prop: str, p: ModelParams, world: int) -> list[Run]:
+    everyone = tuple(range(max(p.batch_sizes)))
     if prop == "reference":
         return [Run("batch", (Copy(("batch", everyone)),), Batch(everyone, everyone))]
     if prop == "run-to-run":
-        return [Run(f"repeat {i}", (Copy(("batch", everyone)),), Batch(everyone, everyone)) for i in range(p["repeats"])]
+        return [Run(f"repeat {i}", (Copy(("batch", everyone)),), Batch(everyone, everyone)) for i in range(p.repeats)]
     if prop == "batch-invariance":
         out = []
-        for b in p["batch_sizes"]:
+        for b in p.batch_sizes:
             order = list(range(1, b))
             order.insert(b // 2, PROBE)
             out.append(Run(f"batch of {b}", (Copy(("batch", tuple(order))),), Batch(tuple(order), (PROBE,))))
         return out
     if prop == "order-invariance":
-        g = gen.generator(p["seed"], "model-shuffles")
-        orders = [everyone] + [tuple(torch.randperm(len(everyone), generator=g).tolist()) for _ in range(p["shuffles"])]
+        g = gen.generator(p.seed, "model-shuffles")
+        orders = [everyone] + [tuple(torch.randperm(len(everyone), generator=g).tolist()) for _ in range(p.shuffles)]
         return [Run("in order" if i == 0 else f"shuffle {i}", (Copy(("batch", o)),), Batch(o, everyone))
                 for i, o in enumerate(orders)]
     if prop == "prefill-decode-invariance":
@@ -83,7 +83,19 @@ def _runs(prop: str, p: dict, world: int) -> list[Run]:
     raise ValueError(f"no runs for {prop!r}")
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]) -> list[dict]:
+@dataclass
+class RunSeen:
+    """One run as a rank saw it, gathered to rank 0: the compared rows (rank 0's only, per
+    prompt), every prompt's generated tokens, this rank's routing (reference only) and its
+    trace (dropped where not needed: _ship_traces)."""
+
+    logprobs: dict | None
+    tokens: dict
+    routing: dict | None
+    events: dict | None
+
+
+def _observe(subject, ctx: RankContext, p: ModelParams, prop: str, runs: list[Run]) -> list[RunSeen]:
     """On every rank, per run: rank 0's compared rows, every prompt's generated tokens, this
     rank's routing (for the reference) and its trace."""
     w = to_device(weights(p), ctx.device)
@@ -95,22 +107,22 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]) -> 
         names = {slot: f"prompt {pid}" for slot, pid in enumerate(b.order) if pid in b.compared}
         tracer = None if prop == "reference" else Tracer(ctx.rank, _namer(names))
         seqs = [pr[pid] + (generated[pid][:-1] if b.rescore else []) for pid in b.order]
-        served = subject.generate(seqs, [len(pr[pid]) for pid in b.order], 0 if b.rescore else p["new_tokens"],
+        served = subject.generate(seqs, [len(pr[pid]) for pid in b.order], 0 if b.rescore else p.new_tokens,
                                   w, p, ctx.group, tracer)
         if not b.rescore:
             generated = {pid: served.tokens[slot] for slot, pid in enumerate(b.order)}
         compared = {pid: served.logprobs[slot].cpu() for slot, pid in enumerate(b.order) if pid in b.compared}
         rows.append(torch.cat([compared[pid].reshape(-1) for pid in b.compared]))
-        seen.append({
-            "logprobs": compared if ctx.rank == 0 else None,
-            "tokens": dict(generated),
-            "routing": {(b.order[slot], pos): r for (slot, pos), r in served.routing.items()} if prop == "reference" else None,
-            "events": tracer.events if tracer else None,
-        })
+        seen.append(RunSeen(
+            logprobs=compared if ctx.rank == 0 else None,
+            tokens=dict(generated),
+            routing={(b.order[slot], pos): r for (slot, pos), r in served.routing.items()} if prop == "reference" else None,
+            events=tracer.events if tracer else None,
+        ))
     return _ship_traces(ctx, seen, rows)
 
 
-def _ship_traces(ctx: RankContext, seen: list[dict], rows: list) -> list[dict]:
+def _ship_traces(ctx: RankContext, seen: list[RunSeen], rows: list) -> list[RunSeen]:
     """Every run was traced; the traces travel to rank 0 only for the first run and the
     first run whose rows differ from it (every rank computes every row, so each can tell;
     the ranks agree on the smallest such run)."""
@@ -120,7 +132,7 @@ def _ship_traces(ctx: RankContext, seen: list[dict], rows: list) -> list[dict]:
     keep = {0, min(found)} if found else set()
     for i, run in enumerate(seen):
         if i not in keep:
-            run["events"] = None
+            run.events = None
     return seen
 
 
@@ -137,20 +149,20 @@ def _namer(names: dict):
     return name
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: ModelParams, runs: list[Run], gathered) -> Measurement:
     if check.property == "reference":
         return _measure_reference(p, runs[0].spec, gathered)
-    observed = torch.stack([torch.cat([gathered[0][i]["logprobs"][pid].reshape(-1) for pid in run.spec.compared])
+    observed = torch.stack([torch.cat([gathered[0][i].logprobs[pid].reshape(-1) for pid in run.spec.compared])
                             for i, run in enumerate(runs)])
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
-    rows = observed.shape[1] // p["vocab"]
-    m.detail["compared"] = f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p['vocab']} logprobs per run"
+    rows = observed.shape[1] // p.vocab
+    m.detail["compared"] = f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p.vocab} logprobs per run"
     if m.mismatched:
-        other = next((i for i in range(1, len(runs)) if gathered[0][i]["events"] is not None), None)
+        other = next((i for i in range(1, len(runs)) if gathered[0][i].events is not None), None)
         if other is None:
             m.note = "the ranks' rows differed from rank 0's view of them: no trace was shipped to localise"
         else:
-            found = localise([g[0]["events"] or {} for g in gathered], [g[other]["events"] or {} for g in gathered])
+            found = localise([g[0].events or {} for g in gathered], [g[other].events or {} for g in gathered])
             m.detail.update(found, between=[runs[0].label, runs[other].label])
             m.note = f"{runs[0].label} vs {runs[other].label}: {found['note']}"
     m.sensitivity, m.sensitivity_what = _sensitivity(p, ctx.world_size), \
@@ -160,10 +172,10 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
     return m
 
 
-def _layout(p: dict, b: Batch, tokens: dict) -> dict:
+def _layout(p: ModelParams, b: Batch, tokens: dict) -> dict:
     """Where each compared token sits in each forward of a run: {(prompt, position):
     (padded rows of that forward, its row)}. Prefill is one forward; decode one per step."""
-    pr, w = prompts(p), p["world_size"]
+    pr, w = prompts(p), p.world_size
     seqs = {pid: pr[pid] + (tokens[pid][:-1] if b.rescore else []) for pid in b.order}
     where, row = {}, 0
     total = sum(len(seqs[pid]) for pid in b.order)
@@ -173,31 +185,31 @@ def _layout(p: dict, b: Batch, tokens: dict) -> dict:
                 where[(pid, pos)] = (-(-total // w) * w, row)
             row += 1
     if not b.rescore:
-        for step in range(p["new_tokens"] - 1):
+        for step in range(p.new_tokens - 1):
             for slot, pid in enumerate(b.order):
                 if pid in b.compared:
                     where[(pid, len(pr[pid]) + step)] = (-(-len(b.order) // w) * w, slot)
     return where
 
 
-def _nothing_moved(p: dict, runs: list[Run], gathered) -> str | None:
+def _nothing_moved(p: ModelParams, runs: list[Run], gathered) -> str | None:
     """Vacuous when every run puts every compared token at the same row of a message of the
     same size in every forward: the TP reductions, the projections and the LM head see the
     compared tokens exactly where and among as many rows as before (a check of the batch that
     changes nothing they see; what the experts see alone is not a reason to run it)."""
-    layouts = [_layout(p, run.spec, gathered[0][i]["tokens"]) for i, run in enumerate(runs)]
+    layouts = [_layout(p, run.spec, gathered[0][i].tokens) for i, run in enumerate(runs)]
     if all(lay == layouts[0] for lay in layouts[1:]):
         return ("every run puts the compared tokens at the same rows of messages of the same sizes: no TP "
                 "reduction or projection sees them elsewhere")
     return None
 
 
-def _sensitivity(p: dict, world: int) -> int:
+def _sensitivity(p: ModelParams, world: int) -> int:
     """Elements of the probe prompt's layer-0 TP partials whose sum changes bits under some
     rotation of the ranks, plus q/k/v outputs that change when K is summed in two halves."""
     w = weights(p)
     tokens = prompts(p)[PROBE]
-    partials = ref.layer0_partials(w, tokens, p["heads"], world)
+    partials = ref.layer0_partials(w, tokens, p.heads, world)
     tp = int(order_sensitive(partials.reshape(world, -1)).sum()) if world > 2 else 0
     x = ref.rmsnorm(w["embed"].double()[torch.tensor(tokens)], w["layers"][0]["attn_norm"]).to(torch.bfloat16).float()
     b = w["layers"][0]["wqkv"].float()
@@ -213,26 +225,26 @@ def logprob_bound(logits64: torch.Tensor, x64: torch.Tensor, lm_head: torch.Tens
     return per_v + per_v.max(dim=-1, keepdim=True).values
 
 
-def _measure_reference(p: dict, b: Batch, gathered) -> Measurement:
+def _measure_reference(p: ModelParams, b: Batch, gathered) -> Measurement:
     w, pr, seen = weights(p), prompts(p), gathered[0][0]
     routing: dict = {}
     for g in gathered:
-        routing.update(g[0]["routing"])
+        routing.update(g[0].routing)
     got, exact, bound, flips, admitted, choices = [], [], [], 0, 0, 0
-    factor = model_factor(p["layers"])
+    factor = model_factor(p.layers)
     for pid in b.compared:
-        seq = pr[pid] + seen["tokens"][pid][:-1]
-        out = ref.forward(w, seq, p["heads"], p["topk"], [routing[(pid, pos)] for pos in range(len(seq))])
+        seq = pr[pid] + seen.tokens[pid][:-1]
+        out = ref.forward(w, seq, p.heads, p.topk, [routing[(pid, pos)] for pos in range(len(seq))])
         first = len(pr[pid]) - 1
         lp64 = out["logprobs"][first:]
-        bound.append(logprob_bound(out["logits"][first:], out["x"][first:], w["lm_head"], p["layers"]))
-        got.append(seen["logprobs"][pid].double())
+        bound.append(logprob_bound(out["logits"][first:], out["x"][first:], w["lm_head"], p.layers))
+        got.append(seen.logprobs[pid].double())
         exact.append(lp64)
         for r in out["router"]:
             margin = factor * MODEL["u_out"] * r["scale"] + 8 * 2.0 ** -24 * (1 + r["logits"].abs())
             flip, ok = router_flips(r["used"], r["own"], r["logits"], margin)
             flips, admitted, choices = flips + int(flip.sum()), admitted + int((flip & ok).sum()), choices + flip.numel()
-    rule = Bound(rule=MODEL["rule"], terms={"u_out": MODEL["u_out"], "factor": factor, "layers": p["layers"]})
+    rule = Bound(rule=MODEL["rule"], terms={"u_out": MODEL["u_out"], "factor": factor, "layers": p.layers})
     m = Measurement.within(torch.cat(got), torch.cat(exact), torch.cat(bound), rule,
                            detail={"router_flips": flips, "router_flips_admitted": admitted, "router_choices": choices},
                            note=f"{flips} of {choices} (token, layer) router choices differ from the float64 router's "

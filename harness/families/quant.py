@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from harness import inputs as gen
@@ -50,40 +52,47 @@ def explain(x, scale, q, ref_scale, ref_q) -> dict:
     }
 
 
-def _runs(prop: str, p: dict, world_size: int) -> list[Run]:
+def _runs(prop: str, p: QuantParams, world_size: int) -> list[Run]:
     if prop == "reference":
-        return [Run("reference", (Copy(("reference",)),), p["rows"])]
+        return [Run("reference", (Copy(("reference",)),), p.rows)]
     if prop == "batch-invariance":  # the probe is the last row, so it moves as the batch grows
-        return [Run(f"batch {n}", (Copy((n,)),), n) for n in p["batch_sizes"]]
-    return [Run(f"repeat {i}", (Copy((p["rows"],)),), p["rows"]) for i in range(p["repeats"])]
+        return [Run(f"batch {n}", (Copy((n,)),), n) for n in p.batch_sizes]
+    return [Run(f"repeat {i}", (Copy((p.rows,)),), p.rows) for i in range(p.repeats)]
 
 
-def _batch(p: dict, n: int, dtype) -> torch.Tensor:
-    x = gen.values((n, p["cols"]), dtype, p["seed"], "quant-batch", n, data=p["data"])
-    x[-1] = gen.values((p["cols"],), dtype, p["seed"], "quant-probe", data=p["data"])
+def _batch(p: QuantParams, n: int, dtype) -> torch.Tensor:
+    x = gen.values((n, p.cols), dtype, p.seed, "quant-batch", n, data=p.data)
+    x[-1] = gen.values((p.cols,), dtype, p.seed, "quant-probe", data=p.data)
     return x
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list[Run]):
+class Quantized(NamedTuple):
+    """The reference's one run as a rank saw it: e4m3 values (as bytes) and float32 scales."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def _observe(subject, ctx: RankContext, p: QuantParams, prop: str, runs: list[Run]):
     """The quantized probe row per run (as bytes: fp8 tensors do not pickle); for the
     reference, every value and scale of the one run."""
-    dtype = gen.dtype_of(p["dtype"])
+    dtype = gen.dtype_of(p.dtype)
     if prop == "reference":
-        x = gen.values((p["rows"], p["cols"]), dtype, p["seed"], "quant-input", data=p["data"])
-        q, s = subject.quantize(x.to(ctx.device), p["ue8m0"])
-        return kept(q).view(torch.uint8), kept(s.float())
-    return [kept(subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p["ue8m0"])[0][-1]).view(torch.uint8)
+        x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
+        q, s = subject.quantize(x.to(ctx.device), p.ue8m0)
+        return Quantized(kept(q).view(torch.uint8), kept(s.float()))
+    return [kept(subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p.ue8m0)[0][-1]).view(torch.uint8)
             for run in runs]
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
-    dtype = gen.dtype_of(p["dtype"])
+def _measure(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], gathered) -> Measurement:
+    dtype = gen.dtype_of(p.dtype)
     if check.property == "reference":
-        q, s = gathered[0]
-        return _measure_reference(p, q.view(torch.float8_e4m3fn), s, dtype)
+        seen = gathered[0]
+        return _measure_reference(p, seen.values.view(torch.float8_e4m3fn), seen.scales, dtype)
     observed = torch.stack(gathered[0]).view(torch.float8_e4m3fn)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
-    m.sensitivity, m.sensitivity_what = scale_path_sensitivity(_batch(p, 1, dtype), p["ue8m0"])
+    m.sensitivity, m.sensitivity_what = scale_path_sensitivity(_batch(p, 1, dtype), p.ue8m0)
     return m
 
 
@@ -104,10 +113,10 @@ def scale_path_sensitivity(row: torch.Tensor, ue8m0: bool) -> tuple[int, str]:
                    f"reciprocal-multiplying quantizer")
 
 
-def _measure_reference(p: dict, q: torch.Tensor, s: torch.Tensor, dtype) -> Measurement:
-    x = gen.values((p["rows"], p["cols"]), dtype, p["seed"], "quant-input", data=p["data"])
-    rq, rs = ref.quantize_per_token_group(x, ue8m0=p["ue8m0"])
-    mq = compare_bitwise(q, rq, [f"row {r}" for r in range(p["rows"])])
+def _measure_reference(p: QuantParams, q: torch.Tensor, s: torch.Tensor, dtype) -> Measurement:
+    x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
+    rq, rs = ref.quantize_per_token_group(x, ue8m0=p.ue8m0)
+    mq = compare_bitwise(q, rq, [f"row {r}" for r in range(p.rows)])
     ms = compare_bitwise(s.contiguous(), rs)
     m = Measurement.bitwise(mq).combine(Measurement.bitwise(ms))
     causes = explain(x, s, q, rs, rq)
@@ -124,7 +133,7 @@ def _measure_reference(p: dict, q: torch.Tensor, s: torch.Tensor, dtype) -> Meas
     return m
 
 
-def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
+def _measure_with_cost(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest batch timed
     against a device copy of as many bytes (harness.cost). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
@@ -132,8 +141,8 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run
         from harness import cost
 
         rows = max(run.spec for run in runs)
-        x = _batch(p, rows, gen.dtype_of(p["dtype"])).to(ctx.device)
-        m.detail["cost"] = cost.quant_check_cost(subject, x, p["ue8m0"])
+        x = _batch(p, rows, gen.dtype_of(p.dtype)).to(ctx.device)
+        m.detail["cost"] = cost.quant_check_cost(subject, x, p.ue8m0)
     return m
 
 

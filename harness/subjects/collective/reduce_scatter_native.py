@@ -19,7 +19,7 @@ class NativeReduceScatter:
     summary = "native reduce_scatter_tensor"
 
     def unavailable(self, platform, params):
-        if params.get("shards", "even") != "even":
+        if params.shards != "even":
             return "reduce_scatter_tensor needs equal shards; uneven shards are reduce_scatterv_native"
         return None
 

@@ -97,7 +97,7 @@ class _DeepEP:
         self._buffers = {}  # one buffer per (group, shape): what a serving process keeps
 
     def unavailable(self, platform, params):
-        if reason := wire_refusal(params.get("expert_quant", "bf16"), params.get("wire", "auto")):
+        if reason := wire_refusal(params.expert_quant, params.wire):
             return reason
         if platform.device != "cuda":
             return "DeepEP needs NVIDIA GPUs; this run is on the CPU"
@@ -112,7 +112,7 @@ class _DeepEP:
         return {"deep_ep": version(), "fill_uninitialized_memory": "off around every DeepEP call (DeepEP #589)"}
 
     def buffer(self, group, cfg, wire):
-        key = (id(group), cfg["hidden"], cfg["topk"], wire)
+        key = (id(group), cfg.hidden, cfg.topk, wire)
         if key not in self._buffers:
             self._buffers[key] = self.make_buffer(group, cfg, wire)
         return self._buffers[key]
@@ -129,9 +129,9 @@ class _DeepEP:
         return expert_out.reshape(-1, expert_out.shape[-1])[handle.grouped_layout >= 0]
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
-        wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))
+        wire = resolve_wire_dtype(cfg.expert_quant, cfg.wire)
         buf = self.buffer(group, cfg, wire)
-        payload = quantize_wire(x, cfg.get("ue8m0", True)) if wire == "fp8" else x
+        payload = quantize_wire(x, cfg.ue8m0) if wire == "fp8" else x
         with no_uninitialized_fill():
             return self.send(buf, payload, topk_idx, topk_weights, cfg, group)
 
@@ -175,17 +175,17 @@ class DeepEPElastic(_DeepEP):
         use_fp8 = wire == "fp8"
         check_buffer_option(wire, use_fp8)
         return self.module().ElasticBuffer(
-            group, num_max_tokens_per_rank=cfg["tokens_max"], hidden=cfg["hidden"], num_topk=cfg["topk"],
+            group, num_max_tokens_per_rank=cfg.tokens_max, hidden=cfg.hidden, num_topk=cfg.topk,
             use_fp8_dispatch=use_fp8, deterministic=True, allow_multiple_reduction=False)
 
     def send(self, buf, payload, topk_idx, topk_weights, cfg, group):
         recv_x, recv_idx, _, handle, _ = buf.dispatch(
-            payload, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=cfg["num_experts"],
-            expert_alignment=cfg["alignment"], do_expand=True)
+            payload, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=cfg.num_experts,
+            expert_alignment=cfg.alignment, do_expand=True)
         rows, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        per_rank = cfg["num_experts"] // dist.get_world_size(group)
+        per_rank = cfg.num_experts // dist.get_world_size(group)
         received, order = _grouped(rows, scale, recv_idx.reshape(-1).to(torch.long) % per_rank, per_rank,
-                                   cfg["alignment"])
+                                   cfg.alignment)
         received.native = (buf, handle, order)
         return received
 
@@ -206,7 +206,7 @@ class DeepEPNormal(_DeepEP):
     rounds_partials = True  # combine adds per-rank bf16 partials: one more rounding per rank
 
     def unavailable(self, platform, params):
-        world, hidden = params.get("world_size", 1), params.get("hidden", 0)
+        world, hidden = params.world_size, params.hidden
         if world not in V1_CONFIGS:
             return f"DeepEP's intranode kernels take 2, 4 or 8 ranks; this check has {world}"
         if hidden % 16 or hidden > V1_MAX_BF16_HIDDEN:
@@ -222,7 +222,7 @@ class DeepEPNormal(_DeepEP):
         return self.module().Config(*dispatch), self.module().Config(*combine)
 
     def describe(self, params) -> dict:
-        dispatch, combine = _defaults(params["world_size"])
+        dispatch, combine = _defaults(params.world_size)
         fields = ("num_sms", "nvl_send_chunk", "nvl_recv_chunk", "rdma_send_chunk", "rdma_recv_chunk")
         return {**super().describe(params), "dispatch_config": dict(zip(fields, dispatch)),
                 "combine_config": dict(zip(fields, combine))}
@@ -233,25 +233,25 @@ class DeepEPNormal(_DeepEP):
 
     def make_buffer(self, group, cfg, wire):
         world = dist.get_world_size(group)
-        hint = max(c.get_nvl_buffer_size_hint(cfg["hidden"] * 2, world) for c in self.configs(world))
+        hint = max(c.get_nvl_buffer_size_hint(cfg.hidden * 2, world) for c in self.configs(world))
         return self.module().Buffer(group, num_nvl_bytes=hint, explicitly_destroy=True)
 
     def send(self, buf, payload, topk_idx, topk_weights, cfg, group):
         world, me = dist.get_world_size(group), dist.get_rank(group)
         dispatch_config, combine_config = self.configs(world)
-        per_token, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, cfg["num_experts"])
+        per_token, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, cfg.num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
             payload, num_tokens_per_rank=per_token, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=cfg["alignment"], config=dispatch_config)
+            topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=cfg.alignment, config=dispatch_config)
         rows, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         tokens, slots = (recv_idx >= 0).nonzero(as_tuple=True)  # one row per (token, local expert)
         # handle[0][s, me]: rows received from ranks 0..s (a prefix sum); handle[3]: source token
         row = torch.arange(rows.shape[0], device=rows.device)
         src_rank = torch.searchsorted(handle[0][:, me].contiguous().to(torch.int64), row, right=True)
         sources = (src_rank[tokens], handle[3].to(torch.int64)[tokens], slots)
-        per_rank = cfg["num_experts"] // world
+        per_rank = cfg.num_experts // world
         received, order = _grouped(rows[tokens], None if scale is None else scale[tokens],
-                                   recv_idx[tokens, slots], per_rank, cfg["alignment"], sources)
+                                   recv_idx[tokens, slots], per_rank, cfg.alignment, sources)
         received.native = (buf, handle, combine_config, tokens[order], slots[order], recv_w, rows.shape[0])
         return received
 
@@ -276,25 +276,25 @@ class DeepEPLowLatency(_DeepEP):
 
     def unavailable(self, platform, params):
         reason = super().unavailable(platform, params)
-        if reason is None and platform.gpus < params.get("world_size", 1):
+        if reason is None and platform.gpus < params.world_size:
             return (f"DeepEP's low-latency mode needs NVSHMEM with IBGDA and one GPU per rank; this run has "
-                    f"{params.get('world_size')} ranks on {platform.gpus} GPU(s)")
+                    f"{params.world_size} ranks on {platform.gpus} GPU(s)")
         return reason
 
     def make_buffer(self, group, cfg, wire):
         world = dist.get_world_size(group)
-        rdma = self.module().Buffer.get_low_latency_rdma_size_hint(cfg["tokens_max"], cfg["hidden"], world,
-                                                                    cfg["num_experts"])
+        rdma = self.module().Buffer.get_low_latency_rdma_size_hint(cfg.tokens_max, cfg.hidden, world,
+                                                                    cfg.num_experts)
         return self.module().Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True,
-                                    num_qps_per_rank=cfg["num_experts"] // world, explicitly_destroy=True)
+                                    num_qps_per_rank=cfg.num_experts // world, explicitly_destroy=True)
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
-        wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))
+        wire = resolve_wire_dtype(cfg.expert_quant, cfg.wire)
         buf = self.buffer(group, cfg, wire)
-        ue8m0 = wire == "fp8" and cfg.get("ue8m0", True)
+        ue8m0 = wire == "fp8" and cfg.ue8m0
         with no_uninitialized_fill():
             recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-                x, topk_idx, cfg["tokens_max"], cfg["num_experts"], use_fp8=wire == "fp8",  # quantizes itself
+                x, topk_idx, cfg.tokens_max, cfg.num_experts, use_fp8=wire == "fp8",  # quantizes itself
                 round_scale=ue8m0, use_ue8m0=ue8m0)
         rows, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         counts = recv_count.tolist()

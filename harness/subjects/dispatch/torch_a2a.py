@@ -41,13 +41,13 @@ class TorchAllToAllDispatcher:
     summary = "torch.distributed all-to-all dispatch, fixed-order combine"
 
     def unavailable(self, platform, params):
-        return wire_refusal(params.get("expert_quant", "bf16"), params.get("wire", "auto"))
+        return wire_refusal(params.expert_quant, params.wire)
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
         """Weights stay on the source rank: this combine applies them where the token lives."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        per_rank = cfg["num_experts"] // world
-        wire = resolve_wire_dtype(cfg["expert_quant"], cfg.get("wire", "auto"))
+        per_rank = cfg.num_experts // world
+        wire = resolve_wire_dtype(cfg.expert_quant, cfg.wire)
         tokens, slots = (topk_idx >= 0).nonzero(as_tuple=True)  # row-major: (token, slot) order
         experts = topk_idx[tokens, slots]
         dest = experts // per_rank
@@ -59,7 +59,7 @@ class TorchAllToAllDispatcher:
         rows = x[tokens]
         scale = None
         if wire == "fp8":
-            rows, scale = quantize_wire(rows, cfg.get("ue8m0", True))
+            rows, scale = quantize_wire(rows, cfg.ue8m0)
             scale = _exchange(scale, send_counts, recv_counts, group)
         rows = _exchange(rows, send_counts, recv_counts, group)
         local = meta[:, 3] - rank * per_rank
@@ -70,12 +70,12 @@ class TorchAllToAllDispatcher:
     def _layout(self, cfg, per_rank, rows, scale, meta, local) -> Received:
         counts = [int((local == e).sum()) for e in range(per_rank)]
         hidden, dev = rows.shape[1], rows.device
-        if cfg["layout"] == "masked":
-            max_m = align(max(max(counts), 1), cfg["alignment"])
+        if cfg.layout == "masked":
+            max_m = align(max(max(counts), 1), cfg.alignment)
             shape, starts = (per_rank, max_m), [0] * per_rank
             slot_of = [e * max_m + i for e in range(per_rank) for i in range(counts[e])]
         else:
-            starts, total = aligned_starts(counts, cfg["alignment"])
+            starts, total = aligned_starts(counts, cfg.alignment)
             shape = (total,)
             slot_of = [starts[e] + i for e in range(per_rank) for i in range(counts[e])]
         where = torch.tensor(slot_of, dtype=torch.long, device=dev)
@@ -90,9 +90,9 @@ class TorchAllToAllDispatcher:
             sc = torch.zeros((flat_rows, scale.shape[1]), dtype=scale.dtype, device=dev)
             sc[where] = scale
             sc = sc.view(*shape, scale.shape[1])
-        received = Received(cfg["layout"], x.view(*shape, hidden), sc, counts, starts,
+        received = Received(cfg.layout, x.view(*shape, hidden), sc, counts, starts,
                             src[:, 0], src[:, 1], src[:, 2])
-        if cfg["layout"] == "masked":
+        if cfg.layout == "masked":
             received.masked_m = torch.tensor(counts, dtype=torch.int32, device=dev)
         else:
             gl = torch.full((flat_rows,), -1, dtype=torch.int32, device=dev)

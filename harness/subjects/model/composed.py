@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 from harness.divergence import Op, rows_of
 from harness.contracts import GemmProblem, Served
+from harness.params import DispatchConfig, ModelParams
 from harness.subject import register
 from harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from harness.subjects.moe.composed import STAGES as MOE_STAGES
 from harness.subjects.moe.composed import Composed, ComposedMoE, route
 
-STAGES = {**MOE_STAGES, "dense_gemm": "torch_mm"}
+STAGES = (*MOE_STAGES, "dense_gemm")
 BF16 = torch.bfloat16
 
 
@@ -79,11 +80,11 @@ class ComposedModel(Composed):
 class _Forward:
     """One served batch on one rank: its weight shards, KV cache and stage subjects."""
 
-    def __init__(self, s: dict, weights: dict, params: dict, group, tracer):
+    def __init__(self, s: dict, weights: dict, params: ModelParams, group, tracer):
         self.s, self.w, self.p, self.group = s, weights, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.heads = params["heads"] // self.world
-        self.head_dim = params["hidden"] // params["heads"]
+        self.heads = params.heads // self.world
+        self.head_dim = params.hidden // params.heads
         self.tracer = tracer
         self.cache: dict = {}  # (layer, slot) -> (k [t, n, d], v [t, n, d]) of this rank's heads
         self.routing: dict = {}
@@ -91,7 +92,7 @@ class _Forward:
         self.shards = [{"wqkv": shard_rows(L["wqkv"], r, w, 3), "wo": shard_cols(L["wo"], r, w),
                         "shared_gate_up": shard_rows(L["shared_gate_up"], r, w, 2),
                         "shared_down": shard_cols(L["shared_down"], r, w)} for L in weights["layers"]]
-        per_rank = params["num_experts"] // w
+        per_rank = params.num_experts // w
         self.experts = slice(r * per_rank, (r + 1) * per_rank)
 
     # --- tracing: every op per tracked token; parts carry the rank where ranks hold different things
@@ -112,13 +113,13 @@ class _Forward:
         padded = -(-real // w) * w
         names = [self.tracer.name(t) for t in tokens] if self.tracer else [None] * real
         items = names + [None] * (padded - real)
-        h = torch.zeros((padded, self.p["hidden"]), dtype=BF16, device=dev)
+        h = torch.zeros((padded, self.p.hidden), dtype=BF16, device=dev)
         h[:real] = self.w["embed"][torch.tensor(ids, device=dev)]
         if self.rank == 0:
             op = Op((-1, 0), "embedding")
             self.rec(op, items, "in", "token", [torch.tensor([i]) for i in ids])
             self.rec(op, items, "out", "h", h)
-        for layer in range(self.p["layers"]):
+        for layer in range(self.p.layers):
             h = self.layer(layer, h, tokens, items)
         at = {t: i for i, t in enumerate(tokens)}
         rows = torch.tensor([at[k] for k in want], device=dev)
@@ -130,7 +131,7 @@ class _Forward:
         if self.rank == 0:
             for i, (stage, a, b) in enumerate((("final.norm", h[rows], x), ("lm_head", x, logits),
                                               ("log_softmax", logits, lp))):
-                op = Op((final, i), stage, None, self.p["dense_gemm"] if stage == "lm_head" else None)
+                op = Op((final, i), stage, None, self.p.dense_gemm if stage == "lm_head" else None)
                 self.rec(op, picked, "in", "x", a)
                 self.rec(op, picked, "out", "y", b)
         lp = lp.cpu()
@@ -252,7 +253,7 @@ class _Forward:
         """The routed experts for this rank's rows (padding rows choose no expert)."""
         p = self.p
         mine = items[lo:lo + local]
-        idx, wts = route(x, L["router"], p["topk"], "softmax")
+        idx, wts = route(x, L["router"], p.topk, "softmax")
         pad = torch.arange(lo, lo + local, device=x.device) >= len(tokens)
         idx = torch.where(pad.unsqueeze(1), torch.full_like(idx, -1), idx)
         wts = torch.where(pad.unsqueeze(1), torch.zeros_like(wts), wts)
@@ -262,7 +263,7 @@ class _Forward:
         self.rec(ops["moe.router"], mine, "in", "x", x)
         self.rec(ops["moe.router"], mine, "out", "experts", idx)
         self.rec(ops["moe.router"], mine, "out", "weights", wts)
-        cfg = {**p, "expert_quant": "bf16", "wire": "bf16", "tokens_max": local, "layer": l}
+        cfg = DispatchConfig.of(p, expert_quant="bf16", wire="bf16", ue8m0=True, tokens_max=local, layer=l)
         received = self.s["dispatch"].dispatch(x, idx, wts, cfg, self.group)
         self.rec(ops["moe.dispatch"], mine, "in", "x", x)
         self.rec(ops["moe.dispatch"], mine, "in", "experts", idx)
@@ -298,9 +299,9 @@ def _sources(received, items: list, local: int) -> dict:
     return out
 
 
-def _layer_ops(l: int, p: dict) -> dict:
+def _layer_ops(l: int, p: ModelParams) -> dict:
     """The ops of layer l, in program order; the layer itself orders after its stages."""
-    tp, disp, gemm, dense = p["tp_reduce"], p["dispatch"], p["gemm"], p["dense_gemm"]
+    tp, disp, gemm, dense = p.tp_reduce, p.dispatch, p.gemm, p.dense_gemm
     stages = [("attention.norm", None, False), ("qkv", dense, False), ("attention", None, False), ("o_proj", dense, False),
               ("attention.tp_reduce", tp, True), ("attention.residual", None, False), ("moe.norm", None, False),
               ("moe.router", None, False), ("moe.dispatch", disp, True), ("moe.gate_up", gemm, False),

@@ -9,24 +9,38 @@ the case's params name them (defaults: all_gather_fold, torch_a2a_dispatch, torc
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from harness import subject as registry
 from harness.contracts import GemmProblem
+from harness.errors import HarnessError
+from harness.params import (CollectiveParams, CommonParams, DispatchConfig, DispatchParams, GemmParams, ModelParams,
+                            MoeParams)
 from harness.subject import register
 
-STAGES = {"tp_reduce": "all_gather_fold", "dispatch": "torch_a2a_dispatch", "gemm": "torch_mm"}
-# What each stage subject is asked about when the composition is planned.
+STAGES = ("tp_reduce", "dispatch", "gemm")  # each a field of the parameters naming a subject
+
+
+def _common(p: CommonParams) -> dict:
+    return {f.name: getattr(p, f.name) for f in fields(CommonParams)}
+
+
+# What each stage subject is asked about (unavailable, kernels, describe): its own family's
+# parameters as the composition runs it, bf16 throughout.
 STAGE_PARAMS = {
-    "tp_reduce": lambda p: {**p, "shards": "even"},
-    "dispatch": lambda p: {**p, "expert_quant": "bf16"},
-    "gemm": lambda p: {**p, "dtype": "bfloat16", "layout": p.get("layout", "contiguous")},
-    "dense_gemm": lambda p: {**p, "dtype": "bfloat16", "layout": "dense"},
+    "tp_reduce": lambda p: CollectiveParams(**_common(p), dtype="bfloat16", hidden=p.hidden, shards="even"),
+    "dispatch": lambda p: DispatchParams(**_common(p), hidden=p.hidden, num_experts=p.num_experts, topk=p.topk,
+                                         layout=p.layout, alignment=p.alignment, expert_quant="bf16", wire="bf16"),
+    "gemm": lambda p: GemmParams(**_common(p), dtype="bfloat16", layout=p.layout, alignment=p.alignment),
+    "dense_gemm": lambda p: GemmParams(**_common(p), dtype="bfloat16", layout="dense"),
 }
 
 
-def stages(params: dict, defaults: dict = STAGES) -> dict:
-    return {stage: registry.get(params.get(stage) or default) for stage, default in defaults.items()}
+def stages(params: MoeParams | ModelParams, names: tuple[str, ...] = STAGES) -> dict:
+    """Each stage's subject, by the registered name its parameter field holds."""
+    return {stage: registry.get(getattr(params, stage)) for stage in names}
 
 
 class Composed:
@@ -34,15 +48,15 @@ class Composed:
     whether each can run here, whether any compiles kernels, the kernels they declare (so
     the composition proves its stages ran) and what each is."""
 
-    STAGES: dict = STAGES
+    STAGES: tuple[str, ...] = STAGES
 
-    def stages(self, params: dict) -> dict:
+    def stages(self, params) -> dict:
         return stages(params, self.STAGES)
 
     def unavailable(self, platform, params):
         try:
             chosen = self.stages(params)
-        except Exception as exc:  # an unknown stage name
+        except HarnessError as exc:  # an unknown subject named for a stage
             return str(exc)
         for stage, subject in chosen.items():
             reason = subject.unavailable(platform, STAGE_PARAMS[stage](params))
@@ -53,15 +67,16 @@ class Composed:
     def compiles_kernels(self, params):
         from harness.subject import compiles_kernels
 
-        return any(compiles_kernels(s, params) for s in self.stages(params).values())
+        return any(compiles_kernels(s, STAGE_PARAMS[stage](params)) for stage, s in self.stages(params).items())
 
     def kernels(self, params):
         from harness.kernel_trace import declared
 
-        return tuple(dict.fromkeys(k for s in self.stages(params).values() for k in declared(s, params)))
+        return tuple(dict.fromkeys(k for stage, s in self.stages(params).items()
+                                   for k in declared(s, STAGE_PARAMS[stage](params))))
 
     def describe(self, params) -> dict:
-        return {stage: {"subject": s.name, **(s.describe(params) if hasattr(s, "describe") else {})}
+        return {stage: {"subject": s.name, **(s.describe(STAGE_PARAMS[stage](params)) if hasattr(s, "describe") else {})}
                 for stage, s in self.stages(params).items()}
 
 
@@ -83,16 +98,17 @@ class ComposedMoE(Composed):
     def forward(self, partials, weights, params, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
+        params = MoeParams(**params) if isinstance(params, dict) else params  # transitional: moe_layer's dict
         s = self.stages(params)
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
         local = partials.shape[0] // world
         x = partials.new_empty((local, partials.shape[1]))
         s["tp_reduce"].reduce_scatter(x, partials, [local] * world, group)
-        idx, w = route(x, weights["router"], params["topk"], params.get("scoring", "softmax"))
-        cfg = {**params, "expert_quant": "bf16", "wire": "bf16", "tokens_max": local}
+        idx, w = route(x, weights["router"], params.topk, params.scoring)
+        cfg = DispatchConfig.of(params, expert_quant="bf16", wire="bf16", ue8m0=True, tokens_max=local)
         received = s["dispatch"].dispatch(x, idx, w, cfg, group)
-        per_rank = params["num_experts"] // world
+        per_rank = params.num_experts // world
         experts = slice(rank * per_rank, (rank + 1) * per_rank)
         h = self._gemm(s["gemm"], received, received.x, weights["gate_up"][experts], params)
         inter = weights["down"].shape[-1]

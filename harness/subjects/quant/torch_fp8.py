@@ -30,8 +30,7 @@ class _TorchQuant:
     reciprocal = False
 
     def unavailable(self, platform, params):
-        cols = params.get("cols", 2048)
-        return None if cols % GROUP == 0 else f"cols={cols} is not a multiple of {GROUP}"
+        return None if params.cols % GROUP == 0 else f"cols={params.cols} is not a multiple of {GROUP}"
 
     def quantize(self, x, ue8m0):
         s = scales(x, ue8m0)
