@@ -5,8 +5,9 @@ properties, its parameter dataclass, its runs, what each rank observes, how rank
 measures, and its subjects' Protocol), plus one registry line: its module's name in
 `BUILT_IN` below, or, for a family of one's own, `harness.families.register(FAMILY)` at
 the end of a plugin module (loaded like a subject plugin: `--plugin`, a suite's
-`plugins`, or an entry point). Everything else (the planner's property check, the
-parameters' validation, the subjects' contract check, the records) reads it from here.
+`plugins`, or an entry point). Everything else reads it from here: the planner (which
+properties a family has), the parameters' validation and the checks rebuilt on the ranks
+(its parameter dataclass), and the subjects' contract check (its Protocol).
 """
 from __future__ import annotations
 
