@@ -4,6 +4,7 @@ subject's input builder).
 
 * `GemmProblem`: the inputs a GEMM subject multiplies, in DeepGEMM's layouts (and the
   contiguous layout's aligned segments, which dispatchers produce for the GEMM);
+* `DispatchConfig`: what one dispatch call is told (a dispatcher's `cfg`);
 * `Received`: what a dispatcher returns, with `native`, the backend's own handle that its
   combine needs (a subject keeps no per-call state on its registered instance: two
   dispatches before their combines each carry their own handle);
@@ -96,6 +97,33 @@ class Received:
     def rows(self) -> torch.Tensor:
         """The received rows flattened to [rows, H] (a view)."""
         return self.x.reshape(-1, self.x.shape[-1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """What one dispatch call is told (a dispatcher's `cfg`): the experts and the layout to
+    deliver in, the wire dtype (resolved: bf16 or fp8, by resolve_wire_dtype below),
+    and the most tokens a rank sends in one call (what a buffer is sized for). `layer`: the
+    model layer that dispatches (None outside a model). Built from a check's parameters by
+    `of`, never read by string key."""
+
+    num_experts: int
+    topk: int
+    hidden: int
+    layout: str
+    alignment: int
+    expert_quant: str
+    wire: str
+    ue8m0: bool
+    tokens_max: int
+    layer: int | None = None
+
+    @classmethod
+    def of(cls, p, **given) -> DispatchConfig:
+        """The experts, shape and layout of `p` (a check's TokenParams or ModelParams);
+        `given` sets the rest."""
+        return cls(num_experts=p.num_experts, topk=p.topk, hidden=p.hidden, layout=p.layout,
+                   alignment=p.alignment, **given)
 
 
 # The wire-dtype rule: an FP8 checkpoint dispatches FP8 values with per-token-group scales; a

@@ -154,32 +154,6 @@ class DispatchParams(TokenParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DispatchConfig:
-    """What one dispatch call is told (a dispatcher's `cfg`): the experts and the layout to
-    deliver in, the wire dtype (resolved: bf16 or fp8, by harness.contracts.resolve_wire_dtype),
-    and the most tokens a rank sends in one call (what a buffer is sized for). `layer`: the
-    model layer that dispatches (None outside a model). Built from a check's parameters by
-    `of`, never read by string key."""
-
-    num_experts: int
-    topk: int
-    hidden: int
-    layout: str
-    alignment: int
-    expert_quant: str
-    wire: str
-    ue8m0: bool
-    tokens_max: int
-    layer: int | None = None
-
-    @classmethod
-    def of(cls, p: TokenParams | ModelParams, **given) -> DispatchConfig:
-        """The experts, shape and layout of `p`; `given` sets the rest."""
-        return cls(num_experts=p.num_experts, topk=p.topk, hidden=p.hidden, layout=p.layout,
-                   alignment=p.alignment, **given)
-
-
-@dataclass(frozen=True, kw_only=True)
 class MoeParams(TokenParams):
     tokens: int = _opt(8, minimum=1)
     intermediate: int = _opt(128, minimum=1)

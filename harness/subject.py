@@ -112,7 +112,7 @@ class DispatchSubject(Subject, Protocol):
     def dispatch(self, x, topk_idx, topk_weights, cfg, group):
         """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
         (-1: none); return a harness.contracts.Received in cfg.layout (cfg: a
-        harness.params.DispatchConfig)."""
+        harness.contracts.DispatchConfig)."""
 
     def combine(self, expert_out, handle, topk_weights, group):
         """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""

@@ -20,11 +20,11 @@ import torch
 
 from harness.compare import compare_bitwise
 from harness.context import RankContext
-from harness.contracts import Received, resolve_wire_dtype
+from harness.contracts import DispatchConfig, Received, resolve_wire_dtype
 from harness.families.driver import Family, kept
 from harness.measurement import Bound, Measurement
 from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
-from harness.params import DispatchConfig, DispatchParams
+from harness.params import DispatchParams
 from harness.subject import DispatchSubject
 from harness.tolerances import gamma
 from reference import quant as ref_quant

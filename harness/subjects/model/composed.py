@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from harness.divergence import Op, rows_of
-from harness.contracts import GemmProblem, Served
-from harness.params import DispatchConfig, ModelParams
+from harness.contracts import DispatchConfig, GemmProblem, Served
+from harness.params import ModelParams
 from harness.subject import register
 from harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from harness.subjects.moe.composed import STAGES as MOE_STAGES

@@ -14,10 +14,9 @@ from dataclasses import fields
 import torch
 
 from harness import subject as registry
-from harness.contracts import GemmProblem
+from harness.contracts import DispatchConfig, GemmProblem
 from harness.errors import HarnessError
-from harness.params import (CollectiveParams, CommonParams, DispatchConfig, DispatchParams, GemmParams, ModelParams,
-                            MoeParams)
+from harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
 from harness.subject import register
 
 STAGES = ("tp_reduce", "dispatch", "gemm")  # each a field of the parameters naming a subject
