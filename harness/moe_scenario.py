@@ -82,9 +82,21 @@ def placements(prop: str, p: dict, world: int) -> list[Placement]:
     if prop == "position-invariance":
         return [Placement((t,) * world, ((0, pos),), seed, name)
                 for pos, name in ((0, "first"), (t // 2, "middle"), (t - 1, "last"))]
+    if prop == "prefill-decode-invariance":
+        return [Placement((1,) * world, ((0, 0),), seed, "decode: 1 token per rank")] + \
+            [Placement((n,) * world, tuple(divmod(row, n) for row in prefill_rows(world * n, p["channel_probes"])),
+                       seed, f"prefill: {n} tokens per rank") for n in p["prefill_tokens"]]
     if prop == "others-invariance":
         return [Placement((t,) * world, ((0, t // 2),), seed + 1000 * i, f"others drawn {i}") for i in range(4)]
     raise ValueError(f"no placements for {prop!r}")
+
+
+def prefill_rows(rows: int, parts: int) -> list[int]:
+    """Rows of a prefill message that hold the probe: the first, the last, and the middle row
+    of each of `parts` equal parts (where NCCL's split over channels puts one in each channel
+    when the parts are the channels), ascending and distinct."""
+    middles = ((2 * i + 1) * rows // (2 * parts) for i in range(parts))
+    return sorted({0, rows - 1, *middles})
 
 
 def placement_runs(prop: str, p: dict, world: int) -> list:

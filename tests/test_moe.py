@@ -53,10 +53,22 @@ def test_smoke_moe_layer_records(smoke_run):
     ref_rec = recs["moe/reference/world_size=4"]
     assert ref_rec["status"] == "ok" and ref_rec["detail"]["router_flips"] == 0 and ref_rec["detail"]["tokens"] == 32
     assert ref_rec["error_vs_reference"] < 1.0
-    for prop in ("run-to-run", "batch-invariance", "position-invariance", "rank-invariance", "others-invariance"):
+    for prop in ("run-to-run", "batch-invariance", "position-invariance", "rank-invariance", "others-invariance",
+                 "prefill-decode-invariance"):
         r = recs[f"moe/{prop}/world_size=4"]
         assert (r["status"], r["mismatched"]) == ("ok", 0), r["check"]
         assert r["detail"]["order_sensitive"] > 0
-    for prop in ("rank-invariance", "batch-invariance"):  # the control: native TP reduce-scatter
+    for prop in ("rank-invariance", "batch-invariance", "prefill-decode-invariance"):  # the control: native TP RS
         r = recs[f"moe-native-tp/{prop}/world_size=4"]
         assert r["status"] == "ok" and r["held"] is False and r["mismatched"] > 0
+    holds = recs["moe/prefill-decode-invariance/world_size=4"]
+    assert holds["detail"]["rows"] == 21  # decode + (first, last, 8 part middles) of 2 prefill sizes
+    labels = recs["moe-native-tp/prefill-decode-invariance/world_size=4"]["detail"]["mismatch_map"]["rows"]
+    assert labels[0].startswith("decode") and any(label.startswith("prefill") for label in labels)
+
+
+def test_prefill_rows_hold_the_first_last_and_one_row_per_part():
+    from harness.moe_scenario import prefill_rows
+
+    assert prefill_rows(128, 8) == [0, 8, 24, 40, 56, 72, 88, 104, 120, 127]
+    assert prefill_rows(4, 8) == [0, 1, 2, 3]  # fewer rows than parts: every row once

@@ -11,6 +11,11 @@ float64 and runs routing, experts and combine in float64 (reference/moe.py).
   the experts it chose; any other difference is a failure. Every token must satisfy
   tolerances.MOE.
 * invariances: the probe's output bits, as for dispatch.
+* prefill-decode-invariance: the probe decoded alone (1 token per rank, row 0 of the TP
+  reduction's smallest message) against the same token inside prefill batches, at the first
+  and last rows and one row inside each of `channel_probes` equal parts of the message: the
+  TP reduction sees a message of another size (another channel split on NCCL) and the
+  expert GEMMs another number of rows.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from reference import moe as ref
 from reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
-              "others-invariance")
+              "others-invariance", "prefill-decode-invariance")
 CANCEL = 2.0 ** 12
 
 
