@@ -55,8 +55,8 @@ def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
     by_case = {r["case"]: r for r in records}
     real, fallback = by_case["deepgemm"], by_case["fallback"]
     assert real["status"] == "ok", real["reason"]
-    assert any(k.startswith("deep_gemm::sm90_") or k.startswith("deep_gemm::sm100_") for k in real["kernels"])
+    assert any("deep_gemm::sm90_" in k or "deep_gemm::sm100_" in k for k in real["kernels"])  # "void deep_gemm::..."
     assert fallback["status"] == "error" and "but none ran" in fallback["reason"], fallback
     assert fallback["held"] is True  # the numbers were right: only the proof of path is missing
-    assert not any(k.startswith("deep_gemm::") for k in fallback.get("kernels", []))
+    assert not any("deep_gemm::" in k for k in fallback.get("kernels", []))
     assert proc.returncode != 0  # an error makes the run fail
