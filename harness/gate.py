@@ -3,10 +3,10 @@ history of every night.
 
 A baseline is a results.jsonl with the bulky detail stripped whose first line is the
 bit-relevant fingerprint of the run it came from. A run is compared only with a baseline of
-the same fingerprint: the same backend and topology, the same versions (torch, CUDA, NCCL,
-DeepGEMM), the same GPU model and driver, and, where the CPU computes what is measured
-(gloo), the same CPU model and ISA. One file per fingerprint,
-`ci/baselines/<platform>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
+the same fingerprint: the same suite, backend and topology, the same versions (torch, CUDA,
+NCCL, DeepGEMM, DeepEP), the same GPU model and driver, and, where the CPU computes what is
+measured (gloo), the same CPU model and ISA. One file per fingerprint,
+`ci/baselines/<platform>-<suite>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
 
@@ -50,12 +50,24 @@ def platform_key(environment: dict) -> str:
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 
 
+def suite_name(environment: dict) -> str:
+    """The suite a run measured, as its baseline is named: its declared `[suite] name` (runs
+    recorded before that was kept: the suite file's stem)."""
+    if environment.get("suite_name"):
+        return environment["suite_name"]
+    suite = str(environment.get("suite") or "unknown")
+    return Path(suite).stem if suite.endswith(".toml") else suite
+
+
 def fingerprint(environment: dict) -> dict:
-    """What decides the bits a run measures (not the date, host name or command)."""
+    """What decides the bits a run measures (not the date, host name or command), and which
+    suite's checks it holds: two suites on one platform (the nightly job runs h200-emulated and
+    h200-deepep on the same runner) keep a baseline each."""
     libs = environment.get("libraries") or {}
     topology = environment.get("topology") or {}
     fp = {
         "platform": platform_key(environment),
+        "suite": suite_name(environment),
         "backend": environment.get("backend"),
         "topology": topology.get("kind"), "ranks": topology.get("ranks", environment.get("max_ranks")),
         "torch": environment.get("torch"), "cuda": environment.get("cuda"), "nccl": environment.get("nccl"),
@@ -91,7 +103,7 @@ def baseline_path(run_dir: Path, baseline: Path | None) -> Path:
     if baseline is not None:
         return baseline
     fp = fingerprint(load_run(run_dir).environment)
-    return BASELINE_DIR / f"{fp['platform']}-{fingerprint_hash(fp)}.jsonl"
+    return BASELINE_DIR / f"{fp['platform']}-{fp['suite']}-{fingerprint_hash(fp)}.jsonl"
 
 
 def lean(record: dict) -> dict:
@@ -141,7 +153,7 @@ def gate(run_dir: Path, baseline: Path | None = None) -> dict:
     fp = fingerprint(run.environment)
     path = baseline_path(run_dir, baseline)
     if not path.exists():
-        others = sorted(path.parent.glob(f"{fp['platform']}-*.jsonl")) if baseline is None else []
+        others = sorted(path.parent.glob(f"{fp['platform']}-{fp['suite']}-*.jsonl")) if baseline is None else []
         raise _not_comparable(run_dir, fp, path, others)
     theirs, previous = read_baseline(path)
     if theirs != fp:

@@ -210,6 +210,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     run_id, run_dir = claim_run_dir(options.out_root)
     fingerprint = run_fingerprint(platform, list(options.command))
     fingerprint["suite"] = str(suite_path)
+    if not options.from_record:  # the suite's declared name: what its baselines are named by
+        fingerprint["suite_name"] = loaded.name
     fingerprint["topology"] = platform.topology.to_dict()
     fingerprint["ranks"] = {}
     if not options.quiet:
