@@ -180,6 +180,19 @@ def _uses_deepgemm_gemm(check) -> bool:
 
 # -- 2. compile them, many at once --------------------------------------------------------
 
+def interleaved(calls: list[KernelCall]) -> list[KernelCall]:
+    """The calls round-robin over their GEMMs (subject and weight shape): calls of one GEMM
+    that differ only in M often build the same kernel, and two processes building it at once
+    both pay for it, while a call made after the first finished loads it from the cache."""
+    groups: dict[tuple, list[KernelCall]] = {}
+    for call in calls:
+        groups.setdefault((call.subject, call.b), []).append(call)
+    order = []
+    for i in range(max(map(len, groups.values()), default=0)):
+        order += [g[i] for g in groups.values() if i < len(g)]
+    return order
+
+
 @dataclass
 class Outcome:
     done: int = 0
@@ -364,13 +377,12 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
     cache_dir = Path(env.get("DG_JIT_CACHE_DIR") or deep_gemm_cache_dir())
     identity = manifest_identity(platform)
     known = compiled_before(cache_dir, identity)
-    todo = [c for c in calls if c.key() not in known]
+    todo = interleaved([c for c in calls if c.key() not in known])
     if not todo:
         say(f"DeepGEMM kernels: all {len(calls)} planned calls were compiled by an earlier run into {cache_dir}")
         return None
     workers = min(worker_count(), len(todo))
-    say(f"{LABEL}: {len(todo)} distinct calls of {len({c.needed_by for c in todo})} check(s) on {workers} "
-        f"processes, into {cache_dir}")
+    say(f"{LABEL}: {len(todo)} distinct calls (shapes) on {workers} processes, into {cache_dir}")
     outcome = compile_all(todo, workers, env, device, run_dir / "precompile.log", say,
                           failed_say=lambda line: print(f"# {line}", flush=True))
     failed = {c.key() for c, _ in outcome.failed}

@@ -259,7 +259,7 @@ def test_precompile_prints_progress_remembers_and_is_a_no_op_when_warm(fake_deep
     first = precompile.precompile(checks, H200, tmp_path, quiet=False, device="cpu")
     assert first.done == len(calls) and not first.failed
     out = capsys.readouterr().out
-    assert f"# compiling DeepGEMM kernels: {len(calls)} distinct calls of " in out
+    assert f"# compiling DeepGEMM kernels: {len(calls)} distinct calls (shapes) on " in out
     assert f"# compiling DeepGEMM kernels: {len(calls)}/{len(calls)}, " in out
     manifest = json.loads((tmp_path / "dg-cache" / precompile.MANIFEST).read_text())
     assert set(manifest["calls"]) == {c.key() for c in calls}
@@ -283,3 +283,13 @@ def test_quiet_still_prints_failures(fake_deep_gemm, tmp_path, monkeypatch, caps
     assert len(out) == 1 and out[0].startswith("# compiling DeepGEMM kernels: FAILED deepgemm_bf16_dense")
     manifest = tmp_path / "dg-cache" / precompile.MANIFEST
     assert not manifest.exists() or json.loads(manifest.read_text())["calls"] == []  # not remembered
+
+
+def test_calls_are_interleaved_across_gemms():
+    load_all()
+    calls = precompile.planned_calls(small_h200_checks())[0]
+    order = precompile.interleaved(calls)
+    assert sorted(map(planned_key, order)) == sorted(map(planned_key, calls))  # the same calls, reordered
+    gemms = {(c.subject, c.b) for c in calls}
+    assert len(gemms) >= 8
+    assert len({(c.subject, c.b) for c in order[:len(gemms)]}) == len(gemms)  # every GEMM once, first
