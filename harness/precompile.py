@@ -365,6 +365,7 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
     if platform.device != "cuda" or multi_node or os.environ.get("EP_HARNESS_PRECOMPILE", "1") == "0":
         return None
     from harness.environment import deep_gemm_cache_dir, pinned_env
+    from harness.processes import import_paths
 
     say = (lambda line: None) if quiet else (lambda line: print(f"# {line}", flush=True))
     calls, own = planned_calls(checks)
@@ -373,7 +374,7 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
             f"they compile their own, e.g. {own[0]}")
     if not calls:
         return None
-    env = {**os.environ, **pinned_env(platform, {})}
+    env = {**os.environ, **pinned_env(platform, {}), **import_paths()}  # as the ranks run
     cache_dir = Path(env.get("DG_JIT_CACHE_DIR") or deep_gemm_cache_dir())
     identity = manifest_identity(platform)
     known = compiled_before(cache_dir, identity)
