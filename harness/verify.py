@@ -241,6 +241,9 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     with interruptible():
         try:
             head.wait_for_nodes()
+            from harness.precompile import precompile
+
+            precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi)
             if nodes.multi:  # ranks spread over nodes all take part in every launch
                 grouping = "one"
             elif options.launches != "auto":

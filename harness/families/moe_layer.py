@@ -51,14 +51,29 @@ def layer_weights(p: dict) -> dict:
     return _layer_weights(p["num_experts"], p["hidden"], p["intermediate"], p["seed"], p["cancel"])
 
 
+def router_weights(p: dict) -> torch.Tensor:
+    """The router [E, H] fp32 alone (cheap): what decides the routing, and so the experts'
+    row counts (harness/precompile.py plans the GEMM shapes from it before a launch)."""
+    return _router(p["num_experts"], p["hidden"], p["seed"], p["cancel"])
+
+
+@functools.lru_cache(maxsize=2)
+def _router(e: int, h: int, seed: int, cancel: bool) -> torch.Tensor:
+    router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
+    if cancel:
+        a, b = cancel_columns(h)
+        router[:, b] = router[:, a]
+    return router
+
+
 @functools.lru_cache(maxsize=2)
 def _layer_weights(e: int, h: int, i: int, seed: int, cancel: bool) -> dict:
     """Cached per process (never modified by a caller): the properties of a case share them."""
-    router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
+    router = _router(e, h, seed, cancel)
     gate_up = (gen.values((e, 2 * i, h), torch.float64, seed, "gate-up", data="randn") * h ** -0.5).to(torch.bfloat16)
     if cancel:
         a, b = cancel_columns(h)
-        router[:, b], gate_up[:, :, b] = router[:, a], gate_up[:, :, a]
+        gate_up[:, :, b] = gate_up[:, :, a]
     return {"router": router, "gate_up": gate_up,
             "down": (gen.values((e, h, i), torch.float64, seed, "down", data="randn") * i ** -0.5).to(torch.bfloat16)}
 
