@@ -83,20 +83,29 @@ def placements(prop: str, p: dict, world: int) -> list[Placement]:
         return [Placement((t,) * world, ((0, pos),), seed, name)
                 for pos, name in ((0, "first"), (t // 2, "middle"), (t - 1, "last"))]
     if prop == "prefill-decode-invariance":
-        return [Placement((1,) * world, ((0, 0),), seed, "decode: 1 token per rank")] + \
-            [Placement((n,) * world, tuple(divmod(row, n) for row in prefill_rows(world * n, p["channel_probes"])),
-                       seed, f"prefill: {n} tokens per rank") for n in p["prefill_tokens"]]
+        decode = Placement((1,) * world, ((0, 0),), seed, "decode: 1 token per rank")
+        if p["routing"] == "single":  # one token in the batch: no prefill to compare with (vacuous)
+            return [decode]
+        return [decode] + [Placement((n,) * world, tuple((r, row) for r in range(world)
+                                                         for row in prefill_rows(n, p["channel_probes"])),
+                                     seed, f"prefill: {n} tokens per rank") for n in p["prefill_tokens"]]
     if prop == "others-invariance":
         return [Placement((t,) * world, ((0, t // 2),), seed + 1000 * i, f"others drawn {i}") for i in range(4)]
     raise ValueError(f"no placements for {prop!r}")
 
 
-def prefill_rows(rows: int, parts: int) -> list[int]:
-    """Rows of a prefill message that hold the probe: the first, the last, and the middle row
-    of each of `parts` equal parts (where NCCL's split over channels puts one in each channel
-    when the parts are the channels), ascending and distinct."""
-    middles = ((2 * i + 1) * rows // (2 * parts) for i in range(parts))
-    return sorted({0, rows - 1, *middles})
+def prefill_rows(tokens: int, parts: int) -> list[int]:
+    """Rows of one rank's chunk of a prefill batch that hold the probe: the first, the last,
+    and one row inside each of `parts` equal slices of the chunk (a reduce-scatter deals each
+    rank's chunk over its channels), the i-th slice's row offset by i within it, so that the
+    probes fall on every residue mod 2, 4, ... up to the slice length: a defect tied to a row's
+    lane or offset cannot sit only where no probe is. Ascending and distinct."""
+    rows = {0, tokens - 1}
+    for i in range(parts):
+        start, end = i * tokens // parts, (i + 1) * tokens // parts
+        if end > start:
+            rows.add(start + i % (end - start))
+    return sorted(rows)
 
 
 def placement_runs(prop: str, p: dict, world: int) -> list:

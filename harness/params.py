@@ -152,9 +152,10 @@ class MoeParams(TokenParams):
     intermediate: int = _opt(128, minimum=1)
     batch_sizes: list[int] = _opt([1, 3, 8, 32], minimum=1, nonempty=True)
     # prefill-decode-invariance: the probe decoded alone (1 token per rank) against the same
-    # token inside prefill batches of these many tokens per rank, at the first and last rows
-    # and one row inside each of `channel_probes` equal parts of the TP-reduced message
-    prefill_tokens: list[int] = _opt([32, 256], minimum=1, nonempty=True)
+    # token inside prefill batches of these many tokens per rank (2 or more: one is a decode),
+    # on every rank at its chunk's first and last rows and one row in each of `channel_probes`
+    # equal slices (harness/moe_scenario.py prefill_rows)
+    prefill_tokens: list[int] = _opt([32, 256], minimum=2, nonempty=True)
     channel_probes: int = _opt(8, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)
     cancel: bool = _opt(True)

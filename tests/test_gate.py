@@ -158,11 +158,17 @@ def test_workflow_is_safe_and_thin():
     job = wf["jobs"]["nightly"]
     assert job["strategy"]["matrix"]["gpus"] == [1, 4, 8]
     assert {"gpus": 1, "emulate": "1", "suite": "h200-emulated"} in job["strategy"]["matrix"]["include"]
-    assert {"gpus": 1, "emulate": "1", "suite": "h200-deepep"} in job["strategy"]["matrix"]["include"]
+    assert {"gpus": 1, "emulate": "1", "suite": "h200-deepep", "deepep": "1"} in job["strategy"]["matrix"]["include"]
+    for name in ("PYTHONPATH", "EP_HARNESS_DEEPEP_VERSION"):  # DeepEP for its own entry only
+        assert job["env"][name].startswith("${{ matrix.deepep == '1' && vars."), job["env"][name]
     for entry in job["strategy"]["matrix"]["include"]:  # every suite the job runs has its baseline
         platform = "nvidia-h200-x1-emulated-hosts-8" if entry["emulate"] == "1" else None
         if platform:
-            assert list((REPO / "ci" / "baselines").glob(f"{platform}-{entry['suite']}-*.jsonl")), entry
+            paths = list((REPO / "ci" / "baselines").glob(f"{platform}-{entry['suite']}-*.jsonl"))
+            assert paths, entry
+            for path in paths:  # a baseline has DeepEP in its fingerprint exactly where the entry gets it
+                fp = json.loads(path.read_text().splitlines()[0])["fingerprint"]
+                assert ("deep_ep" in fp) == (entry.get("deepep") == "1"), (entry, path.name)
     assert job["runs-on"][0] == "self-hosted"
     runs = [s["run"] for s in job["steps"] if "run" in s]
     assert runs and all(r.strip().startswith("make ") for r in runs)
