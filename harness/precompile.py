@@ -21,10 +21,10 @@ every call was compiled by an earlier run into the same cache (the manifest belo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -37,13 +37,18 @@ FP8 = "float8_e4m3fn"
 MANIFEST = "ep-harness-precompiled.json"  # in the DeepGEMM cache directory: calls compiled there
 PROGRESS_EVERY_S = 2.0
 LABEL = "compiling DeepGEMM kernels"
+CALL_LIMIT_S = 600.0  # a call's limit when no check gave one (KernelCall.timeout_s)
+STARTUP_LIMIT_S = 300.0  # a worker's start: torch, CUDA and DeepGEMM imported, 16 at once on one GPU
+WORKERS_ENV = "EP_HARNESS_PRECOMPILE_WORKERS"
 
 
 @dataclass(frozen=True)
 class KernelCall:
     """One DeepGEMM call as a check makes it. Equal calls build the same kernels; `counts`
-    (rows per expert: runtime values, not part of the kernel) and `needed_by` (the first
-    check that makes it, for messages) are carried along but not compared."""
+    (rows per expert: runtime values, not part of the kernel), `needed_by` (the first
+    check that makes it, for messages) and `timeout_s` (the largest timeout_s of the checks
+    that make it: past it they would time out anyway, so the call is given up) are carried
+    along but not compared."""
 
     subject: str
     layout: str
@@ -57,6 +62,7 @@ class KernelCall:
     counts: tuple[int, ...] = field(default=(), compare=False)
     alignment: int = field(default=128, compare=False)
     needed_by: str = field(default="", compare=False)
+    timeout_s: float = field(default=CALL_LIMIT_S, compare=False)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -163,8 +169,10 @@ def planned_calls(checks) -> tuple[list[KernelCall], list[str]]:
                 own.append(check.id)
             continue
         for call in found:
-            calls.setdefault(call, call)
-    return list(calls), own
+            first = calls.setdefault(call, dataclasses.replace(call, timeout_s=check.timeout_s))
+            if check.timeout_s > first.timeout_s:  # the call's limit: the most any check needing it allows
+                calls[call] = dataclasses.replace(first, timeout_s=check.timeout_s)
+    return list(calls.values()), own
 
 
 def _uses_deepgemm_gemm(check) -> bool:
@@ -200,52 +208,91 @@ class Outcome:
     seconds: float = 0.0
 
 
+class GaveUp(Exception):
+    """A worker that did not answer in time (it has been ended)."""
+
+
 class _Worker:
     """One worker process (its own process group: ended with everything it started, NVCC
-    included) and the calls it makes, one at a time."""
+    included) and the calls it makes, one at a time. A thread of its own reads its answers,
+    so that waiting for one has a limit: a hung NVCC or kernel launch must not hang the run."""
 
-    def __init__(self, env: dict, device: str, log):
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.precompile_worker", device],
+    def __init__(self, env: dict, device: str, log, plugins: list[str] = ()):
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.precompile_worker", device, *plugins],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                      text=True, bufsize=1, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.started = False  # whether it said it is ready for calls
+        threading.Thread(target=self._read, daemon=True, name=f"precompile-answers-{self.proc.pid}").start()
+
+    def _read(self) -> None:
+        with self.proc.stdout as stream:
+            for line in stream:
+                self.lines.put(line)
+        self.lines.put("")  # end of file: the worker has ended
+
+    def _next_line(self, limit_s: float, failure: str) -> str:
+        try:
+            return self.lines.get(timeout=limit_s)
+        except queue.Empty:
+            self.end()
+            raise GaveUp(failure) from None
 
     def call(self, call: KernelCall) -> dict | None:
-        """The worker's answer, or None when it died (its exit code is then in self.proc)."""
+        """The worker's answer, or None when it died (its exit code is then in self.proc).
+        Raises GaveUp when it did not start within STARTUP_LIMIT_S or did not answer within
+        the call's timeout_s (the worker is ended then)."""
+        if not self.started:
+            line = self._next_line(STARTUP_LIMIT_S, f"the worker process did not start within "
+                                                    f"{STARTUP_LIMIT_S:g} s")
+            if not line:
+                return self._died()
+            if json.loads(line) != {"ready": True}:
+                raise RuntimeError(f"the worker process began with {line.strip()[:200]!r}, not its ready line")
+            self.started = True
         try:
             self.proc.stdin.write(json.dumps(call.to_json()) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            self.proc.wait()
-            return None
-        return json.loads(line)
+        except (OSError, ValueError):  # it died (or was ended): its end of file follows
+            pass
+        line = self._next_line(call.timeout_s, f"timed out after {call.timeout_s:g} s")
+        return json.loads(line) if line else self._died()
+
+    def _died(self) -> None:
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:  # closed its answers but lives on: end it
+            self.end()
+        return None
 
     def end(self) -> None:
-        if self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        """End the worker's process group (and anything it started elsewhere): also when the
+        worker itself has died, as its NVCC may still run. SIGTERM, then SIGKILL to whatever
+        is left after 2 s; returns once the worker has been reaped."""
+        from harness.processes import kill_launch
+
+        kill_launch(self.proc, grace_s=2.0)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, GaveUp) else (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:300]
 
 
 def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, log_path: Path,
-                say: Callable[[str], None], failed_say: Callable[[str], None] | None = None) -> Outcome:
-    """Make every call once in `workers` processes; `say` gets the progress lines (at most one
-    every PROGRESS_EVERY_S, and the last), `failed_say` (default `say`) one line per failure.
-    A worker that dies fails its call and is replaced for the calls left."""
+                say: Callable[[str], None], failed_say: Callable[[str], None] | None = None,
+                plugins: list[str] = ()) -> Outcome:
+    """Make every call once in `workers` processes (each loading the run's `plugins`, as the
+    ranks do); `say` gets the progress lines (at most one every PROGRESS_EVERY_S, and the
+    last), `failed_say` (default `say`) one line per failure. A worker that dies fails its
+    call and is replaced for the calls left. A worker that cannot be started, hangs (past the
+    call's timeout_s) or answers nonsense fails its call and its thread stops: whatever
+    broke it would likely break the next one too, and every stopped thread bounds the time
+    lost to one limit; the other threads make the calls left, and calls no thread is left to
+    make fail as not tried. Every failed call is compiled by its check, as without this step."""
     failed_say = failed_say or say
     todo: queue.Queue = queue.Queue()
     for call in calls:
@@ -257,24 +304,31 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
 
     def serve() -> None:
         worker = None
-        while True:
-            try:
-                call = todo.get_nowait()
-            except queue.Empty:
-                break
-            if worker is None:
-                with lock:
-                    if stopping.is_set():  # ended meanwhile: start nothing new
-                        return
-                    worker = _Worker(env, device, log)
-                    started.append(worker)
-            answer = worker.call(call)
-            if answer is None:
-                answer = {"ok": False, "error": f"the worker process died (exit code {worker.proc.returncode})"}
-                worker = None  # the next call gets a new one
-            answers.put((call, answer))
-        if worker is not None:
-            worker.end()
+        try:
+            while True:
+                try:
+                    call = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    if worker is None:
+                        with lock:
+                            if stopping.is_set():  # ended meanwhile: start nothing new
+                                return
+                            worker = _Worker(env, device, log, plugins)
+                            started.append(worker)
+                    answer = worker.call(call)
+                except Exception as exc:  # EMFILE/ENOMEM starting it, GaveUp, a garbled answer
+                    answers.put((call, {"ok": False, "error": _reason(exc)}))
+                    return
+                if answer is None:
+                    answer = {"ok": False, "error": f"the worker process died (exit code {worker.proc.returncode})"}
+                    worker.end()  # what it started (NVCC) may outlive it
+                    worker = None  # the next call gets a new one
+                answers.put((call, answer))
+        finally:
+            if worker is not None:
+                worker.end()
 
     outcome = Outcome()
     with open(log_path, "a") as log:
@@ -284,13 +338,14 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
             for t in threads:
                 t.start()
             last = time.perf_counter()
-            for _ in calls:
-                while True:  # in slices, so that a signal (harness.processes.interruptible) is taken at once
-                    try:
-                        call, answer = answers.get(timeout=0.5)
-                        break
-                    except queue.Empty:
-                        continue
+            finished = 0
+            while finished < len(calls):
+                try:  # in slices, so that a signal (harness.processes.interruptible) is taken at once
+                    call, answer = answers.get(timeout=0.5)
+                except queue.Empty:
+                    if not any(t.is_alive() for t in threads) and answers.empty():
+                        break  # every thread has stopped: nobody is left to make the calls still queued
+                    continue
                 elapsed = time.perf_counter() - began
                 if answer["ok"]:
                     outcome.done += 1
@@ -298,16 +353,17 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
                     outcome.failed.append((call, answer["error"]))
                     failed_say(f"{LABEL}: FAILED {call.describe()}: {answer['error']} (the check compiles it "
                                f"itself; worker log: {log_path})")
-                finished = outcome.done + len(outcome.failed)
+                finished += 1
                 if finished == len(calls) or time.perf_counter() - last >= PROGRESS_EVERY_S:
                     say(f"{LABEL}: {finished}/{len(calls)}, {elapsed:.0f} s")
                     last = time.perf_counter()
+            untried = _drain(todo)
+            if untried:
+                outcome.failed += [(call, "not tried: every compile process stopped") for call in untried]
+                failed_say(f"{LABEL}: {len(untried)} call(s) not tried: every compile process stopped after a "
+                           f"failure above (their checks compile them; worker log: {log_path})")
         finally:  # an interrupt (or anything else) ends every worker and what it started
-            while True:
-                try:
-                    todo.get_nowait()
-                except queue.Empty:
-                    break
+            _drain(todo)
             with lock:
                 stopping.set()
                 for worker in started:
@@ -316,6 +372,15 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
                 t.join(timeout=10)
     outcome.seconds = time.perf_counter() - began
     return outcome
+
+
+def _drain(todo: queue.Queue) -> list[KernelCall]:
+    left = []
+    while True:
+        try:
+            left.append(todo.get_nowait())
+        except queue.Empty:
+            return left
 
 
 # -- the manifest: calls an earlier run compiled into this cache ----------------------------
@@ -350,8 +415,20 @@ def remember(cache_dir: Path, identity: dict, keys: set[str]) -> None:
 # -- the step a GPU run takes before its launches ---------------------------------------------
 
 def worker_count() -> int:
-    if os.environ.get("EP_HARNESS_PRECOMPILE_WORKERS"):
-        return max(1, int(os.environ["EP_HARNESS_PRECOMPILE_WORKERS"]))
+    """EP_HARNESS_PRECOMPILE_WORKERS processes, or one per CPU core this process may use."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if value:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            from harness.errors import HarnessError
+
+            raise HarnessError(f"{WORKERS_ENV}={value!r} needs a positive integer (the number of DeepGEMM compile "
+                               f"processes); unset it for one per CPU core, or set EP_HARNESS_PRECOMPILE=0 to "
+                               f"compile in the checks")
+        return count
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -359,11 +436,14 @@ def worker_count() -> int:
 
 
 def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False,
-               device: str = "cuda") -> Outcome | None:
+               device: str = "cuda", plugins: list[str] = ()) -> Outcome | None:
     """Compile the DeepGEMM kernels the checks will need, before their launches; None when
-    there was nothing to do. (`device`: where the workers allocate, "cpu" only in tests.)"""
+    there was nothing to do. `plugins`: the run's plugin modules, which the workers load as
+    the ranks do (a plugin subject may be a DeepGEMM one). (`device`: where the workers
+    allocate, "cpu" only in tests.)"""
     if platform.device != "cuda" or multi_node or os.environ.get("EP_HARNESS_PRECOMPILE", "1") == "0":
         return None
+    processes = worker_count()  # a bad setting is refused on every GPU run, not only a cold one
     from harness.environment import deep_gemm_cache_dir, pinned_env
     from harness.processes import import_paths
 
@@ -382,10 +462,10 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
     if not todo:
         say(f"DeepGEMM kernels: all {len(calls)} planned calls were compiled by an earlier run into {cache_dir}")
         return None
-    workers = min(worker_count(), len(todo))
+    workers = min(processes, len(todo))
     say(f"{LABEL}: {len(todo)} distinct calls (shapes) on {workers} processes, into {cache_dir}")
     outcome = compile_all(todo, workers, env, device, run_dir / "precompile.log", say,
-                          failed_say=lambda line: print(f"# {line}", flush=True))
+                          failed_say=lambda line: print(f"# {line}", flush=True), plugins=list(plugins))
     failed = {c.key() for c, _ in outcome.failed}
     remember(cache_dir, identity, {c.key() for c in todo} - failed)
     if outcome.failed:

@@ -1,9 +1,11 @@
 """One pre-compilation process (harness/precompile.py starts a pool of them):
 
-    python -m harness.precompile_worker DEVICE
+    python -m harness.precompile_worker DEVICE [PLUGIN_MODULE ...]
 
-reads harness.precompile.KernelCall's as JSON lines on stdin and answers each with one JSON
-line, {"ok": true} or {"ok": false, "error": "..."}, after calling the subject once on
+loads the subjects as a rank does (built-in, entry points, the run's plugin modules), says
+{"ready": true} on a line of its own, then reads harness.precompile.KernelCall's as JSON lines
+on stdin and answers each with one JSON line, {"ok": true} or {"ok": false, "error": "..."},
+after calling the subject once on
 zero-valued inputs of the call's exact shapes: DeepGEMM compiles (or loads) the kernel on
 that first call and keeps it in its cache directory. Anything else written to stdout, by
 DeepGEMM's C++ (printf: NVCC's errors) or by Python, goes to stderr, which the pool writes to
@@ -61,16 +63,22 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever else is printed goes to the log
     sys.stdout = sys.stderr
-    device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    import harness.subjects  # noqa: F401  (registers the built-in subjects)
+    device, plugins = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("cuda", [])
+    from harness import subject as registry
     from harness.precompile import KernelCall
     from harness.subjects.gemm.deepgemm import deep_gemm
 
-    try:
-        deep_gemm()  # imported (and its determinism switch set) as in a rank, before the first call
-        broken = None
-    except ImportError as exc:  # every call fails with the reason (the checks are skipped for it)
-        broken = f"deep_gemm cannot be imported here: {exc}"
+    broken = None
+    try:  # every call fails with the reason (the run's own loading reports it)
+        registry.load_all(plugins)
+    except Exception as exc:
+        broken = f"the subjects cannot be loaded here: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+    if not broken:
+        try:
+            deep_gemm()  # imported (and its determinism switch set) as in a rank, before the first call
+        except ImportError as exc:  # every call fails with the reason (the checks are skipped for it)
+            broken = f"deep_gemm cannot be imported here: {exc}"
+    answers.write(json.dumps({"ready": True}) + "\n")  # the pool's limit on a call starts now
     for line in sys.stdin:
         call = KernelCall.from_json(json.loads(line))
         try:

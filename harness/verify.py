@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import secrets
 import shlex
@@ -188,6 +189,14 @@ class RunOptions:
     fresh_processes: int = 1  # launches of every check, each in new processes
 
 
+def source_suite_name(records: Path) -> str | None:
+    """The suite name a rerun's records came from, from their run's environment.json."""
+    try:
+        return json.loads((Path(records).parent / "environment.json").read_text()).get("suite_name")
+    except (OSError, ValueError):
+        return None
+
+
 def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
@@ -210,8 +219,10 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     run_id, run_dir = claim_run_dir(options.out_root)
     fingerprint = run_fingerprint(platform, list(options.command))
     fingerprint["suite"] = str(suite_path)
-    if not options.from_record:  # the suite's declared name: what its baselines are named by
-        fingerprint["suite_name"] = loaded.name
+    # the suite's declared name, what its baselines are named by (a rerun: its source run's)
+    fingerprint["suite_name"] = source_suite_name(options.from_record) if options.from_record else loaded.name
+    if options.selection:  # a part of the suite: never recorded or gated as the whole (harness/gate.py)
+        fingerprint["selection"] = list(options.selection)
     fingerprint["topology"] = platform.topology.to_dict()
     fingerprint["ranks"] = {}
     if not options.quiet:
@@ -243,7 +254,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
             head.wait_for_nodes()
             from harness.precompile import precompile
 
-            precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi)
+            precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins)
             if nodes.multi:  # ranks spread over nodes all take part in every launch
                 grouping = "one"
             elif options.launches != "auto":

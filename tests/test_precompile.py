@@ -7,7 +7,10 @@ here: it records each call's shapes, process and start/end time, and "compiles" 
   progress, and the checks then find every kernel cached;
 * failures (a call that raises, a worker that dies, DeepGEMM that does not import) are
   printed with the call and the worker's log, and the other calls still compile;
-* a no-op on the CPU, without DeepGEMM checks, and when an earlier run compiled everything.
+* a no-op on the CPU, without DeepGEMM checks, and when an earlier run compiled everything;
+* a call that hangs, a worker that does not start and a thread that raises end in a failure
+  (the check compiles the call itself), never in a hang; no worker, nor what it started,
+  outlives compile_all(); the workers load the run's plugins; a bad worker count is one line.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -293,3 +297,243 @@ def test_calls_are_interleaved_across_gemms():
     gemms = {(c.subject, c.b) for c in calls}
     assert len(gemms) >= 8
     assert len({(c.subject, c.b) for c in order[:len(gemms)]}) == len(gemms)  # every GEMM once, first
+
+
+# -- what a broken worker must not do: hang the run, leave processes, fail plugin subjects -----
+
+def leftover_workers(tmp_path: Path) -> list[int]:
+    """Live processes started with this test's worker_env (its FAKE_DEEP_GEMM_LOG path)."""
+    from tests.conftest import gone, processes_with_env
+
+    marker = f"FAKE_DEEP_GEMM_LOG={tmp_path / 'calls.jsonl'}\0"
+    return [pid for pid in processes_with_env(marker) if pid != os.getpid() and not gone(pid)]
+
+
+@pytest.fixture
+def ends_its_workers(tmp_path):
+    """After the test, kills (by pid) any worker process it left, so that a failing test
+    leaves nothing running; the test asserts on leftover_workers() itself."""
+    yield
+    for pid in leftover_workers(tmp_path):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def within(seconds: float, fn):
+    """fn()'s result, or a test failure (not a hang) when it has not returned after `seconds`:
+    a generous bound that only a hang exceeds, not a timing measurement."""
+    import threading
+
+    result, done = [], threading.Event()
+
+    def run():
+        try:
+            result.append(fn())
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(seconds), f"still waiting after {seconds} s"
+    assert result, "raised (see the thread's exception above)"
+    return result[0]
+
+
+def test_a_call_is_given_the_largest_timeout_of_the_checks_that_need_it():
+    load_all()
+    dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
+    short, long = dataclasses.replace(dg, timeout_s=3.0), dataclasses.replace(dg, id="long", timeout_s=7.0)
+    for checks in ([short, long], [long, short]):
+        (call,) = precompile.planned_calls(checks)[0]
+        assert call.timeout_s == 7.0
+    (call,) = precompile.planned_calls([short])[0]
+    assert call.timeout_s == 3.0 and call.needed_by == dg.id
+    assert precompile.KernelCall.from_json(call.to_json()).timeout_s == 3.0  # what the worker receives
+
+
+def test_a_hung_precompile_call_does_not_hang_the_run(fake_deep_gemm, tmp_path, monkeypatch, ends_its_workers):
+    """A call that never returns (NVCC or a kernel launch hung: here the fake "compiles" for an
+    hour) is given up after the needing check's timeout_s, its worker and what it started are
+    ended, and the check compiles it itself (and times out there, with a record)."""
+    for k, v in worker_env(tmp_path, FAKE_DEEP_GEMM_COMPILE_S="3600").items():
+        monkeypatch.setenv(k, v)
+    load_all()
+    dg = dataclasses.replace(single_check(get("deepgemm_bf16_dense"), "reference",
+                                          {"dtype": "bfloat16", "n": 256, "k": 256}), timeout_s=3.0)
+    outcome = within(120, lambda: precompile.precompile([dg], H200, tmp_path, quiet=True, device="cpu"))
+    assert [(c.needed_by, error) for c, error in outcome.failed] == [(dg.id, "timed out after 3 s")]
+    assert outcome.done == 0
+    assert leftover_workers(tmp_path) == []
+    manifest = json.loads((tmp_path / "dg-cache" / precompile.MANIFEST).read_text())
+    assert manifest["calls"] == []  # not remembered: its check compiles it
+
+
+def test_a_worker_that_does_not_start_stops_its_thread_and_the_rest_is_not_tried(tmp_path, monkeypatch,
+                                                                                   ends_its_workers):
+    """A worker whose start hangs (here importing deep_gemm takes an hour) fails its call after
+    STARTUP_LIMIT_S; its thread stops rather than hang again on the next call, and the calls
+    no thread is left to make fail as not tried (their checks compile them)."""
+    monkeypatch.setattr(precompile, "STARTUP_LIMIT_S", 2.0)
+    load_all()
+    dg = single_check(get("deepgemm_bf16_dense"), "batch-invariance",
+                      {"dtype": "bfloat16", "n": 256, "k": 256, "m_values": [1, 300, 700]})
+    calls = precompile.planned_calls([dg])[0]
+    lines: list[str] = []
+    outcome = within(120, lambda: precompile.compile_all(calls, 1, worker_env(tmp_path, FAKE_DEEP_GEMM_IMPORT_S="3600"),
+                                                         "cpu", tmp_path / "precompile.log", lines.append))
+    assert outcome.done == 0 and [c for c, _ in outcome.failed] == calls
+    assert [e for _, e in outcome.failed] == ["the worker process did not start within 2 s",
+                                              "not tried: every compile process stopped",
+                                              "not tried: every compile process stopped"]
+    assert [line for line in lines if "not tried" in line] == [
+        f"compiling DeepGEMM kernels: 2 call(s) not tried: every compile process stopped after a failure above "
+        f"(their checks compile them; worker log: {tmp_path / 'precompile.log'})"]
+    assert leftover_workers(tmp_path) == []
+
+
+SERVE_RAISES = """
+import os, sys
+from harness import precompile
+from harness.check import single_check
+from harness.subject import get, load_all
+
+made = []
+
+class CannotStart(precompile._Worker):
+    def __init__(self, *args):
+        made.append(1)
+        if sys.argv[2] == "always" or len(made) == 1:
+            raise OSError(24, "Too many open files")  # as Popen in a serve thread can
+        super().__init__(*args)
+
+precompile._Worker = CannotStart
+load_all()
+dg = single_check(get("deepgemm_bf16_dense"), "batch-invariance",
+                  {"dtype": "bfloat16", "n": 256, "k": 256, "m_values": [1, 300, 700, 900][:int(sys.argv[3])]})
+calls = precompile.planned_calls([dg])[0]
+outcome = precompile.compile_all(calls, int(sys.argv[4]), dict(os.environ), "cpu", sys.argv[1], lambda line: None)
+print("returned", outcome.done, "done", sorted(e for _, e in outcome.failed))
+"""
+
+
+@pytest.mark.parametrize("fails, calls, threads, expected", [
+    ("always", 1, 1, "returned 0 done ['OSError: [Errno 24] Too many open files']"),
+    ("always", 3, 2, "returned 0 done ['OSError: [Errno 24] Too many open files', 'OSError: [Errno 24] Too many "
+                     "open files', 'not tried: every compile process stopped']"),
+    ("once", 4, 2, "returned 3 done ['OSError: [Errno 24] Too many open files']"),
+])
+def test_a_serve_thread_that_raises_does_not_hang_compile_all(tmp_path, ends_its_workers, fails, calls, threads,
+                                                               expected):
+    """Starting a worker can raise (EMFILE, ENOMEM: one worker per CPU core, each a CUDA
+    context): the call it was for fails with the reason, that thread stops, the others make
+    the calls left, and compile_all() returns once no thread is left (run in a process of its
+    own, ended after 60 s, as a hang is what this shows)."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_RAISES, str(tmp_path / "precompile.log"), fails, str(calls),
+                             str(threads)], cwd=REPO, env=worker_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the process this test started, by its handle
+        out, _ = proc.communicate()
+    assert expected in out, out[-1500:]
+    assert leftover_workers(tmp_path) == []
+
+
+def test_precompile_knows_plugin_subjects(fake_deep_gemm, tmp_path, monkeypatch, capsys, ends_its_workers):
+    """planned_calls() gathers calls of any _DeepGemm subclass, a plugin's too
+    (tests/fallback_plugin's subject, which tests/test_gpu.py runs on the GPU): the workers
+    load the run's plugins as the ranks do, so its calls are made, not failed."""
+    for k, v in worker_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    load_all(["tests.fallback_plugin"])
+    check = single_check(get("planted_deepgemm_fallback"), "reference",
+                         {"dtype": "bfloat16", **SMALL_GEMM, "m_values": [7, 129]})
+    calls = precompile.planned_calls([check])[0]
+    assert calls and {c.subject for c in calls} == {"planted_deepgemm_fallback"}
+    # Control: workers not told of the plugin cannot make its calls (and say why).
+    unaware = precompile.precompile([check], H200, tmp_path, quiet=True, device="cpu")
+    assert len(unaware.failed) == len(calls)
+    assert all("unknown subject 'planted_deepgemm_fallback'" in e for _, e in unaware.failed)
+    capsys.readouterr()
+    outcome = precompile.precompile([check], H200, tmp_path, quiet=True, device="cpu",
+                                    plugins=["tests.fallback_plugin"])
+    assert (outcome.done, outcome.failed) == (len(calls), [])
+    assert capsys.readouterr().out == ""  # -q and nothing failed: no line
+
+
+def test_a_plugin_that_cannot_be_loaded_fails_every_call_with_the_reason(tmp_path, ends_its_workers):
+    load_all()
+    dg = single_check(get("deepgemm_bf16_dense"), "batch-invariance",
+                      {"dtype": "bfloat16", "n": 256, "k": 256, "m_values": [1, 300]})
+    calls = precompile.planned_calls([dg])[0]
+    outcome = precompile.compile_all(calls, 1, worker_env(tmp_path), "cpu", tmp_path / "precompile.log",
+                                     lambda line: None, plugins=["tests.no_such_plugin_module"])
+    assert outcome.done == 0 and len(outcome.failed) == 2
+    assert all(e.startswith("RuntimeError: the subjects cannot be loaded here: cannot import subject plugin "
+                            "'tests.no_such_plugin_module'") for _, e in outcome.failed), outcome.failed
+
+
+DIES_WITH_A_CHILD = '''
+import os, subprocess
+def use_deterministic_algorithms(flag):
+    pass
+def bf16_gemm_nt(a, b, d):
+    # as DeepGEMM's JIT does, compile in a child process (NVCC); the worker then dies
+    subprocess.Popen(["sleep", "300"])
+    os._exit(134)
+'''
+
+
+def test_a_dead_workers_children_are_ended(tmp_path, ends_its_workers):
+    """A worker that dies mid-call (segfault, OOM kill) leaves its NVCC child running unless
+    its process group is ended: compile_all() ends it before starting the next worker."""
+    from tests.conftest import gone, processes_with_env
+
+    fake = tmp_path / "fake" / "deep_gemm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(DIES_WITH_A_CHILD)
+    env = {**worker_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)])}
+    # Control: the measure sees a process started with this environment.
+    control = subprocess.Popen(["sleep", "300"], env=env)
+    try:
+        assert control.pid in leftover_workers(tmp_path)
+    finally:
+        control.kill()
+        control.wait()
+    load_all()
+    dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
+    calls = precompile.planned_calls([dg])[0]
+    outcome = precompile.compile_all(calls, 1, env, "cpu", tmp_path / "precompile.log", lambda line: None)
+    assert [e for _, e in outcome.failed] == ["the worker process died (exit code 134)"]
+    started = [pid for pid in processes_with_env(f"FAKE_DEEP_GEMM_LOG={tmp_path / 'calls.jsonl'}")
+               if pid != os.getpid()]
+    assert all(gone(pid) for pid in started) and leftover_workers(tmp_path) == []
+
+
+@pytest.mark.parametrize("value", ["auto", "0", "-3", "2.5"])
+def test_a_bad_worker_count_is_one_clear_line(fake_deep_gemm, tmp_path, monkeypatch, value):
+    """EP_HARNESS_PRECOMPILE_WORKERS that is not a positive integer is refused with one line
+    naming it, before any worker starts."""
+    from harness.errors import HarnessError
+
+    for k, v in worker_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EP_HARNESS_PRECOMPILE_WORKERS", value)
+    load_all()
+    dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
+    with pytest.raises(HarnessError) as exc:
+        precompile.precompile([dg], H200, tmp_path, quiet=True, device="cpu")
+    message = str(exc.value)
+    assert "\n" not in message and f"EP_HARNESS_PRECOMPILE_WORKERS={value!r} needs a positive integer" in message
+    assert not (tmp_path / "precompile.log").exists()
+
+
+def test_a_good_worker_count_is_taken(monkeypatch):
+    """Control for the refusal above: a positive integer (spaces around it allowed) is used
+    as given, and without the variable the count is the CPUs this process may use."""
+    monkeypatch.setenv("EP_HARNESS_PRECOMPILE_WORKERS", " 3 ")
+    assert precompile.worker_count() == 3
+    monkeypatch.delenv("EP_HARNESS_PRECOMPILE_WORKERS")
+    assert precompile.worker_count() == len(os.sched_getaffinity(0))

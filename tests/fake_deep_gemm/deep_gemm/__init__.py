@@ -9,7 +9,8 @@ Every call is recorded, in CALLS and, with FAKE_DEEP_GEMM_LOG set, as a JSON lin
 (pid, start and end times, whether it compiled), so that tests can see which shapes were
 called, by which process, and whether calls overlapped in time. A call whose key contains
 FAKE_DEEP_GEMM_FAIL raises (after printing to stdout, as DeepGEMM's C++ printf does), one
-containing FAKE_DEEP_GEMM_CRASH ends its process.
+containing FAKE_DEEP_GEMM_CRASH ends its process. FAKE_DEEP_GEMM_IMPORT_S makes importing it
+take that long (a start that hangs), FAKE_DEEP_GEMM_IMPORT_ERROR makes it fail.
 """
 from __future__ import annotations
 
@@ -87,5 +88,6 @@ def fp8_gemm_nt(a, b, d):
     _call("fp8_gemm_nt", a, b, d)
 
 
+time.sleep(float(os.environ.get("FAKE_DEEP_GEMM_IMPORT_S", "0")))
 if "FAKE_DEEP_GEMM_IMPORT_ERROR" in os.environ:
     raise ImportError("fake DeepGEMM: " + os.environ["FAKE_DEEP_GEMM_IMPORT_ERROR"])
