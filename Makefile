@@ -23,7 +23,7 @@ LAUNCHER ?=
 NODE_FLAG := $(if $(NNODES),--nnodes $(NNODES),) $(if $(NPROC_PER_NODE),--nproc-per-node $(NPROC_PER_NODE),) \
 	$(if $(RDZV),--rdzv-endpoint $(RDZV),) $(if $(NODE_RANK),--node-rank $(NODE_RANK),) $(if $(LAUNCHER),--launcher $(LAUNCHER),)
 
-.PHONY: install verify test bench bench-gpu report nightly baseline screenshot clean
+.PHONY: install verify test bench bench-gpu report nightly baseline deepep-ready screenshot clean
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,15 @@ bench-gpu: install
 nightly: install
 	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \
 		$(if $(SUMMARY_MD),--summary-md $(SUMMARY_MD),) $(if $(JUNIT_XML),--junit-xml $(JUNIT_XML),)
+
+# For the nightly workflow: prints skip=false where DeepEP imports and EP_HARNESS_DEEPEP_VERSION
+# names it, else skip=true, and the reason on stderr and in the job's summary (a night without
+# DeepEP must not look like a night DeepEP passed).
+DEEPEP_MISSING := h200-deepep not run: DeepEP does not import here or EP_HARNESS_DEEPEP_VERSION is unset; build DeepEP from source (README, GPU set-up), put its build directory in the repository variable DEEPEP_BUILD_DIR and name it in EP_HARNESS_DEEPEP_VERSION
+deepep-ready: install
+	@if $(PY) -c "import deep_ep" >/dev/null 2>&1 && [ -n "$$EP_HARNESS_DEEPEP_VERSION" ]; then echo skip=false; \
+	else echo "::warning::$(DEEPEP_MISSING)" >&2; [ -z "$$GITHUB_STEP_SUMMARY" ] || echo "$(DEEPEP_MISSING)" >> "$$GITHUB_STEP_SUMMARY"; \
+	echo skip=true; fi
 
 baseline: install
 	$(VENV)/bin/ep-harness baseline update reports/out/latest

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +181,11 @@ def load_suite(path) -> Suite:
         if c.name in seen:
             _fail(path, f"case {c.name!r}", "the name is used twice", "give every case its own name")
         seen.add(c.name)
-    return Suite(path=path, name=str(meta.get("name", path.stem)), description=str(meta.get("description", "")),
+    name = str(meta.get("name", path.stem))
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):  # it names the suite's baseline files
+        _fail(path, "[suite]", f"name {name!r} is not a plain file name",
+              "use letters, digits, '.', '_' and '-' (e.g. name = \"team-nightly\")")
+    return Suite(path=path, name=name, description=str(meta.get("description", "")),
                  plugins=list(meta.get("plugins", [])), cases=cases)
 
 

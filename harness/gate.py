@@ -3,10 +3,10 @@ history of every night.
 
 A baseline is a results.jsonl with the bulky detail stripped whose first line is the
 bit-relevant fingerprint of the run it came from. A run is compared only with a baseline of
-the same fingerprint: the same backend and topology, the same versions (torch, CUDA, NCCL,
-DeepGEMM), the same GPU model and driver, and, where the CPU computes what is measured
-(gloo), the same CPU model and ISA. One file per fingerprint,
-`ci/baselines/<platform>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
+the same fingerprint: the same suite, backend and topology, the same versions (torch, CUDA,
+NCCL, DeepGEMM, DeepEP), the same GPU model and driver, and, where the CPU computes what is
+measured (gloo), the same CPU model and ISA. One file per fingerprint,
+`ci/baselines/<platform>-<suite>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
 
@@ -50,12 +50,36 @@ def platform_key(environment: dict) -> str:
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 
 
+def suite_name(environment: dict) -> str:
+    """The suite a run measured, as its baseline is named: its declared `[suite] name` (runs
+    recorded before that was kept: the suite file's stem, or "unknown")."""
+    if environment.get("suite_name"):
+        return environment["suite_name"]
+    suite = str(environment.get("suite") or "")
+    if suite.endswith(".toml"):
+        return Path(suite).stem
+    return suite if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", suite) else "unknown"
+
+
+def selection_problem(environment: dict) -> str | None:
+    """A run of selected checks (--check) is a part of its suite: compared with the whole
+    suite's baseline, every check it did not select would read as disappeared."""
+    selection = environment.get("selection")
+    if selection:
+        return (f"this run selected checks (--check {' '.join(selection)}), a part of suite "
+                f"{suite_name(environment)!r}; baselines and the gate take whole-suite runs")
+    return None
+
+
 def fingerprint(environment: dict) -> dict:
-    """What decides the bits a run measures (not the date, host name or command)."""
+    """What decides the bits a run measures (not the date, host name or command), and which
+    suite's checks it holds: two suites on one platform (the nightly job runs h200-emulated and
+    h200-deepep on the same runner) keep a baseline each."""
     libs = environment.get("libraries") or {}
     topology = environment.get("topology") or {}
     fp = {
         "platform": platform_key(environment),
+        "suite": suite_name(environment),
         "backend": environment.get("backend"),
         "topology": topology.get("kind"), "ranks": topology.get("ranks", environment.get("max_ranks")),
         "torch": environment.get("torch"), "cuda": environment.get("cuda"), "nccl": environment.get("nccl"),
@@ -78,7 +102,7 @@ def fingerprint_hash(fp: dict) -> str:
 
 def describe(fp: dict) -> str:
     cpu = fp.get("cpu") or {}
-    parts = [fp["platform"], f"torch {fp['torch']}"]
+    parts = [fp["platform"], f"suite {fp.get('suite')}", f"torch {fp['torch']}"]
     parts += [f"{k} {fp[k]}" for k in ("cuda", "nccl", "deep_gemm", "driver") if fp.get(k)]
     if cpu:
         parts.append(f"CPU {cpu.get('model')} ({cpu.get('torch_capability')}"
@@ -91,7 +115,7 @@ def baseline_path(run_dir: Path, baseline: Path | None) -> Path:
     if baseline is not None:
         return baseline
     fp = fingerprint(load_run(run_dir).environment)
-    return BASELINE_DIR / f"{fp['platform']}-{fingerprint_hash(fp)}.jsonl"
+    return BASELINE_DIR / f"{fp['platform']}-{fp['suite']}-{fingerprint_hash(fp)}.jsonl"
 
 
 def lean(record: dict) -> dict:
@@ -106,8 +130,8 @@ def lean(record: dict) -> dict:
 
 def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     run = load_run(run_dir)
-    problem = run_problem(run.records, run.environment)
-    if problem:  # such a baseline would make the next interrupted or empty run look unchanged
+    problem = run_problem(run.records, run.environment) or selection_problem(run.environment)
+    if problem:  # such a baseline would make the next interrupted, empty or partial run look unchanged
         raise HarnessError(f"{run_dir}: not recorded as a baseline: {problem}; record a complete run that measured")
     target = baseline_path(run_dir, baseline)
     header = {"fingerprint": fingerprint(run.environment)}
@@ -139,9 +163,13 @@ def gate(run_dir: Path, baseline: Path | None = None) -> dict:
     baseline of this run's fingerprint exists."""
     run = load_run(run_dir)
     fp = fingerprint(run.environment)
+    partial = selection_problem(run.environment)
+    if partial:
+        raise NotComparable(f"not comparable: {partial}; run the whole suite to gate it")
     path = baseline_path(run_dir, baseline)
     if not path.exists():
-        others = sorted(path.parent.glob(f"{fp['platform']}-*.jsonl")) if baseline is None else []
+        others = [o for o in sorted(path.parent.glob(f"{fp['platform']}-{fp['suite']}-*.jsonl"))
+                  if (read_baseline(o)[0] or {}).get("suite") == fp["suite"]] if baseline is None else []
         raise _not_comparable(run_dir, fp, path, others)
     theirs, previous = read_baseline(path)
     if theirs != fp:

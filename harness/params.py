@@ -6,6 +6,13 @@ A case's `[case.params]` and `[case.grid]` keys are the fields of its family's d
 impossible value is a one-line `HarnessError` naming the case, the key and the fix. Every
 record stores every value (defaults and seed included), so a check can be rerun from its
 record alone.
+
+The dataclass itself travels to the family, its scenario builders and its subjects (each
+hook: `unavailable`, `kernels`, `describe`, `compiles_kernels`), which read it by attribute
+(`p.hidden`): the dataclass owns the defaults, and a field read that it lacks is an
+AttributeError, which planning turns into one line naming it (`unknown_field`). Records
+store its plain dict (`Check.params_record`). A dispatcher is told a
+harness.contracts.DispatchConfig, read the same way.
 """
 from __future__ import annotations
 
@@ -158,6 +165,12 @@ class MoeParams(TokenParams):
     tokens: int = _opt(8, minimum=1)
     intermediate: int = _opt(128, minimum=1)
     batch_sizes: list[int] = _opt([1, 3, 8, 32], minimum=1, nonempty=True)
+    # prefill-decode-invariance: the probe decoded alone (1 token per rank) against the same
+    # token inside prefill batches of these many tokens per rank (2 or more: one is a decode),
+    # on every rank at its chunk's first and last rows and one row in each of `channel_probes`
+    # equal slices (harness/moe_scenario.py prefill_rows)
+    prefill_tokens: list[int] = _opt([32, 256], minimum=2, nonempty=True)
+    channel_probes: int = _opt(8, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)
     cancel: bool = _opt(True)
     scoring: str = _opt("softmax", choices=("softmax", "sigmoid"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import secrets
 import shlex
@@ -187,6 +188,14 @@ class RunOptions:
     fresh_processes: int = 1  # launches of every check, each in new processes
 
 
+def source_suite_name(records: Path) -> str | None:
+    """The suite name a rerun's records came from, from their run's environment.json."""
+    try:
+        return json.loads((Path(records).parent / "environment.json").read_text()).get("suite_name")
+    except (OSError, ValueError):
+        return None
+
+
 def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
@@ -208,6 +217,10 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         checks = expand(loaded, platform, options.selection, options.seed)
     run_id, run_dir = claim_run_dir(options.out_root)
     environment = EnvironmentRecord(platform, options.command, suite_path)
+    # the suite's declared name, what its baselines are named by (a rerun: its source run's)
+    environment.data["suite_name"] = source_suite_name(options.from_record) if options.from_record else loaded.name
+    if options.selection:  # a part of the suite: never recorded or gated as the whole (harness/gate.py)
+        environment.data["selection"] = list(options.selection)
     if not options.quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
@@ -235,6 +248,9 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     with interruptible():
         try:
             head.wait_for_nodes()
+            from harness.precompile import precompile
+
+            precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins)
             if nodes.multi:  # ranks spread over nodes all take part in every launch
                 grouping = "one"
             elif options.launches != "auto":

@@ -194,7 +194,7 @@ class LyingMoE(ComposedMoE):
 
     def forward(self, partials, weights, params, group):
         out, idx = super().forward(partials, weights, params, group)
-        experts = params["num_experts"]
+        experts = params.num_experts
         wrong = torch.arange(experts - idx.shape[1], experts, device=idx.device).expand_as(idx)
         return torch.zeros_like(out), wrong.clone()
 

@@ -102,6 +102,18 @@ def test_baselines_are_kept_per_fingerprint(tmp_path):
     assert baseline_path(other, None) != path
 
 
+def test_two_suites_on_one_platform_keep_a_baseline_each(tmp_path):
+    """The nightly job runs h200-emulated and h200-deepep on one runner: neither is gated
+    against the other's checks."""
+    a = write_run(tmp_path / "a", baseline_records(), {**ENV, "suite": "/x/cases/nightly.toml"})
+    b = write_run(tmp_path / "b", baseline_records(), {**ENV, "suite": "smoke"})
+    assert baseline_path(a, None).name.startswith("cpu-gloo-4-nightly-")
+    assert baseline_path(b, None).name.startswith("cpu-gloo-4-smoke-")
+    update_baseline(a, tmp_path / "nightly.jsonl")
+    with pytest.raises(NotComparable):
+        gate(b, tmp_path / "nightly.jsonl")
+
+
 def test_platform_keys():
     assert platform_key(ENV) == "cpu-gloo-4"
     assert platform_key({"gpus": ["NVIDIA H200"] * 4}) == "nvidia-h200-x4"
@@ -117,7 +129,7 @@ def test_committed_baselines_match_their_own_runs():
     assert len(paths) >= 2
     for path in paths:
         fp, records = read_baseline(path)
-        assert fp is not None and path.name == f"{fp['platform']}-{fingerprint_hash(fp)}.jsonl"
+        assert fp is not None and path.name == f"{fp['platform']}-{fp['suite']}-{fingerprint_hash(fp)}.jsonl"
         assert records and all(r["params"].get("seed") is not None for r in records)  # every effective parameter
         assert all("comparison" in r for r in records if r["status"] not in ("error", "skipped"))
 
@@ -146,6 +158,17 @@ def test_workflow_is_safe_and_thin():
     job = wf["jobs"]["nightly"]
     assert job["strategy"]["matrix"]["gpus"] == [1, 4, 8]
     assert {"gpus": 1, "emulate": "1", "suite": "h200-emulated"} in job["strategy"]["matrix"]["include"]
+    assert {"gpus": 1, "emulate": "1", "suite": "h200-deepep", "deepep": "1"} in job["strategy"]["matrix"]["include"]
+    for name in ("PYTHONPATH", "EP_HARNESS_DEEPEP_VERSION"):  # DeepEP for its own entry only
+        assert job["env"][name].startswith("${{ matrix.deepep == '1' && vars."), job["env"][name]
+    for entry in job["strategy"]["matrix"]["include"]:  # every suite the job runs has its baseline
+        platform = "nvidia-h200-x1-emulated-hosts-8" if entry["emulate"] == "1" else None
+        if platform:
+            paths = list((REPO / "ci" / "baselines").glob(f"{platform}-{entry['suite']}-*.jsonl"))
+            assert paths, entry
+            for path in paths:  # a baseline has DeepEP in its fingerprint exactly where the entry gets it
+                fp = json.loads(path.read_text().splitlines()[0])["fingerprint"]
+                assert ("deep_ep" in fp) == (entry.get("deepep") == "1"), (entry, path.name)
     assert job["runs-on"][0] == "self-hosted"
     runs = [s["run"] for s in job["steps"] if "run" in s]
     assert runs and all(r.strip().startswith("make ") for r in runs)

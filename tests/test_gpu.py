@@ -33,3 +33,30 @@ def test_comparison_stays_on_the_device():
     m = compare_bitwise(b, a[0], ["r0", "r1", "r2", "r3"])
     assert (m.mismatched, m.first_mismatch["index"], m.first_mismatch["row"]) == (1, [2, 100], "r2")
     assert m.mismatch_map["fraction"][2][1] > 0
+
+
+def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
+    """The real DeepGEMM kernel is listed in its record; a subject that declares it and runs
+    torch.mm gets numbers as right as DeepGEMM's and is still an `error`."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"deep_gemm is not importable ({exc}); install the deepgemm extra (README, GPU set-up)")
+    proc = subprocess.run([sys.executable, "-m", "harness", "verify", "--suite", "tests/cases/gpu_fallback.toml",
+                           "--gpus", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    records = [json.loads(line) for line in (tmp_path / "latest" / "results.jsonl").read_text().splitlines()]
+    by_case = {r["case"]: r for r in records}
+    real, fallback = by_case["deepgemm"], by_case["fallback"]
+    assert real["status"] == "ok", real["reason"]
+    assert any("deep_gemm::sm90_" in k or "deep_gemm::sm100_" in k for k in real["kernels"])  # "void deep_gemm::..."
+    assert fallback["status"] == "error" and "but none ran" in fallback["reason"], fallback
+    assert fallback["held"] is True  # the numbers were right: only the proof of path is missing
+    assert not any("deep_gemm::" in k for k in fallback.get("kernels", []))
+    assert proc.returncode != 0  # an error makes the run fail

@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from harness.subject import register
+from harness.subjects.moe.composed import ComposedMoE
 from reference import moe as ref
 
 
@@ -53,10 +55,71 @@ def test_smoke_moe_layer_records(smoke_run):
     ref_rec = recs["moe/reference/world_size=4"]
     assert ref_rec["status"] == "ok" and ref_rec["detail"]["router_flips"] == 0 and ref_rec["detail"]["tokens"] == 32
     assert ref_rec["error_vs_reference"] < 1.0
-    for prop in ("run-to-run", "batch-invariance", "position-invariance", "rank-invariance", "others-invariance"):
+    for prop in ("run-to-run", "batch-invariance", "position-invariance", "rank-invariance", "others-invariance",
+                 "prefill-decode-invariance"):
         r = recs[f"moe/{prop}/world_size=4"]
         assert (r["status"], r["mismatched"]) == ("ok", 0), r["check"]
         assert r["detail"]["order_sensitive"] > 0
-    for prop in ("rank-invariance", "batch-invariance"):  # the control: native TP reduce-scatter
+    for prop in ("rank-invariance", "batch-invariance", "prefill-decode-invariance"):  # the control: native TP RS
         r = recs[f"moe-native-tp/{prop}/world_size=4"]
         assert r["status"] == "ok" and r["held"] is False and r["mismatched"] > 0
+    holds = recs["moe/prefill-decode-invariance/world_size=4"]
+    assert holds["detail"]["rows"] == 1 + 4 * 8 + 4 * 9  # decode + 4 ranks x prefill_rows(32, 8), (256, 8)
+    labels = recs["moe-native-tp/prefill-decode-invariance/world_size=4"]["detail"]["mismatch_map"]["rows"]
+    assert labels[0].startswith("decode") and any(label.startswith("prefill") for label in labels)
+
+
+def test_prefill_rows_hold_the_first_last_and_one_row_per_slice_on_every_residue():
+    from harness.moe_scenario import prefill_rows
+
+    assert prefill_rows(32, 8) == [0, 5, 10, 15, 16, 21, 26, 31]  # slice i of 4 rows probed at offset i % 4
+    assert {r % 4 for r in prefill_rows(32, 8)} == {0, 1, 2, 3}
+    assert {r % 8 for r in prefill_rows(256, 8)} == set(range(8))
+    assert prefill_rows(4, 8) == [0, 1, 2, 3]  # fewer rows than slices: every row once
+
+
+@register
+class LaneDependentMoE(ComposedMoE):
+    """Planted (review of 2026-12-01): a layer whose rows in lane 1 of every 4-row group come
+    out 1 ulp off once the batch holds more than one token: a token's bits depend on its row
+    in a prefill batch."""
+
+    name = "test_lane_dependent_moe"
+
+    def forward(self, partials, weights, params, group):
+        out, idx = super().forward(partials, weights, params, group)
+        if out.shape[0] > 1:
+            out = out.clone()
+            out.view(torch.int16)[torch.arange(out.shape[0]) % 4 == 1] += 1  # one bf16 ulp in magnitude
+        return out, idx
+
+
+def test_prefill_decode_catches_a_defect_tied_to_a_row_lane(one_rank):
+    """The probes of a prefill batch cover every row residue mod 4 (and 8 at 256 tokens), so
+    a defect that only rows 1 mod 4 show is caught; the correct layer holds (the control)."""
+    from harness.check import single_check
+    from harness.families import execute
+    from harness.subject import get
+
+    for name, held in (("composed_moe", True), ("test_lane_dependent_moe", False)):
+        check = single_check(get(name), "prefill-decode-invariance", {"world_size": 1})
+        m = execute(check, get(name), one_rank)
+        assert m.vacuous_reason is None and m.sensitivity > 0
+        assert m.held is held, name
+
+
+def test_prefill_of_one_token_is_refused_and_single_routing_has_no_prefill():
+    from harness.check import single_check
+    from harness.errors import HarnessError
+    from harness.families.driver import vacuity
+    from harness.moe_scenario import placement_runs
+    from harness.subject import get
+
+    with pytest.raises((HarnessError, ValueError), match="prefill_tokens"):
+        single_check(get("composed_moe"), "prefill-decode-invariance",
+                     {"world_size": 4, "num_experts": 8, "prefill_tokens": [1]})
+    check = single_check(get("composed_moe"), "prefill-decode-invariance",
+                         {"world_size": 4, "num_experts": 8, "routing": "single"})
+    runs = placement_runs(check.property, check.params, 4)
+    assert [max(r.spec.tokens) for r in runs] == [1]  # the decode alone: nothing to compare with
+    assert vacuity(check.property, runs, 30, "elements") is not None

@@ -1,8 +1,10 @@
 """The NCCL log parser and the NCCL order models against real NCCL, on the CPU.
 
-The fixtures in tests/fixtures/nccl-2.28.9-emulated-hosts/ were recorded once on the lent
-H200 by `ci/nccl_record.py` (NCCL 2.28.9, torch 2.11.0+cu130; 3, 4 and 8 ranks sharing the
-GPU as emulated hosts, one node per rank, NET/Socket): per configuration and world size,
+The fixtures in tests/fixtures/nccl-2.28.9-emulated-hosts/ were recorded on the lent H200 by
+`ci/nccl_record.py` (NCCL 2.28.9, torch 2.11.0+cu130; 3, 4 and 8 ranks sharing the GPU as
+emulated hosts, one node per rank, NET/Socket; treefree-w8 and treech1-w4/w8 on a second
+machine, driver 580.159.04, whose treefree-w4 re-recording gave the same digests as the
+first): per configuration and world size,
 every rank's NCCL_DEBUG=INFO log cut to the lines the parser reads, and a SHA-256 of every
 rank's output for reduce_scatter_tensor and all_reduce on inputs that `ci/nccl_record.py`
 regenerates from the seed. A model passes only if it reproduces every output element of
@@ -20,7 +22,7 @@ import torch
 from harness.nccl import log as nccl_log
 from harness.nccl import pins
 from harness.inputs import dtype_of
-from harness.nccl.models import NcclContext, NoPrediction, all_reduce, reduce_scatter
+from harness.nccl.models import NcclContext, NoPrediction, all_reduce, all_reduce_plan, reduce_scatter
 from reference import nccl_pat, nccl_plan, orders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
@@ -199,13 +201,16 @@ def test_no_prediction_names_what_nccl_ran():
         reduce_scatter(x, [2] * 4, None)
 
 
-# Recorded with nothing pinned (`free`: NCCL picks algorithm, protocol and channels) and with
-# tree pinned but NCCL's own channel count (`treefree`): every all-reduce of the sweep, 4 KiB
-# to 32 MiB (ci/nccl_record.py SWEEP_BYTES). Sizes above 1 MiB take seconds each on a CPU: the
-# default run checks one of them per world size, EP_HARNESS_NCCL_FULL_SWEEP=1 all 180 (done
+# Recorded with nothing pinned (`free`: NCCL picks algorithm, protocol and channels), with
+# tree pinned but NCCL's own channel count (`treefree`) and with tree on one channel
+# (`treech1`): every all-reduce of the sweep, 4 KiB to 32 MiB (ci/nccl_record.py SWEEP_BYTES).
+# Sizes above 1 MiB take seconds each on a CPU: the default run checks one of them per
+# recording, EP_HARNESS_NCCL_FULL_SWEEP=1 all 420 (180 free, 120 treefree, 120 treech1; done
 # once when the fixtures were recorded: every one equal).
 FULL_SWEEP = os.environ.get("EP_HARNESS_NCCL_FULL_SWEEP") == "1"
 LARGE = {3: ("bfloat16", 12345676), 4: ("float16", 3149824), 8: ("float32", 16777216)}
+TREE_LARGE = {("treefree", 4): ("bfloat16", 16 << 20), ("treefree", 8): ("float16", 12345676),
+              ("treech1", 4): ("float32", 4 << 20), ("treech1", 8): ("bfloat16", (3 << 20) + 4096)}
 
 
 def sweep(config: str, world_size: int, max_bytes: int | None = None, dtypes=recorder.DTYPES):
@@ -245,12 +250,105 @@ def test_unpinned_all_reduce_models_reproduce_every_bit_of_nccl(world_size):
     assert ("TREE/LL" in seen) == (world_size == 8)
 
 
-def test_tree_without_channel_pin_reproduces_every_bit_of_nccl():
-    """Tree pinned, no channel pin, 4 nodes: 2 channels; below 64 KiB only channel 0."""
-    points = sweep("treefree", 4, None if FULL_SWEEP else 1 << 20)
-    points += [] if FULL_SWEEP else [p for p in sweep("treefree", 4, None, ("bfloat16",)) if p[1] == 16 << 20]
-    assert reproduce("treefree", 4, points) == {"TREE/SIMPLE"}
+def tree_points(config: str, world_size: int):
+    """The sweep up to 1 MiB and one larger size (all of it with EP_HARNESS_NCCL_FULL_SWEEP=1)."""
+    if FULL_SWEEP:
+        return sweep(config, world_size)
+    name, nbytes = TREE_LARGE[config, world_size]
+    return sweep(config, world_size, 1 << 20) + [p for p in sweep(config, world_size, None, (name,)) if p[1] == nbytes]
+
+
+def logged_channels_by_size(config: str, world_size: int) -> dict[int, set[tuple[int, int]]]:
+    """Every size of the sweep -> the channel ranges NCCL logged for it (over the dtypes)."""
+    out: dict[int, set[tuple[int, int]]] = {}
+    for _, nbytes, call in sweep(config, world_size):
+        out.setdefault(nbytes, set()).add(call.channels)
+    return out
+
+
+def assert_split_predicts_every_logged_range(config: str, world_size: int):
+    """The channel split of the model (cheap: no reduction) for all 60 calls of the sweep;
+    all_reduce_plan raises NoPrediction where it differs from the range NCCL logged."""
+    topo = topology(config, world_size)
+    for name, nbytes, call in sweep(config, world_size):
+        size = dtype_of(name).itemsize
+        all_reduce_plan(nbytes // size, size, NcclContext(topo, [call]))
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_tree_without_channel_pin_reproduces_every_bit_of_nccl(world_size):
+    """Tree pinned, no channel pin, one node per rank: 2 channels carrying the two trees of
+    the double binary tree; below 64 KiB (2 channels x 512 threads x 64 B) only channel 0."""
+    topo = topology("treefree", world_size)
+    assert topo.coll_channels == 2 and sorted(topo.trees) == [0, 1] and topo.trees[0] != topo.trees[1]
+    assert logged_channels_by_size("treefree", world_size) == {
+        nbytes: {(0, 0) if nbytes < 1 << 16 else (0, 1)} for nbytes in recorder.SWEEP_BYTES}
+    assert_split_predicts_every_logged_range("treefree", world_size)
+    points = tree_points("treefree", world_size)
+    assert reproduce("treefree", world_size, points) == {"TREE/SIMPLE"}
     assert {c.channels for _, _, c in points} == {(0, 0), (0, 1)}
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_tree_on_one_channel_reproduces_every_bit_of_nccl(world_size):
+    """NCCL_MIN/MAX_NCHANNELS=1 and NCCL_MIN/MAX_CTAS=1: one coll channel, carrying the tree
+    of channel 0 of the unpinned communicator, and every size of the sweep (and the
+    recorder's closing barrier) on channel 0 only."""
+    topo = topology("treech1", world_size)
+    assert all(topo.env[f"NCCL_{v}"] == "1" for v in ("MIN_NCHANNELS", "MAX_NCHANNELS", "MIN_CTAS", "MAX_CTAS"))
+    assert topo.coll_channels == 1 and sorted(topo.trees) == [0] and sorted(topo.rings) == [0]
+    assert topo.trees[0] == topology("treefree", world_size).trees[0]
+    calls = rank0_calls("treech1", world_size, "AllReduce")
+    assert len(calls) == len(recorder.DTYPES) * len(recorder.SWEEP_BYTES) + 1
+    assert {c.channels for c in calls} == {(0, 0)}
+    assert logged_channels_by_size("treech1", world_size) == {nbytes: {(0, 0)} for nbytes in recorder.SWEEP_BYTES}
+    assert_split_predicts_every_logged_range("treech1", world_size)
+    assert reproduce("treech1", world_size, tree_points("treech1", world_size)) == {"TREE/SIMPLE"}
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_one_channel_and_two_channel_trees_agree_exactly_where_nccl_used_channel_0_only(world_size):
+    """Positive control from the recordings alone: the one-channel and the unpinned tree
+    all-reduce give the same bits for a size exactly when the unpinned one ran on channel 0
+    only (18 of 60 calls: 6 sizes below 64 KiB x 3 dtypes); from 64 KiB on, the part of the
+    message on channel 1 went through the other tree, and every one of the 42 differs."""
+    one, two = recorded("treech1", world_size), recorded("treefree", world_size)
+    same = 0
+    for name, nbytes, call in sweep("treefree", world_size):
+        key = f"ar/{name}/{nbytes}"
+        assert (one[key] == two[key]) == (call.channels == (0, 0)), f"{key}: {call.describe()}"
+        same += one[key] == two[key]
+    assert same == len(recorder.DTYPES) * sum(nbytes < 1 << 16 for nbytes in recorder.SWEEP_BYTES) == 18
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_a_wrong_tree_or_channel_assignment_misses_nccl(world_size):
+    """Positive control for the tree model: 64 KiB of bf16, the smallest size NCCL splits over
+    two channels. The model with the logged trees and split equals both recordings; the same
+    order with the trees swapped, with the whole message on one tree, or with the one-channel
+    recording fed the other tree, misses NCCL's output in thousands of elements (counted
+    against the model, which equals NCCL's recorded bits)."""
+    nbytes, n = 1 << 16, (1 << 16) // 2
+    x = torch.stack([recorder.ar_input(torch.bfloat16, world_size, n, r) for r in range(world_size)])
+    [(_, _, two_call)] = [p for p in sweep("treefree", world_size, None, ("bfloat16",)) if p[1] == nbytes]
+    [(_, _, one_call)] = [p for p in sweep("treech1", world_size, None, ("bfloat16",)) if p[1] == nbytes]
+    two_topo, one_topo = topology("treefree", world_size), topology("treech1", world_size)
+    two, _ = all_reduce(x, NcclContext(two_topo, [two_call]))
+    one, _ = all_reduce(x, NcclContext(one_topo, [one_call]))
+    key = f"ar/bfloat16/{nbytes}"
+    assert recorded("treefree", world_size)[key] == [digest(two)] * world_size
+    assert recorded("treech1", world_size)[key] == [digest(one)] * world_size
+    plan, _ = all_reduce_plan(n, 2, NcclContext(two_topo, [two_call]))
+    assert two_call.channels == (0, 1) and plan.counts == [n // 2] * 2
+    tree0, tree1 = two_topo.channel_trees()
+
+    def misses(out: torch.Tensor, nccl: torch.Tensor) -> int:
+        return int((out.view(torch.int16) != nccl.view(torch.int16)).sum())
+
+    swapped = orders.nccl_tree_all_reduce(x, [tree1, tree0], plan.counts)
+    assert misses(swapped, two) > n // 10
+    assert misses(orders.nccl_tree_all_reduce(x, [tree0], [n]), two) > n // 20  # misses in channel 1's half
+    assert misses(orders.nccl_tree_all_reduce(x, [tree1], [n]), one) > n // 10
 
 
 def test_the_ring_model_needs_nccls_channel_split():

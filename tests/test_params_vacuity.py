@@ -11,7 +11,7 @@ from harness.cases import load_suite
 from harness.check import single_check
 from harness.errors import HarnessError
 from harness.families import FAMILIES
-from harness.families.driver import _family_params, vacuity
+from harness.families.driver import vacuity
 from harness.plan import expand
 from harness.subject import Platform, register
 from tests.conftest import REPO, run_cli
@@ -109,7 +109,7 @@ DEGENERATE = [
 def runs_of(family, prop, params):
     subject, good, _ = FAMILY_CASES[family]
     check = single_check(registry.get(subject), prop, {**good, **params})
-    return FAMILIES[family].runs(prop, _family_params(FAMILIES[family], check), check.world_size)
+    return FAMILIES[family].runs(prop, check.params, check.world_size)
 
 
 @pytest.mark.parametrize("family, prop, degenerate, varied", DEGENERATE)
@@ -138,7 +138,7 @@ def test_every_committed_suite_compares_runs_that_differ():
         suite = load_suite(path)
         registry.load_all(suite.plugins)
         for c in expand(suite, GPU8):
-            if vacuity(c.property, FAMILIES[c.family].runs(c.property, _family_params(FAMILIES[c.family], c), c.world_size), None, None):
+            if vacuity(c.property, FAMILIES[c.family].runs(c.property, c.params, c.world_size), None, None):
                 vacuous.add(f"{path.stem}:{c.id}")
     expected = {f"nightly:dispatch-a2a/position-invariance/expert_quant={q}/layout={lay}/routing=single/world_size={ws}"
                 for q in ("bf16", "fp8") for lay in ("contiguous", "masked") for ws in (4, 8)}

@@ -11,6 +11,7 @@ from harness.families import execute
 from harness.families import moe_layer
 from harness.families.driver import compared_nothing
 from harness.measurement import Bound, Measurement
+from harness.params import MoeParams
 from harness.subject import register
 from harness.subjects.gemm.torch_mm import TorchMm
 from reports.analysis import compare_runs
@@ -108,20 +109,21 @@ def _moe_outputs(world: int, lie: bool):
     from harness.moe_scenario import placements
     from reference import moe as ref
 
-    p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).params_record
+    p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).params
     run = placements("reference", p, world)[0]
     parts = [moe_layer.partials(p, run, r, world).double() for r in range(world)]
     w = moe_layer.layer_weights(p)
     logits = sum(parts) @ w["router"].double().T
-    out, idx = ref.moe_layer(sum(parts), logits, w["gate_up"], w["down"], p["topk"], p["scoring"])
+    out, idx = ref.moe_layer(sum(parts), logits, w["gate_up"], w["down"], p.topk, p.scoring)
     order = logits.argsort(dim=1, descending=True)
-    swapped = torch.cat([order[:, :p["topk"] - 1], order[:, p["topk"]:p["topk"] + 1]], dim=1)
+    swapped = torch.cat([order[:, :p.topk - 1], order[:, p.topk:p.topk + 1]], dim=1)
     _, admitted = moe_layer.router_flips(swapped, idx, logits, moe_layer.logit_margin(parts, w["router"]))
     admitted &= lie
     out = torch.where(admitted.unsqueeze(1), 0.0, out).to(torch.bfloat16)
     idx = torch.where(admitted.unsqueeze(1), swapped, idx)
     local = out.shape[0] // world
-    return p, run, [(out[r * local:(r + 1) * local], idx[r * local:(r + 1) * local]) for r in range(world)], admitted
+    return p, run, [moe_layer.Routed(out[r * local:(r + 1) * local], idx[r * local:(r + 1) * local])
+                    for r in range(world)], admitted
 
 
 def test_a_moe_layer_cannot_hide_its_output_behind_admitted_router_flips():
@@ -141,7 +143,7 @@ def test_a_moe_layer_cannot_hide_its_output_behind_admitted_router_flips():
 def test_an_admitted_flip_is_held_to_the_layer_routed_as_chosen():
     """A token routed to other experts, computed exactly for them, is within its bound of
     routed_as; the reference routing's output is not (the positive control)."""
-    p = {**MOE_PARAMS, "cancel": False, "seed": 0, "scoring": "softmax"}  # routed_as reads intermediate, scoring
+    p = MoeParams(**MOE_PARAMS, cancel=False, seed=0, scoring="softmax")  # routed_as reads intermediate, scoring
     w = moe_layer.layer_weights(p)
     x = torch.randn(3, 2048, dtype=torch.float64)
     logits = x @ w["router"].double().T
@@ -225,7 +227,7 @@ def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_
     m = execute(check, subject, one_rank)
     assert m.held and m.total == 4096 and m.nonfinite is None, (m.mismatched, m.nonfinite)
     # control: the same check catches a combine that turns those infinities into NaN
-    p = check.params_record
+    p = check.params
     run = placements("combine-reference", p, 1)[0]
     (y, w), = dispatch._combine_inputs(p, run, 1)
     exact = (y * w.unsqueeze(-1)).sum(1)
@@ -347,11 +349,12 @@ def test_a_row_delivered_twice_is_named_not_called_zero_lost(one_rank):
 
     subject = registry.get("torch_a2a_dispatch")
     check = single_check(subject, "reference", {"world_size": 1, "num_experts": 8})
-    runs = dispatch.FAMILY.runs("reference", check.params_record, 1)
-    (keys, rows, scales), = dispatch._observe(subject, one_rank, check.params_record, "reference", runs)[2]
-    twice = ([*keys, keys[0]], torch.cat([rows, rows[:1]]), scales)
-    m = dispatch._measure_dispatch(check.params_record, "bf16", runs[0].spec, [twice], 1)
+    runs = dispatch.FAMILY.runs("reference", check.params, 1)
+    (keys, rows, scales), = dispatch._observe(subject, one_rank, check.params, "reference", runs).received
+    twice = dispatch.ReceivedRows([*keys, keys[0]], torch.cat([rows, rows[:1]]), scales)
+    m = dispatch._measure_dispatch(check.params, "bf16", runs[0].spec, [twice], 1)
     assert not m.held and m.mismatched == 1
     assert m.extra_failure == "0 (token, slot) rows were lost or misrouted, 1 delivered that were not sent once"
-    ok = dispatch._measure_dispatch(check.params_record, "bf16", runs[0].spec, [(keys, rows, scales)], 1)  # control
+    control = dispatch.ReceivedRows(keys, rows, scales)
+    ok = dispatch._measure_dispatch(check.params, "bf16", runs[0].spec, [control], 1)
     assert ok.held and ok.total == rows.numel()

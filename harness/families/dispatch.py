@@ -15,6 +15,7 @@ together, but a small term added between them is rounded away, so the order show
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -56,13 +57,20 @@ def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
     return y.to(torch.bfloat16).view(*received.x.shape)
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
+class RankSeen(NamedTuple):
+    """What one rank observed, gathered to rank 0."""
+
+    copies: list[dict[int, torch.Tensor]]  # per run: {copy index: combined row} of the probes it holds
+    outputs: list[torch.Tensor]  # combine-reference: its whole combined output
+    received: list  # reference: its ReceivedRows (or, from a dispatcher that names no sources, how many rows)
+
+
+def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list) -> RankSeen:
     """On every rank: its probe copies per run, its combined outputs (combine-reference) and
     the rows it received (reference)."""
-    typed = DispatchParams(**p)  # transitional, until moe_scenario reads typed parameters
-    cfg = DispatchConfig.of(typed, expert_quant=typed.expert_quant, wire=resolve_wire_dtype(typed.expert_quant, typed.wire),
-                            ue8m0=typed.ue8m0, tokens_max=max(typed.tokens, *typed.batch_sizes))
-    per_rank = p["num_experts"] // ctx.world_size
+    cfg = DispatchConfig.of(p, expert_quant=p.expert_quant, wire=resolve_wire_dtype(p.expert_quant, p.wire),
+                            ue8m0=p.ue8m0, tokens_max=max(p.tokens, *p.batch_sizes))
+    per_rank = p.num_experts // ctx.world_size
     copies, mine_dispatch, outputs = [], [], []
     for run in runs:
         x, idx, w = rank_tokens(p, run.spec, ctx.rank)
@@ -78,21 +86,21 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
                 mine_dispatch.append(_received_rows(received, ctx.rank, per_rank))
             except SourcesUnknown as exc:
                 mine_dispatch.append(exc.args[0])  # how many rows: rank 0 reports it
-    return copies, outputs, mine_dispatch
+    return RankSeen(copies, outputs, mine_dispatch)
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, gathered) -> Measurement:
     prop, world = check.property, ctx.world_size
     if prop == "reference":
-        wire = resolve_wire_dtype(p["expert_quant"], p["wire"])
-        return _measure_dispatch(p, wire, runs[0].spec, [g[2][0] for g in gathered], world)
+        wire = resolve_wire_dtype(p.expert_quant, p.wire)
+        return _measure_dispatch(p, wire, runs[0].spec, [g.received[0] for g in gathered], world)
     if prop == "combine-reference":
-        return _measure_combine(p, runs[0].spec, [g[1][0] for g in gathered], world,
+        return _measure_combine(p, runs[0].spec, [g.outputs[0] for g in gathered], world,
                                 getattr(subject, "rounds_partials", False))
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
     m.sensitivity = order_sensitive(p)
-    m.sensitivity_what = f"probe elements change bits under another order of its {p['topk']} combine terms"
+    m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
     model = getattr(subject, "combine_model", None)
     if model is not None:  # an exact order model: the copies' bits predicted from the inputs alone
         predicted = torch.stack([_predicted_probe(model(), p, run.spec, r, pos, world)
@@ -102,10 +110,10 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list, gathered) ->
     return m
 
 
-def _expert_outputs(p: dict, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def _expert_outputs(p: DispatchParams, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """One token's expert outputs [k, H] bf16, computed as run_experts does (float32)."""
-    if p["expert_quant"] == "fp8":
-        q, s = ref_quant.quantize_per_token_group(x.unsqueeze(0), 128, ue8m0=p["ue8m0"])
+    if p.expert_quant == "fp8":
+        q, s = ref_quant.quantize_per_token_group(x.unsqueeze(0), 128, ue8m0=p.ue8m0)
         rows = q.float() * s.repeat_interleave(128, dim=1)
     else:
         rows = x.unsqueeze(0).float()
@@ -113,17 +121,25 @@ def _expert_outputs(p: dict, x: torch.Tensor, experts: torch.Tensor) -> torch.Te
     return (rows * scale.unsqueeze(1)).to(torch.bfloat16)
 
 
-def _predicted_probe(model, p: dict, run, rank: int, pos: int, world: int) -> torch.Tensor:
+def _predicted_probe(model, p: DispatchParams, run, rank: int, pos: int, world: int) -> torch.Tensor:
     x, idx, w = rank_tokens(p, run, rank)
-    return model(_expert_outputs(p, x[pos], idx[pos]), w[pos], idx[pos], p["num_experts"] // world)
+    return model(_expert_outputs(p, x[pos], idx[pos]), w[pos], idx[pos], p.num_experts // world)
+
+
+class ReceivedRows(NamedTuple):
+    """Every valid row a rank received: its (expert, src rank, token, slot), the rows (fp8 as
+    bytes) and their scales (None on a BF16 wire)."""
+
+    keys: list[tuple]
+    rows: torch.Tensor
+    scales: torch.Tensor | None
 
 
 class SourcesUnknown(Exception):
     """A dispatcher that does not say where its received rows came from (src_rank -1)."""
 
 
-def _received_rows(received: Received, rank: int,
-                   per_rank: int) -> tuple[list[tuple], torch.Tensor, torch.Tensor | None]:
+def _received_rows(received: Received, rank: int, per_rank: int) -> ReceivedRows:
     """Every valid received row: its (expert, src rank, token, slot), the rows themselves as
     one contiguous CPU tensor (fp8 as bytes: fp8 storages do not survive all_gather_object's
     pickling) and their scales. One selection and one copy per tensor: a per-row view would
@@ -145,10 +161,10 @@ def _received_rows(received: Received, rank: int,
     if rows.element_size() == 1:
         rows = rows.view(torch.uint8)
     scales = None if received.scale is None else received.scale.reshape(-1, received.scale.shape[-1])[valid].cpu()
-    return [tuple(k) for k in keys], rows, scales
+    return ReceivedRows([tuple(k) for k in keys], rows, scales)
 
 
-def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
+def _measure_dispatch(p: DispatchParams, wire: str, run, per_rank_rows: list, world: int) -> Measurement:
     unknown = [(r, n) for r, n in enumerate(per_rank_rows) if isinstance(n, int)]
     if unknown:
         where = ", ".join(f"{n} on rank {r}" for r, n in unknown)
@@ -156,8 +172,8 @@ def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
                            error=f"received rows without their source (src_rank -1: {where}): the dispatch reference "
                                  f"matches rows to what was sent by source; this subject can be checked by "
                                  f"combine-reference and the invariances")
-    keys = [k for ks, _, _ in per_rank_rows for k in ks]
-    rows = torch.cat([r for _, r, _ in per_rank_rows])
+    keys = [k for seen in per_rank_rows for k in seen.keys]
+    rows = torch.cat([seen.rows for seen in per_rank_rows])
     order = sorted(range(len(keys)), key=keys.__getitem__)
     got = [keys[i] for i in order]
     want, sent = [], []
@@ -181,21 +197,21 @@ def _measure_dispatch(p, wire, run, per_rank_rows, world) -> Measurement:
     expected = torch.stack([sent[i] for i in by_key])
     labels = [f"expert {k[0]} from rank {k[1]} token {k[2]}" for k in got]
     if wire == "fp8":
-        q, s = ref_quant.quantize_per_token_group(expected, 128, ue8m0=p["ue8m0"])
+        q, s = ref_quant.quantize_per_token_group(expected, 128, ue8m0=p.ue8m0)
         values = Measurement.bitwise(compare_bitwise(actual, q, labels))
-        scales = torch.cat([sc for _, _, sc in per_rank_rows])[order]
+        scales = torch.cat([seen.scales for seen in per_rank_rows])[order]
         return values.combine(Measurement.bitwise(compare_bitwise(scales.contiguous(), s)))
     return Measurement.bitwise(compare_bitwise(actual, expected, labels))
 
 
-def _combine_inputs(p, run, world):
+def _combine_inputs(p: DispatchParams, run, world: int):
     """float64 expert outputs per (token, slot) and weights, rebuilt from inputs alone."""
     outs = []
     for src in range(world):
         x, idx, w = rank_tokens(p, run, src)
         xd = x.double()
-        if p["expert_quant"] == "fp8":
-            q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p["ue8m0"])
+        if p.expert_quant == "fp8":
+            q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p.ue8m0)
             xd = ref_quant.dequantize_per_token_group(q, s)
         scale = torch.tensor([expert_scale(int(e)) if e >= 0 else 0.0 for e in idx.flatten()], dtype=torch.float64)
         y = xd.unsqueeze(1) * scale.view(idx.shape).unsqueeze(-1)
@@ -205,7 +221,7 @@ def _combine_inputs(p, run, world):
     return outs
 
 
-def _measure_combine(p, run, outputs, world, rounds_partials: bool = False) -> Measurement:
+def _measure_combine(p: DispatchParams, run, outputs, world: int, rounds_partials: bool = False) -> Measurement:
     """Within u_out*|exact| + gamma(k, 2^-24)*sum_j w_j|y_j|; a combine that sums per-rank
     partials rounded to bf16 (DeepEP v1's normal mode) adds one bf16 rounding per partial,
     at most 2^-8 (bf16's unit roundoff) of each, so 2^-8*sum_j w_j|y_j| more."""
@@ -215,7 +231,7 @@ def _measure_combine(p, run, outputs, world, rounds_partials: bool = False) -> M
         magnitude.append((y.abs() * w.unsqueeze(-1)).sum(1))
         got.append(out.double())
     got, exact, magnitude = torch.cat(got), torch.cat(exact), torch.cat(magnitude)
-    u_out, g = 2.0 ** -8, gamma(p["topk"], 2.0 ** -24)
+    u_out, g = 2.0 ** -8, gamma(p.topk, 2.0 ** -24)
     u_partial = 2.0 ** -8 if rounds_partials else 0.0
     bound = u_out * exact.abs() + (g + u_partial) * magnitude
     rule = Bound(rule="|err| <= 2^-8*|exact| + (gamma(k, 2^-24) + u_partial)*sum_j w_j|y_j|",
@@ -223,7 +239,7 @@ def _measure_combine(p, run, outputs, world, rounds_partials: bool = False) -> M
     return Measurement.within(got, exact, bound, rule)
 
 
-def order_sensitive(p) -> int:
+def order_sensitive(p: DispatchParams) -> int:
     """Probe elements whose bf16 combine result changes under some order of its k terms."""
     run = placements("position-invariance", p, 1)[0]
     y, w64 = _combine_inputs(p, run, 1)[0]

@@ -10,8 +10,9 @@ A family (harness/families/<name>.py) supplies only what is its own, as a `Famil
 * `protocol`: the Protocol its subjects implement (harness/subject.py);
 * `runs(prop, p, world_size)`: the runs a property compares, each with the `Copy`s of the
   probe it yields, in comparison order (where each copy sits: what the vacuity rules read);
+  `p` here and below is the check's parameter dataclass, read by attribute (`p.hidden`);
 * `observe(subject, ctx, p, prop, runs)`: on every rank, execute the runs and return what
-  this rank saw (picklable: it is gathered to rank 0);
+  this rank saw (picklable: it is gathered to rank 0; a small named type, not a bare tuple);
 * `measure(check, subject, ctx, p, runs, gathered)`: on rank 0, a `Measurement`, with
   `sensitivity` set to how many probe elements some reordering would change.
 
@@ -31,7 +32,7 @@ Vacuity, decided here for every family and property from the property's comparis
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -69,7 +70,7 @@ class Family:
     name: str
     properties: tuple[str, ...]
     params: type
-    runs: Callable[[str, dict, int], list[Run]]
+    runs: Callable[[str, Any, int], list[Run]]  # (property, the params dataclass, world size)
     observe: Callable
     measure: Callable
     protocol: type | None = None  # None: only the members every subject has (harness.subject.Subject)
@@ -112,26 +113,18 @@ def compared_nothing(m: Measurement) -> str | None:
     return None
 
 
-_UNTYPED = {"dispatch", "moe_layer"}  # transitional: these families still read a dict
-
-
-def _family_params(family: Family, check):
-    return asdict(check.params) if family.name in _UNTYPED else check.params
-
-
 def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
     """Every run of the check executed once, untimed and unmeasured: a JIT-compiling subject
     compiles (or loads from its cache) each kernel the check will time."""
-    p = _family_params(family, check)
+    p = check.params
     family.observe(subject, ctx, p, check.property, family.runs(check.property, p, ctx.world_size))
 
 
 def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
-    params, prop = check.params, check.property
-    p = _family_params(family, check)
+    p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
-    trace = kernel_trace.traced(subject, params, ctx.device)
+    trace = kernel_trace.traced(subject, p, ctx.device)
     with kernel_trace.kernel_names(ctx.device, trace) as ran:
         local = family.observe(subject, ctx, p, prop, runs)
     gathered = ctx.gather(local)
@@ -142,9 +135,9 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
         result.vacuous_reason = result.vacuous_reason or vacuity(prop, runs, result.sensitivity,
                                                                  result.sensitivity_what) or compared_nothing(result)
         if trace:
-            _prove_kernels(result, subject, params, kernels)
+            _prove_kernels(result, subject, p, kernels)
         if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration
-            result.detail["subject_info"] = subject.describe(params)
+            result.detail["subject_info"] = subject.describe(p)
     return ctx.share_from_rank0(result)  # every rank reaches the same verdict
 
 

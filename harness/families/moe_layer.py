@@ -11,10 +11,16 @@ float64 and runs routing, experts and combine in float64 (reference/moe.py).
   the experts it chose; any other difference is a failure. Every token must satisfy
   tolerances.MOE.
 * invariances: the probe's output bits, as for dispatch.
+* prefill-decode-invariance: the probe decoded alone (1 token per rank, row 0 of the TP
+  reduction's smallest message) against the same token inside prefill batches, at the first
+  and last rows and one row inside each of `channel_probes` equal parts of the message: the
+  TP reduction sees a message of another size (another channel split on NCCL) and the
+  expert GEMMs another number of rows.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +37,7 @@ from reference import moe as ref
 from reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
-              "others-invariance")
+              "others-invariance", "prefill-decode-invariance")
 CANCEL = 2.0 ** 12
 
 
@@ -39,41 +45,70 @@ def cancel_columns(h: int) -> tuple[int, int]:
     return 1, 1 + h // 2
 
 
-def layer_weights(p: dict) -> dict:
+def layer_weights(p: MoeParams) -> dict:
     """Router [E, H] fp32, gate-up [E, 2I, H] and down [E, H, I] bf16. With `cancel`, the two
     hidden columns that carry the probe's +-CANCEL pair have equal weights everywhere, so
     the pair cancels exactly in every product but makes the K order visible (as in
     families/gemm.py); the router does not see it at all."""
-    return _layer_weights(p["num_experts"], p["hidden"], p["intermediate"], p["seed"], p["cancel"])
+    return _layer_weights(p.num_experts, p.hidden, p.intermediate, p.seed, p.cancel)
+
+
+def router_weights(p: MoeParams) -> torch.Tensor:
+    """The router [E, H] fp32 alone (cheap): what decides the routing, and so the experts'
+    row counts (harness/precompile.py plans the GEMM shapes from it before a launch)."""
+    return _router(p.num_experts, p.hidden, p.seed, p.cancel)
+
+
+@functools.lru_cache(maxsize=2)
+def _router(e: int, h: int, seed: int, cancel: bool) -> torch.Tensor:
+    router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
+    if cancel:
+        a, b = cancel_columns(h)
+        router[:, b] = router[:, a]
+    return router
 
 
 @functools.lru_cache(maxsize=2)
 def _layer_weights(e: int, h: int, i: int, seed: int, cancel: bool) -> dict:
     """Cached per process (never modified by a caller): the properties of a case share them."""
-    router = gen.values((e, h), torch.float32, seed, "router", data="randn") * h ** -0.5
+    router = _router(e, h, seed, cancel)
     gate_up = (gen.values((e, 2 * i, h), torch.float64, seed, "gate-up", data="randn") * h ** -0.5).to(torch.bfloat16)
     if cancel:
         a, b = cancel_columns(h)
-        router[:, b], gate_up[:, :, b] = router[:, a], gate_up[:, :, a]
+        gate_up[:, :, b] = gate_up[:, :, a]
     return {"router": router, "gate_up": gate_up,
             "down": (gen.values((e, h, i), torch.float64, seed, "down", data="randn") * i ** -0.5).to(torch.bfloat16)}
 
 
-def partials(p: dict, run: Placement, rank: int, world: int) -> torch.Tensor:
+def partials(p: MoeParams, run: Placement, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s TP partial sums for every token of the placement, bf16 [sum(tokens), H]."""
     total = sum(run.tokens)
-    x = gen.values((total, p["hidden"]), torch.bfloat16, run.filler_seed, "partials", rank, run.tokens,
-                   data=p["data"]) / world
-    probe = gen.values((p["hidden"],), torch.bfloat16, p["seed"], "probe-partial", rank, data=p["data"]) / world
-    if p["cancel"]:  # rank 0 carries the +-CANCEL pair, the others nothing there
-        a, b = cancel_columns(p["hidden"])
+    x = gen.values((total, p.hidden), torch.bfloat16, run.filler_seed, "partials", rank, run.tokens,
+                   data=p.data) / world
+    probe = gen.values((p.hidden,), torch.bfloat16, p.seed, "probe-partial", rank, data=p.data) / world
+    if p.cancel:  # rank 0 carries the +-CANCEL pair, the others nothing there
+        a, b = cancel_columns(p.hidden)
         probe[a], probe[b] = (CANCEL, -CANCEL) if rank == 0 else (0.0, 0.0)
     for r, pos in run.probes:
         x[sum(run.tokens[:r]) + pos] = probe
     return x.to(torch.bfloat16)
 
 
-def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
+class Routed(NamedTuple):
+    """A rank's MoE output for its tokens and the experts it chose for them."""
+
+    out: torch.Tensor
+    experts: torch.Tensor
+
+
+class RankSeen(NamedTuple):
+    """What one rank observed, gathered to rank 0."""
+
+    copies: list[dict[int, torch.Tensor]]  # per run: {copy index: output row} of the probes it holds
+    outputs: list[Routed]  # reference: its whole output and choices
+
+
+def _observe(subject, ctx: RankContext, p: MoeParams, prop: str, runs: list) -> RankSeen:
     """On every rank: its probe copies per run, and for the reference its outputs and the
     experts it chose."""
     weights = {k: v.to(ctx.device, copy=True) for k, v in layer_weights(p).items()}  # its own copy
@@ -83,24 +118,24 @@ def _observe(subject, ctx: RankContext, p: dict, prop: str, runs: list):
         out, idx = subject.forward(part, weights, p, ctx.group)
         mine.append({c: kept(out[pos]) for c, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "reference":
-            outs.append((kept(out), kept(idx)))
-    return mine, outs
+            outs.append(Routed(kept(out), kept(idx)))
+    return RankSeen(mine, outs)
 
 
-def _measure(check, subject, ctx: RankContext, p: dict, runs: list, gathered) -> Measurement:
+def _measure(check, subject, ctx: RankContext, p: MoeParams, runs: list, gathered) -> Measurement:
     if check.property == "reference":
-        return _measure_reference(p, runs[0].spec, [g[1][0] for g in gathered], ctx.world_size)
+        return _measure_reference(p, runs[0].spec, [g.outputs[0] for g in gathered], ctx.world_size)
     return _measure_probe(p, check.property, runs, gathered, ctx.world_size)
 
 
-def _measure_reference(p, run, outputs, world) -> Measurement:
+def _measure_reference(p: MoeParams, run: Placement, outputs: list[Routed], world: int) -> Measurement:
     w = layer_weights(p)
     parts = [partials(p, run, r, world).double() for r in range(world)]
     exact_x = sum(parts)
     logits = (exact_x @ w["router"].double().T)
-    ref_out, ref_idx = ref.moe_layer(exact_x, logits, w["gate_up"], w["down"], p["topk"], p["scoring"])
-    got = torch.cat([o for o, _ in outputs]).double()
-    idx = torch.cat([i for _, i in outputs])
+    ref_out, ref_idx = ref.moe_layer(exact_x, logits, w["gate_up"], w["down"], p.topk, p.scoring)
+    got = torch.cat([o.out for o in outputs]).double()
+    idx = torch.cat([o.experts for o in outputs])
     flips, admitted = router_flips(idx, ref_idx, logits, logit_margin(parts, w["router"]))
     magnitude = _magnitude(exact_x, ref_idx, w, p)
     # A near-tie flip is compared too, with the float64 layer routed as the subject chose: the
@@ -166,11 +201,11 @@ def router_flips(idx: torch.Tensor, ref_idx: torch.Tensor, logits: torch.Tensor,
     return flips, admitted
 
 
-def _magnitude(x, idx, w, p) -> torch.Tensor:
+def _magnitude(x, idx, w, p: MoeParams) -> torch.Tensor:
     """sum_j w_j * (|silu(g)*u| @ |W_down|^T): the scale the down projection works at."""
-    _, weights = ref.route(x @ w["router"].double().T, p["topk"], p["scoring"])
+    _, weights = ref.route(x @ w["router"].double().T, p.topk, p.scoring)
     out = torch.zeros_like(x)
-    inter = p["intermediate"]
+    inter = p.intermediate
     for e in idx.unique().tolist():  # one batched product per expert, over the tokens that chose it
         tokens, slots = (idx == e).nonzero(as_tuple=True)
         h = x[tokens] @ w["gate_up"][e].double().T
@@ -179,13 +214,13 @@ def _magnitude(x, idx, w, p) -> torch.Tensor:
     return out
 
 
-def routed_as(x, logits, idx, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_as(x, logits, idx, w, p: MoeParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 layer's output and magnitude (as _magnitude) for tokens x routed to the
     experts idx [T, k] chosen elsewhere, weighted by their float64 scores, renormalised."""
-    scores = torch.softmax(logits, dim=-1) if p["scoring"] == "softmax" else torch.sigmoid(logits)
+    scores = torch.softmax(logits, dim=-1) if p.scoring == "softmax" else torch.sigmoid(logits)
     chosen = torch.gather(scores, 1, idx)
     weights = chosen / chosen.sum(dim=-1, keepdim=True)
-    out, mag, inter = torch.zeros_like(x), torch.zeros_like(x), p["intermediate"]
+    out, mag, inter = torch.zeros_like(x), torch.zeros_like(x), p.intermediate
     for e in idx.unique().tolist():
         tokens, slots = (idx == e).nonzero(as_tuple=True)
         h = x[tokens] @ w["gate_up"][e].double().T
@@ -196,12 +231,12 @@ def routed_as(x, logits, idx, w, p) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mag
 
 
-def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
+def _gemm_sensitivity(p: MoeParams, x: torch.Tensor) -> int:
     """Gate-up outputs of the probe (for its experts) whose bf16 bits change when K is
     summed in two halves instead of one pass (float32): could a GEMM reordering show?"""
     w = layer_weights(p)
-    idx, _ = ref.route((x.double() @ w["router"].double().T).unsqueeze(0), p["topk"], p["scoring"])
-    xf, half, count = x.float(), p["hidden"] // 2, 0
+    idx, _ = ref.route((x.double() @ w["router"].double().T).unsqueeze(0), p.topk, p.scoring)
+    xf, half, count = x.float(), p.hidden // 2, 0
     for e in idx[0].tolist():
         b = w["gate_up"][e].float()
         whole = b @ xf
@@ -210,7 +245,7 @@ def _gemm_sensitivity(p: dict, x: torch.Tensor) -> int:
     return count
 
 
-def _measure_probe(p, prop, runs, gathered, world) -> Measurement:
+def _measure_probe(p: MoeParams, prop, runs, gathered, world) -> Measurement:
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
     first = runs[0].spec
@@ -219,7 +254,8 @@ def _measure_probe(p, prop, runs, gathered, world) -> Measurement:
     tp_sensitive = int(order_sensitive(probe).sum()) if world > 2 else 0
     if prop == "rank-invariance":  # only the TP sum's order can depend on the rank
         m.sensitivity = tp_sensitive
-        m.sensitivity_what = f"of the probe's {p['hidden']} elements change bits when its {world} TP partials are reordered"
+        m.sensitivity_what = (f"of the probe's {p.hidden} elements change bits when its {world} TP partials "
+                              f"are reordered")
     else:
         m.sensitivity = tp_sensitive + _gemm_sensitivity(p, probe.double().sum(0).to(torch.bfloat16))
         m.sensitivity_what = "probe elements change bits under another TP sum order or gate-up K order"

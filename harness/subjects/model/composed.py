@@ -240,7 +240,7 @@ class _Forward:
         step of one prompt routes to k experts of E) skips the call: kernels need M > 0."""
         if a.numel() == 0:
             return torch.zeros((*a.shape[:-1], b.shape[1]), dtype=BF16, device=a.device)
-        return ComposedMoE._gemm(self.s["gemm"], received, a, b, self.p)
+        return ComposedMoE._gemm(self.s["gemm"], received, a, b)
 
     def tp_reduce(self, partial, local, op, items, mine) -> torch.Tensor:
         out = partial.new_empty((local, partial.shape[1]))

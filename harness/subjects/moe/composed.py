@@ -75,7 +75,8 @@ class Composed:
                                    for k in declared(s, STAGE_PARAMS[stage](params))))
 
     def describe(self, params) -> dict:
-        return {stage: {"subject": s.name, **(s.describe(STAGE_PARAMS[stage](params)) if hasattr(s, "describe") else {})}
+        return {stage: {"subject": s.name,
+                        **(s.describe(STAGE_PARAMS[stage](params)) if hasattr(s, "describe") else {})}
                 for stage, s in self.stages(params).items()}
 
 
@@ -94,10 +95,9 @@ class ComposedMoE(Composed):
     family = "moe_layer"
     summary = "TP reduce + router + dispatch + grouped GEMMs + combine"
 
-    def forward(self, partials, weights, params, group):
+    def forward(self, partials, weights, params: MoeParams, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
-        params = MoeParams(**params) if isinstance(params, dict) else params  # transitional: moe_layer's dict
         s = self.stages(params)
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
@@ -109,14 +109,14 @@ class ComposedMoE(Composed):
         received = s["dispatch"].dispatch(x, idx, w, cfg, group)
         per_rank = params.num_experts // world
         experts = slice(rank * per_rank, (rank + 1) * per_rank)
-        h = self._gemm(s["gemm"], received, received.x, weights["gate_up"][experts], params)
+        h = self._gemm(s["gemm"], received, received.x, weights["gate_up"][experts])
         inter = weights["down"].shape[-1]
         act = (torch.nn.functional.silu(h[..., :inter].float()) * h[..., inter:].float()).to(torch.bfloat16)
-        y = self._gemm(s["gemm"], received, act, weights["down"][experts], params)
+        y = self._gemm(s["gemm"], received, act, weights["down"][experts])
         return s["dispatch"].combine(y, received, w, group), idx
 
     @staticmethod
-    def _gemm(subject, received, a, b, params):
+    def _gemm(subject, received, a, b):
         problem = GemmProblem(received.layout, a.contiguous(), b.contiguous(), received.counts, received.starts,
                               grouped_layout=received.grouped_layout, masked_m=received.masked_m,
                               expected_m=max(1, sum(received.counts) // max(len(received.counts), 1)))
