@@ -95,7 +95,7 @@ def gemm_call(subject_name: str, layout: str, dtype: str, counts, n: int, k: int
               alignment: int, expected_m: int | None, needed_by: str) -> KernelCall:
     """The call a GEMM subject receives for experts holding `counts` rows each, with the
     shapes harness.gemm_problem.build gives its operands (and, for FP8, their block scales)."""
-    from harness.gemm_problem import align, aligned_starts
+    from harness.contracts import align, aligned_starts
 
     counts = tuple(int(c) for c in counts)
     if layout == "dense":

@@ -24,7 +24,7 @@ def zero_problem(call, device):
     (`counts`) are laid out as harness.gemm_problem.build does."""
     import torch
 
-    from harness.gemm_problem import GemmProblem, aligned_starts
+    from harness.contracts import GemmProblem, aligned_starts
     from harness.precompile import FP8
 
     base = torch.float8_e4m3fn if call.dtype == FP8 else torch.bfloat16

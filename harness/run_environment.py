@@ -1,8 +1,9 @@
 """environment.json: what a run ran on, assembled as it goes. The launcher's fingerprint
-when the run is planned (versions, libraries, host, GPUs, CPU ISA), each launch's pinned
-environment, what every rank reported and the nodes they make up (and how those differ),
-the NCCL topology, the TP-reduction statement (harness/nccl/statement.py), an interruption
-and where the time went. Each rank's own part is `rank_fingerprint` (harness/worker.py).
+when the run is planned (versions, libraries, host, GPUs, CPU ISA; the suite, its name and
+the selection run), each launch's pinned environment, what every rank reported and the
+nodes they make up (and how those differ), the NCCL topology, the TP-reduction statement
+(harness/nccl/statement.py), an interruption and where the time went. Each rank's own part
+is `rank_fingerprint` (harness/worker.py).
 """
 from __future__ import annotations
 
@@ -154,10 +155,17 @@ def cpu_fingerprint() -> dict:
 class EnvironmentRecord:
     """One run's environment.json, filled in as the run goes (`data` is what is written)."""
 
-    def __init__(self, platform: Platform, command: list[str], suite_path):
+    def __init__(self, platform: Platform, command: list[str], suite_path, selection: list[str] | None = None,
+                 suite_name: str | None = None):
+        """`suite_name`: the suite's declared name, what its baselines are named by (a rerun's:
+        its source run's); `selection`: the --check patterns, where the run is a part of the
+        suite (never recorded or gated as the whole: harness/gate.py)."""
         self.platform = platform
         self.data = run_fingerprint(platform, list(command))
         self.data["suite"] = str(suite_path)
+        self.data["suite_name"] = suite_name
+        if selection:
+            self.data["selection"] = list(selection)
         self.data["topology"] = platform.topology.to_dict()
         self.data["ranks"] = {}
 

@@ -216,11 +216,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
         checks = expand(loaded, platform, options.selection, options.seed)
     run_id, run_dir = claim_run_dir(options.out_root)
-    environment = EnvironmentRecord(platform, options.command, suite_path)
-    # the suite's declared name, what its baselines are named by (a rerun: its source run's)
-    environment.data["suite_name"] = source_suite_name(options.from_record) if options.from_record else loaded.name
-    if options.selection:  # a part of the suite: never recorded or gated as the whole (harness/gate.py)
-        environment.data["selection"] = list(options.selection)
+    environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
+                                    source_suite_name(options.from_record) if options.from_record else loaded.name)
     if not options.quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
 
