@@ -60,10 +60,15 @@ def test_a_gpu_property_is_skipped_on_the_cpu_with_its_reason(toy_property):
 
 
 def test_explore_draws_the_searchable_properties_across_ranks_first():
-    assert searchable("dispatch") == ["rank-invariance", "batch-invariance", "position-invariance",
-                                      "others-invariance"]
-    assert searchable("collective") == ["rank-invariance", "batch-invariance", "position-invariance"]
-    assert searchable("gemm") == ["batch-invariance", "position-invariance"]
+    # tests/selftest_planted.py (a plugin other tests of this worker may have loaded) adds a
+    # weak variant to the collective family; the built-in properties keep their order
+    def built_in(family):
+        return [p for p in searchable(family) if not p.startswith("weak-")]
+
+    assert built_in("dispatch") == ["rank-invariance", "batch-invariance", "position-invariance",
+                                    "others-invariance"]
+    assert built_in("collective") == ["rank-invariance", "batch-invariance", "position-invariance"]
+    assert built_in("gemm") == ["batch-invariance", "position-invariance"]
 
 
 def test_an_unknown_comparison_or_property_is_one_line():
