@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from harness.params import FAMILY_PARAMS, CommonParams, build
+from ep_harness.params import FAMILY_PARAMS, CommonParams, build
 
 
 @dataclass(frozen=True)

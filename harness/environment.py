@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.cases import FORCED_ENV
-from harness.errors import HarnessError
-from harness.nccl.pins import launch_pins, log_settings, nccl_version
-from harness.subject import Platform, plugin_distributions
-from harness.version import harness_version
+from ep_harness.cases import FORCED_ENV
+from ep_harness.errors import HarnessError
+from ep_harness.nccl.pins import launch_pins, log_settings, nccl_version
+from ep_harness.subject import Platform, plugin_distributions
+from ep_harness.version import harness_version
 
 CPU_DEFAULT_RANKS = 4
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
@@ -88,7 +88,7 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
 
 
 def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
-    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (harness.nodes.Nodes):
+    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.nodes.Nodes):
     the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
     import dataclasses
 
@@ -236,7 +236,7 @@ def rank_fingerprint() -> dict:
     """What one rank sees: host, device, versions, and every pinned variable."""
     import torch
 
-    from harness.channel import local_node
+    from ep_harness.channel import local_node
 
     info = {
         "host": socket.gethostname(),

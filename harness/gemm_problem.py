@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import inputs as gen
-from reference import quant
+from ep_harness import inputs as gen
+from ep_harness.reference import quant
 
 FP8 = "float8_e4m3fn"
 

@@ -3,7 +3,7 @@
 A subject is a small adapter around one production implementation. It knows nothing of
 the properties that check it. Optionally it has `setup(ctx)` and `teardown(ctx)`, called
 once per launch on every rank (before its first check, after the last) with the rank's
-harness.context.RankContext: where an engine creates its own parallel state (e.g. its
+ep_harness.context.RankContext: where an engine creates its own parallel state (e.g. its
 `initialize_model_parallel`) once and reuses it for every check of the launch. Built-in subjects live in `harness/subjects/`, one file
 each; third-party packages add theirs through the entry-point group
 `ep_harness.subjects` (each entry point names a module that registers on import).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
 
-from harness.errors import HarnessError, did_you_mean
+from ep_harness.errors import HarnessError, did_you_mean
 
 FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
 ENTRY_POINT_GROUP = "ep_harness.subjects"
@@ -40,7 +40,7 @@ class Platform:
 
     @property
     def topology(self):
-        from harness.emulation import Topology
+        from ep_harness.emulation import Topology
 
         if self.device != "cuda":
             return Topology("cpu-gloo", self.ranks, 0, self.nodes)
@@ -53,9 +53,9 @@ class OrderModel:
     """How a collective subject accumulates, as a function of all ranks' inputs.
 
     `predict(inputs [world_size, N] flat, sizes [elements per destination], nccl)` returns
-    the per-destination outputs; `nccl` (a harness.nccl.models.NcclContext, None on gloo)
+    the per-destination outputs; `nccl` (an ep_harness.nccl.models.NcclContext, None on gloo)
     tells what NCCL logged for the call, and a model raises
-    harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
+    ep_harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
     reproduce the backend bit for bit (a measured count that differs from its prediction is
     then a failure).
     """
@@ -76,7 +76,7 @@ class Subject(Protocol):
 
     # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
     # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
-    # and the warm-up's seconds are recorded apart (harness.families.driver.warm_up).
+    # and the warm-up's seconds are recorded apart (ep_harness.families.driver.warm_up).
 
 
 def compiles_kernels(subject, params: dict) -> bool:
@@ -101,13 +101,13 @@ class GemmSubject(Subject, Protocol):
     dtypes: tuple[str, ...]  # operand dtypes: "bfloat16", "float32", "float8_e4m3fn"
 
     def run(self, problem, out) -> None:
-        """Write D = A @ B^T per expert into `out` (see harness.gemm_problem.GemmProblem)."""
+        """Write D = A @ B^T per expert into `out` (see ep_harness.gemm_problem.GemmProblem)."""
 
 
 class DispatchSubject(Subject, Protocol):
     def dispatch(self, x, topk_idx, topk_weights, cfg: dict, group):
         """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
-        (-1: none); return a harness.subjects.dispatch.common.Received in cfg["layout"]."""
+        (-1: none); return an ep_harness.subjects.dispatch.common.Received in cfg["layout"]."""
 
     def combine(self, expert_out, handle, topk_weights, group):
         """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""
@@ -127,8 +127,8 @@ class ModelSubject(Subject, Protocol):
     def generate(self, prompts, score_from, new_tokens: int, weights: dict, params: dict, group, tracer):
         """Serve one batch: prefill `prompts` (lists of token ids), return the log-softmax rows
         that predict tokens score_from[i] .. len(prompts[i]) of each prompt, then greedily decode
-        `new_tokens` - 1 more (a harness.subjects.model.common.Served). `tracer` (a
-        harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
+        `new_tokens` - 1 more (an ep_harness.subjects.model.common.Served). `tracer` (a
+        ep_harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
 
 
 PROTOCOLS = {"collective": CollectiveSubject, "gemm": GemmSubject, "quant": QuantSubject,
@@ -229,7 +229,7 @@ def load_all(plugins: list[str] = ()) -> dict[str, Subject]:
     """Import built-in subjects, entry-point subjects and explicit plugin modules."""
     global _loaded
     if not _loaded:
-        importlib.import_module("harness.subjects")
+        importlib.import_module("ep_harness.subjects")
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.dist is not None:
                 _ENTRY_POINT_DISTRIBUTIONS[ep.module.partition(".")[0]] = {"distribution": ep.dist.name,

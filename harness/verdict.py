@@ -2,7 +2,7 @@
 the launcher and the planner)."""
 from __future__ import annotations
 
-from harness.measurement import Measurement
+from ep_harness.measurement import Measurement
 
 
 def nonfinite_text(nonfinite: dict | None) -> str:

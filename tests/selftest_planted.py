@@ -11,9 +11,9 @@
 """
 from dataclasses import replace
 
-from harness import families
-from harness.families import collective
-from harness.selftest import expectations
+from ep_harness import families
+from ep_harness.families import collective
+from ep_harness.selftest import expectations
 
 WEAK = "weak-batch-invariance"
 WEAK_REFERENCE = "weak-reference"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from reference import moe as ref
+from ep_harness.reference import moe as ref
 
 
 def by_check(run_dir):
@@ -68,7 +68,7 @@ def test_smoke_moe_layer_records(smoke_run):
 
 
 def test_prefill_rows_hold_the_first_last_and_one_row_per_part():
-    from harness.moe_scenario import prefill_rows
+    from ep_harness.moe_scenario import prefill_rows
 
     assert prefill_rows(128, 8) == [0, 8, 24, 40, 56, 72, 88, 104, 120, 127]
     assert prefill_rows(4, 8) == [0, 1, 2, 3]  # fewer rows than parts: every row once

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.environment import node_differences
-from harness.processes import process_state
+from ep_harness.environment import node_differences
+from ep_harness.processes import process_state
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
@@ -197,7 +197,7 @@ def test_bad_node_options_are_one_line_and_write_nothing(tmp_path, args, message
 
 
 def test_bad_node_options_are_rejected_before_torch_loads(tmp_path):
-    code = ("import sys; from harness.cli import main; "
+    code = ("import sys; from ep_harness.cli import main; "
             "rc = main(['verify', '--nnodes', '2', '--nproc-per-node', '2', '--out', sys.argv[1]]); "
             "print(rc, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
@@ -215,7 +215,7 @@ def test_nodes_that_differ_in_what_decides_bits_are_named():
 
 
 def test_the_report_banner_says_when_nodes_differ(tmp_path):
-    from reports.render import render_run
+    from ep_harness.reports.render import render_run
     from tests.test_reports import record, write_run
 
     env = {"command": "test", "node_differences": ["torch: node 0 2.13.0, node 1 2.12.0"]}

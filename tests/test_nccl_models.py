@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.nccl import log as nccl_log
-from harness.nccl import pins
-from harness.inputs import dtype_of
-from harness.nccl.models import NcclContext, NoPrediction, all_reduce, reduce_scatter
-from reference import nccl_pat, nccl_plan, orders
+from ep_harness.nccl import log as nccl_log
+from ep_harness.nccl import pins
+from ep_harness.inputs import dtype_of
+from ep_harness.nccl.models import NcclContext, NoPrediction, all_reduce, reduce_scatter
+from ep_harness.reference import nccl_pat, nccl_plan, orders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
@@ -162,7 +162,7 @@ def test_pins_are_read_per_function_and_checked_against_the_log():
 def test_the_model_table_picks_the_model_of_the_logged_function_and_algorithm(monkeypatch):
     """A model is one (function, algorithm) line of MODELS: the call NCCL logged is looked up
     there, a pair without a line is NoPrediction naming the call, and a new line is used."""
-    from harness.nccl import models
+    from ep_harness.nccl import models
 
     topo = topology("pins", 4)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)

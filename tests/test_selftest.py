@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.bits import ulp_distance
-from harness.errors import HarnessError
-from harness.families import collective, dispatch, gemm, moe_layer, quant
-from harness.selftest import expectations, matrix
-from harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
-from harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
+from ep_harness.bits import ulp_distance
+from ep_harness.errors import HarnessError
+from ep_harness.families import collective, dispatch, gemm, moe_layer, quant
+from ep_harness.selftest import expectations, matrix
+from ep_harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
+from ep_harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
 from tests.conftest import REPO, run_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
@@ -262,9 +262,9 @@ def test_bad_injection_is_one_line_and_exit_2(tmp_path):
 def test_limit_keeps_the_first_checks_that_expect_to_hold():
     from dataclasses import replace
 
-    from harness import subject as registry
-    from harness.check import single_check
-    from harness.selftest.run import choose
+    from ep_harness import subject as registry
+    from ep_harness.check import single_check
+    from ep_harness.selftest.run import choose
 
     registry.load_all()
     base = single_check(registry.get("all_gather_fold"), "rank-invariance", {"dtype": "bfloat16", "world_size": 3})

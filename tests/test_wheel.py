@@ -81,10 +81,10 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     env = {**{k: v for k, v in os.environ.items() if k != "EP_HARNESS_COMMIT"}, "PYTHONPATH": str(target)}
 
     def harness(*args):
-        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=work, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "ep_harness", *args], cwd=work, capture_output=True, text=True,
                               timeout=600, env=env)
 
-    where = subprocess.run([sys.executable, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+    where = subprocess.run([sys.executable, "-c", "import ep_harness; print(ep_harness.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(target)), where  # the installed copy, not the checkout
     listing = harness("list")
@@ -137,7 +137,7 @@ def test_a_user_install_finds_its_suites_from_a_directory_with_its_own_cases(whe
     (work / "cases").mkdir(parents=True)
     (work / "cases" / "smoke.toml").write_text("not = [a suite\n")  # a file of the user's, named like a built-in
     exe = str(userbase / "bin" / "ep-harness")
-    where = subprocess.run([python, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+    where = subprocess.run([python, "-c", "import ep_harness; print(ep_harness.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(userbase)), where
     listing = subprocess.run([exe, "list"], cwd=work, env=env, capture_output=True, text=True, timeout=300)

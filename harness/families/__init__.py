@@ -6,7 +6,7 @@ its parameter dataclass in params.py).
 """
 from __future__ import annotations
 
-from harness.families import collective, dispatch, driver, gemm, model, moe_layer, quant
+from ep_harness.families import collective, dispatch, driver, gemm, model, moe_layer, quant
 
 FAMILIES = {f.name: f for f in (collective.FAMILY, gemm.FAMILY, quant.FAMILY, dispatch.FAMILY, moe_layer.FAMILY,
                                 model.FAMILY)}

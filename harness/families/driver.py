@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from harness import kernel_trace
-from harness.context import RankContext
-from harness.measurement import Measurement
+from ep_harness import kernel_trace
+from ep_harness.context import RankContext
+from ep_harness.measurement import Measurement
 
 REFERENCE = ("reference", "combine-reference")
 REPEATS = ("run-to-run", "graph-invariance")
@@ -109,7 +109,7 @@ def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
 
 
 def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
-    """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
+    """Run an ep_harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
     p, prop = check.p, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)

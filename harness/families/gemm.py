@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise, json_float
-from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run, kept
-from harness.measurement import Bound, Measurement
-from harness.params import GemmParams
-from harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
-from harness.graphs import replay_in_graph
-from harness.tolerances import gemm_bound
-from reference import gemm as ref
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise, json_float
+from ep_harness.context import RankContext
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.params import GemmParams
+from ep_harness.gemm_problem import FP8, GemmProblem, build, dequantized, weights
+from ep_harness.graphs import replay_in_graph
+from ep_harness.tolerances import gemm_bound
+from ep_harness.reference import gemm as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
 
@@ -137,11 +137,11 @@ def _measure(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathere
 
 def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest problem timed
-    against cuBLAS (harness.cost). Absent on the CPU, never zero."""
+    against cuBLAS (ep_harness.cost). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
     if ctx.device.type == "cuda":
-        from harness import cost
-        from harness.subject import get
+        from ep_harness import cost
+        from ep_harness.subject import get
 
         w, w_scale = weights(p["seed"], p["groups"], p["n"], p["k"], p["dtype"], p["data"], p["cancel"])
         dense = p["layout"] == "dense"  # a dense problem holds group 0's rows only

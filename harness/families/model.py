@@ -16,7 +16,7 @@ predict its generated tokens (float32 [new_tokens, vocab]).
 * reference: within tolerances.MODEL of reference/model.py (float64, teacher-forced on the
   run's tokens and router choices; flips reported apart).
 
-Every run traces every op per tracked token on every rank (harness.divergence); the traces
+Every run traces every op per tracked token on every rank (ep_harness.divergence); the traces
 travel to rank 0 only for the first run and the first run whose rows differ from it (every
 rank computes every row, so each can tell), and then the record names the first divergence
 between them (`detail.first_divergence`: layer, stage, subject, whether a collective, the
@@ -33,18 +33,18 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.divergence import Tracer, localise
-from harness.families.driver import Copy, Family, Run
-from harness.families.moe_layer import router_flips
-from harness.measurement import Bound, Measurement
-from harness.params import ModelParams
-from harness.subjects.model.common import prompts, to_device, weights
-from harness.tolerances import MODEL, model_factor
-from reference import model as ref
-from reference.orders import order_sensitive
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.divergence import Tracer, localise
+from ep_harness.families.driver import Copy, Family, Run
+from ep_harness.families.moe_layer import router_flips
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.params import ModelParams
+from ep_harness.subjects.model.common import prompts, to_device, weights
+from ep_harness.tolerances import MODEL, model_factor
+from ep_harness.reference import model as ref
+from ep_harness.reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance")
 PROBE = 0

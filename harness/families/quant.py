@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run, kept
-from harness.measurement import Measurement
-from harness.params import QuantParams
-from reference import quant as ref
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.measurement import Measurement
+from ep_harness.params import QuantParams
+from ep_harness.reference import quant as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
 def reciprocal_scales(x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +125,10 @@ def _measure_reference(p: dict, q: torch.Tensor, s: torch.Tensor, dtype) -> Meas
 
 def _measure_with_cost(check, subject, ctx: RankContext, p: dict, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest batch timed
-    against a device copy of as many bytes (harness.cost). Absent on the CPU, never zero."""
+    against a device copy of as many bytes (ep_harness.cost). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
     if ctx.device.type == "cuda":
-        from harness import cost
+        from ep_harness import cost
 
         rows = max(run.spec for run in runs)
         x = _batch(p, rows, gen.dtype_of(p["dtype"])).to(ctx.device)

@@ -34,7 +34,7 @@ cells are not applicable. A plugin that adds a property declares its row with `d
 """
 from __future__ import annotations
 
-from harness.selftest.injections import WRAPPED_FAMILIES
+from ep_harness.selftest.injections import WRAPPED_FAMILIES
 
 MUST_CATCH: dict[str, frozenset[str]] = {
     "reference": frozenset({"nan", "inf", "stale"}),

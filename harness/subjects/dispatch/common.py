@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from harness.subjects.quant.torch_fp8 import TorchFp8Quant
+from ep_harness.subjects.quant.torch_fp8 import TorchFp8Quant
 
 
 @dataclass

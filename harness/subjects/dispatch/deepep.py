@@ -28,11 +28,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness.gemm_problem import aligned_starts
-from harness.subject import register
-from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype, wire_refusal
-from reference import deepep as ref_deepep
+from ep_harness.gemm_problem import aligned_starts
+from ep_harness.subject import register
+from ep_harness.subjects.dispatch.common import Received, quantize_wire
+from ep_harness.subjects.dispatch.wire import check_buffer_option, resolve_wire_dtype, wire_refusal
+from ep_harness.reference import deepep as ref_deepep
 
 _import: dict = {}
 VERSION_ENV = "EP_HARNESS_DEEPEP_VERSION"  # set by whoever built it: tag, commit, build flags

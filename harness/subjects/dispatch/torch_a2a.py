@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.subject import register
-from harness.gemm_problem import align, aligned_starts
-from harness.subjects.dispatch.common import Received, quantize_wire
-from harness.subjects.dispatch.wire import resolve_wire_dtype, wire_refusal
+from ep_harness.subject import register
+from ep_harness.gemm_problem import align, aligned_starts
+from ep_harness.subjects.dispatch.common import Received, quantize_wire
+from ep_harness.subjects.dispatch.wire import resolve_wire_dtype, wire_refusal
 
 
 def _exchange_counts(dest: torch.Tensor, world: int, device, group) -> tuple[list[int], list[int]]:

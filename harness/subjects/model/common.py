@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import inputs as gen
+from ep_harness import inputs as gen
 
 NORM_EPS = 1e-6
 

@@ -18,7 +18,7 @@ of the world size). Per layer:
 then rmsnorm, the LM head (`dense_gemm`, bf16 logits) and log_softmax in float32.
 `tp_reduce` is a collective subject, `dispatch` a dispatch subject (its combine too), `gemm`
 and `dense_gemm` GEMM subjects, all by registered name in params (defaults: all_gather_fold,
-torch_a2a_dispatch, torch_mm, torch_mm). A tracer (harness.divergence) is told every op's
+torch_a2a_dispatch, torch_mm, torch_mm). A tracer (ep_harness.divergence) is told every op's
 inputs and outputs per tracked token.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.divergence import Op, rows_of
-from harness.gemm_problem import GemmProblem
-from harness.subject import register
-from harness.subjects.model.common import Served, rmsnorm, shard_cols, shard_rows
-from harness.subjects.moe.composed import STAGES as MOE_STAGES
-from harness.subjects.moe.composed import Composed, ComposedMoE, route
+from ep_harness.divergence import Op, rows_of
+from ep_harness.gemm_problem import GemmProblem
+from ep_harness.subject import register
+from ep_harness.subjects.model.common import Served, rmsnorm, shard_cols, shard_rows
+from ep_harness.subjects.moe.composed import STAGES as MOE_STAGES
+from ep_harness.subjects.moe.composed import Composed, ComposedMoE, route
 
 STAGES = {**MOE_STAGES, "dense_gemm": "torch_mm"}
 BF16 = torch.bfloat16

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from harness import subject as registry
-from harness.gemm_problem import GemmProblem
-from harness.subject import register
+from ep_harness import subject as registry
+from ep_harness.gemm_problem import GemmProblem
+from ep_harness.subject import register
 
 STAGES = {"tp_reduce": "all_gather_fold", "dispatch": "torch_a2a_dispatch", "gemm": "torch_mm"}
 # What each stage subject is asked about when the composition is planned.
@@ -51,12 +51,12 @@ class Composed:
         return None
 
     def compiles_kernels(self, params):
-        from harness.subject import compiles_kernels
+        from ep_harness.subject import compiles_kernels
 
         return any(compiles_kernels(s, params) for s in self.stages(params).values())
 
     def kernels(self, params):
-        from harness.kernel_trace import declared
+        from ep_harness.kernel_trace import declared
 
         return tuple(dict.fromkeys(k for s in self.stages(params).values() for k in declared(s, params)))
 
