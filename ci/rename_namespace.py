@@ -3,7 +3,7 @@ installed namespace, `ep_harness` (issue 25): `harness.x` -> `ep_harness.x`, `re
 `ep_harness.reference.x`, `reports.x` -> `ep_harness.reports.x`, in import statements, dotted
 strings (mock targets, `-m harness.worker`, "harness.suites") and commands (`-m harness`). The
 folders keep their names; only import names change (docs/namespace.md). It also regenerates
-pyproject.toml's package list from the folders.
+pyproject.toml's package list from the folders (and its entry points).
 
 Idempotent: a second run changes nothing. Run it after merging a branch that still uses the
 old names; `--check` changes nothing and exits 1 listing the files that still need it (a test
@@ -55,8 +55,10 @@ def rules(repo: Path) -> list[tuple[re.Pattern, str]]:
         if old == "harness":
             names |= set(PACKAGE_ATTRIBUTES)
         alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
-        # `old.<module>` not preceded by a name, a dot (already namespaced), a hyphen (ep-harness) or a path
-        found.append((re.compile(rf"(?<![\w.\-/]){old}\.({alternatives})(?![\w\-])"), rf"{new}.\1"))
+        # `old.<module>` not preceded by a name, a dot (already namespaced), a hyphen (ep-harness) or a
+        # path, but maybe by an escape in a string (b"\0-m\0harness.agent\0", a /proc cmdline)
+        found.append((re.compile(rf"(?:(?<![\w.\-/])|(?<=\\[0nt])){old}\.({alternatives})(?![\w\-])"),
+                      rf"{new}.\1"))
         # statements: at a line's start, or in a string of code (`"import harness; ..."`)
         found.append((re.compile(rf"""(?m)(^\s*|["';]\s*)from {old} import\b"""), rf"\1from {new} import"))
         found.append((re.compile(rf"""(?m)(^\s*|["';]\s*)import {old}(?![\w.\-/])"""), rf"\1import {new}"))
@@ -118,12 +120,11 @@ def main(argv=None) -> int:
         text = path.read_text()
         if LEAVE_MARKER in text:
             continue
-        if path.name == "pyproject.toml" and path.parent == repo:
-            new = rewrite_pyproject(text, repo)
-        else:
-            new = text
-            for pattern, replacement in compiled:
-                new = pattern.sub(replacement, new)
+        new = text
+        for pattern, replacement in compiled:  # in pyproject.toml: the entry points
+            new = pattern.sub(replacement, new)
+        if path == repo / "pyproject.toml":
+            new = rewrite_pyproject(new, repo)
         if new != text:
             stale.append(path.relative_to(repo))
             if not args.check:

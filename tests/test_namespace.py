@@ -151,7 +151,8 @@ def test_the_rename_rewrites_old_imports_once_and_leaves_the_rest(tmp_path):
     (tmp_path / "ci").mkdir()
     (tmp_path / "ci" / "run.sh").write_text("PYTHONPATH=$PWD python3 -m harness verify --suite smoke\n"
                                             "python3 -m harness.bench compare\n")
-    (tmp_path / "pyproject.toml").write_text('[tool.setuptools]\npackages = [\n    "harness", "reference",\n]\n')
+    (tmp_path / "pyproject.toml").write_text('[project.scripts]\nep-harness = "harness.cli:main"\n\n'
+                                             '[tool.setuptools]\npackages = [\n    "harness", "reference",\n]\n')
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)  # the script rewrites the files git knows
 
     check = rename("--check", repo=tmp_path)
@@ -161,7 +162,9 @@ def test_the_rename_rewrites_old_imports_once_and_leaves_the_rest(tmp_path):
     assert (tmp_path / "tests" / "test_old.py").read_text() == NEW_STYLE
     assert (tmp_path / "ci" / "run.sh").read_text() == ("PYTHONPATH=$PWD python3 -m ep_harness verify --suite smoke\n"
                                                         "python3 -m ep_harness.bench compare\n")
-    packages = tomllib.loads((tmp_path / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    pyproject = tomllib.loads((tmp_path / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"ep-harness": "ep_harness.cli:main"}
+    packages = pyproject["tool"]["setuptools"]["packages"]
     assert packages == ["ep_harness", "ep_harness.reference", "ep_harness.reports", "ep_harness.subjects",
                         "ep_harness.suites"]
     again = rename(repo=tmp_path)  # idempotent: nothing left to do
