@@ -4,14 +4,13 @@ is the package and reference/ and reports/ its subpackages, the layout the wheel
 
 It loads harness/__init__.py as ep_harness in its own place in sys.modules, so every module of
 the harness has one name and one file, whichever way it was reached."""
-import importlib.machinery
 import importlib.util
 import os
 import sys
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# ep_harness's subpackages that are folders beside harness/, not in it (the built-in suites,
-# cases/, are found by ep_harness.cases itself in a checkout)
+# ep_harness's subpackages that are folders beside harness/, not in it (ep_harness.suites, an
+# install's package data, is not one: in a checkout ep_harness.cases reads cases/ itself)
 SIBLINGS = {f"{__name__}.reference": "reference", f"{__name__}.reports": "reports"}
 
 

@@ -2,7 +2,9 @@
 (docs/namespace.md): a checkout imports the same layout as the wheel, no module of the harness
 imports the old top-level names, and ci/rename_namespace.py finds and fixes any that come back."""
 # rename_namespace: leave this file (it holds the old names on purpose, as the script's input)
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,21 +25,26 @@ def test_no_file_of_the_checkout_uses_the_old_import_names():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_the_checkouts_layout_is_the_wheels():
+def test_the_checkouts_layout_is_the_wheels(tmp_path):
     """ep_harness/__init__.py (a checkout on PYTHONPATH) maps the folders as pyproject.toml's
-    package-dir does for the wheel and an editable install."""
+    package-dir does for the wheel and an editable install, all from that checkout: a copy of
+    it, so that an editable install of this one (the usual dev set-up) supplies nothing."""
+    copy = tmp_path / "checkout"
+    for folder in ("ep_harness", "harness", "reference", "reports", "cases"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__", "out"))
     mapped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     code = textwrap.dedent("""
         import json, os, ep_harness, ep_harness.reference, ep_harness.reports, ep_harness.cases as cases
         print(json.dumps({"ep_harness": ep_harness.__path__[0], "ep_harness.reference": ep_harness.reference.__path__[0],
-                          "ep_harness.reports": ep_harness.reports.__path__[0], "ep_harness.suites": str(cases.built_in_dir())}))
+                          "ep_harness.reports": ep_harness.reports.__path__[0], "ep_harness.suites": str(cases.built_in_dir()),
+                          "suites": sorted(cases.known_suites())}))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(copy)})
     assert proc.returncode == 0, proc.stderr
-    import json
     found = json.loads(proc.stdout)
-    assert found == {name: str(REPO / folder) for name, folder in mapped.items()}, (found, mapped)
+    assert found.pop("suites") == sorted(p.stem for p in (REPO / "cases").glob("*.toml"))
+    assert found == {name: str(copy / folder) for name, folder in mapped.items()}, (found, mapped)
 
 
 BLOCK_OLD_NAMES = textwrap.dedent("""
