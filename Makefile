@@ -43,11 +43,11 @@ test: install
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal tests
 
 bench: install
-	$(PY) -m harness.bench
+	$(PY) -m ep_harness.bench
 
 # On a GPU: GEMM and quantization cost at engine shapes, with each GEMM's batch-invariance verdict.
 bench-gpu: install
-	$(PY) -m harness.bench_gemm_cost --out reports/out/cost
+	$(PY) -m ep_harness.bench_gemm_cost --out reports/out/cost
 
 nightly: install
 	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \

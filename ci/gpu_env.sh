@@ -1,6 +1,6 @@
 # Sourced by the GPU run scripts (no network on the lent machines): multicast kept off,
 # the carried wheels (.whl/, e.g. DeepGEMM) installed into /tmp/site, and the repository
-# on PYTHONPATH. The copied tree has no .git: pass EP_HARNESS_COMMIT=<sha> to record which
+# on PYTHONPATH (its ep_harness/ makes `python3 -m ep_harness` import harness/: docs/namespace.md). The copied tree has no .git: pass EP_HARNESS_COMMIT=<sha> to record which
 # commit ran.
 OUT=${OUT:-/tmp/gpu-run-out}
 mkdir -p "$OUT"

@@ -10,7 +10,7 @@ python3 -c "import deep_ep" 2>/dev/null || { echo "h200_deepep_run.sh: deep_ep d
 : "${EP_HARNESS_DEEPEP_VERSION:?say which DeepEP this is, e.g. EP_HARNESS_DEEPEP_VERSION='v1.2.1 (9af0e0d), intranode only'}"
 export EP_HARNESS_DEEPEP_VERSION
 start=$(date +%s)
-python3 -m harness verify --suite "${SUITE:-cases/h200-deepep.toml}" --gpus "${RANKS:-8}" --emulate-hosts \
+python3 -m ep_harness verify --suite "${SUITE:-cases/h200-deepep.toml}" --gpus "${RANKS:-8}" --emulate-hosts \
   --out /tmp/deepep-runs > "$OUT/verify.log" 2>&1
 echo "verify exit $? after $(( $(date +%s) - start )) s" >> "$OUT/verify.log"
 cp /tmp/deepep-runs/latest/results.jsonl /tmp/deepep-runs/latest/environment.json /tmp/deepep-runs/latest/report.html \

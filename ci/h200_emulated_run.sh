@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_env.sh"
 { date -u; nvidia-smi; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())"; \
   python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)"; } > "$OUT/machine.txt" 2>&1
 start=$(date +%s)
-python3 -m harness verify --suite "${SUITE:-cases/h200-emulated.toml}" --gpus "${RANKS:-8}" --emulate-hosts \
+python3 -m ep_harness verify --suite "${SUITE:-cases/h200-emulated.toml}" --gpus "${RANKS:-8}" --emulate-hosts \
   --out /tmp/runs > "$OUT/verify.log" 2>&1
 echo "verify exit $? after $(( $(date +%s) - start )) s" >> "$OUT/verify.log"
 cp /tmp/runs/latest/results.jsonl /tmp/runs/latest/environment.json /tmp/runs/latest/report.html "$OUT/" 2>/dev/null

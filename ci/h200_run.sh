@@ -13,7 +13,7 @@ echo "DG_JIT_CACHE_DIR=$DG_JIT_CACHE_DIR holds $(find "$DG_JIT_CACHE_DIR" -type 
   >> "$OUT/machine.txt"
 for pass in cold warm; do
   start=$(date +%s.%N)
-  python3 -m harness verify --suite "${SUITE:-cases/h200.toml}" --out "/tmp/runs-$pass" > "$OUT/verify-$pass.log" 2>&1
+  python3 -m ep_harness verify --suite "${SUITE:-cases/h200.toml}" --out "/tmp/runs-$pass" > "$OUT/verify-$pass.log" 2>&1
   code=$?
   echo "verify ($pass) exit $code after $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s wall" >> "$OUT/verify-$pass.log"
   mkdir -p "$OUT/$pass"
@@ -21,4 +21,4 @@ for pass in cold warm; do
 done
 cp /tmp/runs-warm/latest/report.html "$OUT/" 2>/dev/null
 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
-if [ "${BENCH:-0}" = 1 ]; then python3 -m harness.bench compare --gib ${GIB:-1 4} > "$OUT/bench-compare.log" 2>&1; fi
+if [ "${BENCH:-0}" = 1 ]; then python3 -m ep_harness.bench compare --gib ${GIB:-1 4} > "$OUT/bench-compare.log" 2>&1; fi

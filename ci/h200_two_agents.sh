@@ -12,14 +12,14 @@ SEL=(--check 'rs-native/*/world_size=4' --check 'ar-slice/*/world_size=4' --chec
      --check 'a2a-fold/*/world_size=4')
 COMMON=(--suite smoke --gpus 4 --emulate-hosts --no-report "${SEL[@]}")
 start=$(date +%s)
-python3 -m harness verify "${COMMON[@]}" --launches one --out /tmp/one > "$OUT/one-agent.log" 2>&1
+python3 -m ep_harness verify "${COMMON[@]}" --launches one --out /tmp/one > "$OUT/one-agent.log" 2>&1
 echo "exit $? after $(( $(date +%s) - start )) s" >> "$OUT/one-agent.log"
 start=$(date +%s)
 mkdir -p /tmp/node0 /tmp/node1
-(cd /tmp/node0 && python3 -m harness verify "${COMMON[@]}" --nnodes 2 --nproc-per-node 2 \
+(cd /tmp/node0 && python3 -m ep_harness verify "${COMMON[@]}" --nnodes 2 --nproc-per-node 2 \
    --rdzv-endpoint 127.0.0.1:29400 --node-rank 0 --out /tmp/two > "$OUT/two-agents-head.log" 2>&1; \
  echo "exit $? after $(( $(date +%s) - start )) s" >> "$OUT/two-agents-head.log") &
-(cd /tmp/node1 && python3 -m harness verify --gpus 4 --emulate-hosts --nnodes 2 --nproc-per-node 2 \
+(cd /tmp/node1 && python3 -m ep_harness verify --gpus 4 --emulate-hosts --nnodes 2 --nproc-per-node 2 \
    --rdzv-endpoint 127.0.0.1:29400 --node-rank 1 --out /tmp/node1/out > "$OUT/two-agents-node1.log" 2>&1; \
  echo "exit $?" >> "$OUT/two-agents-node1.log") &
 wait

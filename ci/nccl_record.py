@@ -5,7 +5,7 @@ on machines without a GPU.
 
 For every NCCL configuration and world size it launches one torchrun job whose ranks share
 the visible GPU(s) as emulated hosts (a distinct NCCL_HOSTID per rank), runs
-reduce_scatter_tensor and all_reduce on inputs from `harness.inputs.values` (so a CPU can
+reduce_scatter_tensor and all_reduce on inputs from `ep_harness.inputs.values` (so a CPU can
 regenerate every rank's input from the seed), and saves rank 0's gathered outputs, a
 SHA-256 of every rank's output, and every rank's NCCL_DEBUG=INFO log under OUT_DIR.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from harness.emulation import emulated_host_env  # noqa: E402
+from ep_harness.emulation import emulated_host_env  # noqa: E402
 
 PINS = {"NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8",
         "NCCL_MIN_CTAS": "8", "NCCL_MAX_CTAS": "8", "NCCL_COLLNET_ENABLE": "0"}
@@ -73,12 +73,12 @@ def saved_whole(config: str, name: str, nbytes: int) -> bool:
 
 
 def rs_input(dtype, world_size, rows, rank):
-    from harness.inputs import values
+    from ep_harness.inputs import values
     return values((world_size * rows, HIDDEN), dtype, 0, "nccl-record-rs", world_size, rows, rank)
 
 
 def ar_input(dtype, world_size, numel, rank):
-    from harness.inputs import values
+    from ep_harness.inputs import values
     return values((numel,), dtype, 0, "nccl-record-ar", world_size, numel, rank)
 
 
@@ -86,12 +86,12 @@ def worker(out_dir: Path, config: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from harness.inputs import dtype_of
+    from ep_harness.inputs import dtype_of
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.update(emulated_host_env(rank))
     if torch.cuda.is_available():
-        from harness.emulation import device_index
+        from ep_harness.emulation import device_index
         device = torch.device("cuda", device_index(rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

@@ -1,3 +1,3 @@
-from harness.cli import main
+from ep_harness.cli import main
 
 raise SystemExit(main())

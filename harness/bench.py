@@ -1,11 +1,11 @@
 """`make bench`: timings that belong in BENCHMARKS.md, never in tests.
 
-    python -m harness.bench suite   # CPU default suite: one launch per world size vs one per check
-    python -m harness.bench startup # a one-test pytest run with the plugin vs `-p no:ep_harness`
-    python -m harness.bench ep-suite  # `pytest --ep-suite` vs `ep-harness verify` on one suite
-    python -m harness.bench report  # render a 2,000-record run: seconds and bytes
-    python -m harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
-    python -m harness.bench collectives  # native reduce-scatter vs the deterministic paths
+    python -m ep_harness.bench suite   # CPU default suite: one launch per world size vs one per check
+    python -m ep_harness.bench startup # a one-test pytest run with the plugin vs `-p no:ep_harness`
+    python -m ep_harness.bench ep-suite  # `pytest --ep-suite` vs `ep-harness verify` on one suite
+    python -m ep_harness.bench report  # render a 2,000-record run: seconds and bytes
+    python -m ep_harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
+    python -m ep_harness.bench collectives  # native reduce-scatter vs the deterministic paths
 
 Medians over repeats, measured side by side in one process.
 """
@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.records import read_jsonl, write_json, write_jsonl
+from ep_harness.records import read_jsonl, write_json, write_jsonl
 
 
 def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-check")) -> dict:
     """The suite's wall time under each way of grouping checks into torchrun launches (the
     per-check mode once: it is by far the slowest)."""
-    from harness.verify import RunOptions, verify
+    from ep_harness.verify import RunOptions, verify
 
     timings: dict[str, list[float]] = {m: [] for m in modes}
     checks = None
@@ -80,7 +80,7 @@ def bench_ep_suite(repeats: int, suite: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         pytest_s = _median_wall([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ep-suite", suite,
                                  "--ep-gpus", "0", "."], repeats, Path(tmp))
-        verify_s = _median_wall([sys.executable, "-m", "harness", "verify", "--suite", suite, "--gpus", "0",
+        verify_s = _median_wall([sys.executable, "-m", "ep_harness", "verify", "--suite", suite, "--gpus", "0",
                                  "--no-report", "--out", str(Path(tmp) / "out")], repeats, Path(tmp))
     return {"suite": suite, "repeats": repeats, "pytest_ep_suite_s": round(pytest_s, 2), "verify_s": round(verify_s, 2),
             "ratio": round(pytest_s / verify_s, 2)}
@@ -102,7 +102,7 @@ def synthetic_run(base: list[dict], n: int, out: Path) -> Path:
 
 
 def bench_report(n: int, repeats: int, source: Path) -> dict:
-    from reports.render import render_run
+    from ep_harness.reports.render import render_run
 
     base = read_jsonl(source / "results.jsonl")
     if not base:
@@ -138,7 +138,7 @@ def _cuda_median(fn, repeats: int) -> float:
 def _compare_one(n: int, dtype, repeats: int) -> dict:
     import torch
 
-    from harness.kernels.bitcompare import bitwise_stats
+    from ep_harness.kernels.bitcompare import bitwise_stats
 
     a = torch.randn(n, device="cuda", dtype=torch.float32).to(dtype)
     b = a.clone()
@@ -180,12 +180,12 @@ def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int)
     import subprocess
     import sys
 
-    from harness.processes import REPO_ROOT
+    from ep_harness.processes import REPO_ROOT
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-               "-m", "harness.bench_collectives", str(out), str(min_kib), str(max_mib), str(repeats)]
+               "-m", "ep_harness.bench_collectives", str(out), str(min_kib), str(max_mib), str(repeats)]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NCCL_NVLS_ENABLE": "0",
                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -198,7 +198,7 @@ BENCHES = ("suite", "startup", "ep-suite", "report", "compare", "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.bench")
+    parser = argparse.ArgumentParser(prog="python -m ep_harness.bench")
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"any of {', '.join(BENCHES)} (default: suite startup ep-suite report)")
     parser.add_argument("--world-size", type=int, default=4)

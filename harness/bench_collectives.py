@@ -2,7 +2,7 @@
 side by side in one launch, medians over repeats. Run under torchrun (one process per GPU,
 or gloo ranks on the CPU):
 
-    python -m harness.bench collectives --world-size 4 [--max-mib 256]
+    python -m ep_harness.bench collectives --world-size 4 [--max-mib 256]
 
 Rank 0 writes JSON rows (subject, bytes, median seconds, ratio to native) to the path given.
 """
@@ -21,7 +21,7 @@ def main(out_path: str, min_kib: int, max_mib: int, repeats: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -1,6 +1,6 @@
 """GEMM and quantization cost at the shapes engines run, with each GEMM's batch-invariance verdict.
 
-    python3 -m harness.bench_gemm_cost --out DIR      # one GPU; writes DIR/cost.json, DIR/cost.md
+    python3 -m ep_harness.bench_gemm_cost --out DIR      # one GPU; writes DIR/cost.json, DIR/cost.md
 
 Sections, in this order (a time budget skips what is left, saying so):
 
@@ -14,7 +14,7 @@ Sections, in this order (a time budget skips what is left, saying so):
   K = intermediate), M tokens routed top-8 at random (seeded) into DeepGEMM's contiguous
   layout: cuBLAS per expert, DeepGEMM BF16 and FP8, torch._grouped_mm.
 
-Each point: the subjects timed interleaved call by call (harness.cost), median of k. Batch
+Each point: the subjects timed interleaved call by call (ep_harness.cost), median of k. Batch
 invariance: the probe row (token 0, or row 0 of a dense A, the same values at every M, built
 with the GEMM family's cancelling pair so that a K reordering shows) is compared bit for bit
 with its output at the smallest M; a subject's verdict counts the
@@ -88,12 +88,12 @@ def contiguous_layout(topk_idx, experts: int, alignment: int):
 
 
 def plant_cancellation(rows, weights, k: int) -> None:
-    """The GEMM family's probe construction (harness.families.gemm.probe_row), in place: the
+    """The GEMM family's probe construction (ep_harness.families.gemm.probe_row), in place: the
     probe row gets +-CANCEL at columns 1 and 1 + K/2 against equal weight columns, so the
     pair cancels exactly but rounds whatever was summed between them at its magnitude, and
     any other K order (split-K, another tile walk) changes output bits. rows: the probe
     row [K]; weights: [..., N, K]."""
-    from harness.families.gemm import CANCEL
+    from ep_harness.families.gemm import CANCEL
 
     rows[1], rows[1 + k // 2] = CANCEL, -CANCEL
     weights[..., 1 + k // 2] = weights[..., 1]
@@ -110,7 +110,7 @@ def order_sensitive(row, weight, out_dtype) -> int:
 
 def probe_mismatches(probes: dict[int, object]) -> dict[int, int]:
     """Differing elements of the probe output at each M against the smallest M's."""
-    from harness.bits import int_view
+    from ep_harness.bits import int_view
 
     first = probes[min(probes)]
     return {m: int((int_view(p) != int_view(first)).sum()) for m, p in sorted(probes.items())}
@@ -196,7 +196,7 @@ class Bench:
     def __init__(self, repeats: int, warmup: int, budget_s: float, seed: int):
         import torch
 
-        from harness.subject import Platform, load_all
+        from ep_harness.subject import Platform, load_all
 
         self.torch = torch
         self.repeats, self.warmup, self.budget_s, self.seed = repeats, warmup, budget_s, seed
@@ -289,7 +289,7 @@ class Bench:
 
     def _reference(self, problem, outs: dict, n: int, k: int, rows: int = 64) -> dict:
         """Each subject's first `rows` output rows against float64, within tolerances.GEMM."""
-        from harness.tolerances import gemm_bound
+        from ep_harness.tolerances import gemm_bound
 
         a, b = problem.a[:rows].double(), problem.b.double()
         exact = a @ b.T
@@ -392,7 +392,7 @@ class Bench:
             del a, outs, problems
         sensitive = {name: order_sensitive(tokens_all[0], w[probe_expert], torch.bfloat16) for name in bf16_ready}
         if fp8_ready:  # the products the FP8 kernel sums: dequantized operands
-            from reference.quant import dequantize_per_block, dequantize_per_token_group
+            from ep_harness.reference.quant import dequantize_per_block, dequantize_per_token_group
 
             q, s = quantizer.quantize(tokens_all[:1], False)
             row = dequantize_per_token_group(q, s)[0]
@@ -414,14 +414,14 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    from harness.subjects.gemm import deepgemm
+    from ep_harness.subjects.gemm import deepgemm
 
     try:
         deepgemm.deep_gemm()
         env["deep_gemm"] = deepgemm.settings()
     except ImportError as exc:
         env["deep_gemm"] = f"unavailable: {exc}"
-    from harness.kernels.bi_matmul import tile_config
+    from ep_harness.kernels.bi_matmul import tile_config
 
     env["triton_tiles"] = {f"{n}x{k}": tile_config(n, k, "bfloat16").__dict__ for _, n, k in DENSE_SHAPES}
     return env
@@ -469,7 +469,7 @@ def _write(out_dir: Path, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m harness.bench_gemm_cost", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m ep_harness.bench_gemm_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for cost.json and cost.md")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per subject and point (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per subject before timing")

@@ -28,7 +28,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError, did_you_mean
+from ep_harness.errors import HarnessError, did_you_mean
 
 EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
 BACKENDS = ("gloo", "nccl")
@@ -189,7 +189,7 @@ def load_suite(path) -> Suite:
                  plugins=list(meta.get("plugins", [])), cases=cases)
 
 
-BUILT_IN = "harness.suites"  # the repository's cases/ folder, installed as this package's data
+BUILT_IN = "ep_harness.suites"  # the repository's cases/ folder, installed as this package's data
 
 
 def built_in_dir():

@@ -33,12 +33,12 @@ import os
 import re
 import time
 
-from harness.errors import HarnessError
+from ep_harness.errors import HarnessError
 
 ROOT = "ep-harness"
 CONNECT_TIMEOUT_S = 300.0
 SECRET_ENV = "EP_HARNESS_RUN_SECRET"
-RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # harness.verify.new_run_id
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # ep_harness.verify.new_run_id
 
 
 class Forged(HarnessError):

@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from harness.errors import HarnessError
-from harness.gate import NotComparable
+from ep_harness.errors import HarnessError
+from ep_harness.gate import NotComparable
 
 
 def _gpus(value: str) -> int | None:
@@ -44,7 +44,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the harness version and commit, and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from harness.version import version_line
+        from ep_harness.version import version_line
 
         print(version_line())
         parser.exit()
@@ -168,16 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         _unknown_arguments(parser.subcommand(getattr(args, "command", None)), unknown)
     try:
         if args.command == "verify":
-            from harness.cases import load_suite, resolve_suite_path
-            from harness.environment import platform_for
-            from harness.nodes import Nodes
+            from ep_harness.cases import load_suite, resolve_suite_path
+            from ep_harness.environment import platform_for
+            from ep_harness.nodes import Nodes
 
             # Bad node options, a missing or malformed suite and more GPUs than the machine
             # has fail here, before torch loads (on a machine without a GPU driver).
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher, args.run_secret).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
-                from harness.follower import follow
+                from ep_harness.follower import follow
 
                 return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
-            from harness.verify import RunOptions, verify
+            from ep_harness.verify import RunOptions, verify
 
             code, run_dir = verify(RunOptions(
                 args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
@@ -197,30 +197,30 @@ def main(argv: list[str] | None = None) -> int:
                 _quiet_summary(run_dir)
             return code
         if args.command == "report":
-            from reports.render import render_run
+            from ep_harness.reports.render import render_run
 
             return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
         if args.command == "list":
             return _list(args)
         if args.command == "doctor":
-            from harness.doctor import doctor
+            from ep_harness.doctor import doctor
 
             return doctor()
         if args.command == "selftest":
-            from harness.selftest.run import selftest
+            from ep_harness.selftest.run import selftest
 
             return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
                             selection=args.check, plugins=args.plugin, out_root=args.out,
                             command=["ep-harness", *argv], render=not args.no_report,
                             every_cell=args.every_cell, emulate_hosts=args.emulate_hosts)[0]
         if args.command == "gate":
-            from harness.gate import gate, render_gate
+            from ep_harness.gate import gate, render_gate
 
             result = gate(args.run_dir, args.baseline)
             print(render_gate(result))
             return 0 if result["passed"] else 1
         if args.command == "baseline":
-            from harness.gate import update_baseline
+            from ep_harness.gate import update_baseline
 
             print(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
             return 0
@@ -230,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             if importlib.util.find_spec("hypothesis") is None:
                 raise HarnessError("explore searches with hypothesis, which is not installed; "
                                    "pip install 'ep-harness[explore]'")
-            from harness.explore import explore
+            from ep_harness.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
                            store=args.store, gpus=args.gpus)
         if args.command == "nightly":
-            from harness.nightly import nightly
+            from ep_harness.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
                            emulate_hosts=args.emulate_hosts, summary_md=args.summary_md, junit_xml=args.junit_xml,
@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_summary(run_dir: Path) -> None:
     """verify -q: each failure with its rerun command, then the verdict and the counts."""
-    from reports.analysis import FAILING, counts, verdict
-    from reports.load import load_run
-    from reports.terminal import _one_line
+    from ep_harness.reports.analysis import FAILING, counts, verdict
+    from ep_harness.reports.load import load_run
+    from ep_harness.reports.terminal import _one_line
 
     records = load_run(run_dir).records
     for r in records:
@@ -265,17 +265,17 @@ def _quiet_summary(run_dir: Path) -> None:
 
 
 def _unknown_arguments(parser: Parser, unknown: list[str]) -> None:
-    from harness.errors import did_you_mean
+    from ep_harness.errors import did_you_mean
 
     hint = next((did_you_mean(a.partition("=")[0], parser.options()) for a in unknown if a.startswith("--")), "")
     parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
 def _list(args) -> int:
-    from harness import subject as registry
-    from harness.cases import known_suites, load_suite, resolve_suite_path
-    from harness.environment import detect
-    from harness.plan import expand
+    from ep_harness import subject as registry
+    from ep_harness.cases import known_suites, load_suite, resolve_suite_path
+    from ep_harness.environment import detect
+    from ep_harness.plan import expand
 
     if args.suite is None:
         print("# suites (--suite NAME, or a path to a TOML file):")

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.bits import hex_bits, int_view, ulp_distance
-from harness.fingerprint import block_fingerprints, fingerprint
-from harness.kernels.bitcompare import bitwise_stats
+from ep_harness.bits import hex_bits, int_view, ulp_distance
+from ep_harness.fingerprint import block_fingerprints, fingerprint
+from ep_harness.kernels.bitcompare import bitwise_stats
 
 MAP_COLUMNS = 64
 FIRST_MISMATCHES = 8

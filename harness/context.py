@@ -15,8 +15,8 @@ class RankContext:
     device: torch.device
     group: Any  # torch.distributed.ProcessGroup
     nccl_algo: str | None = None  # NCCL_ALGO as this rank's NCCL reads it
-    nccl_topology: Any = None  # harness.nccl.log.Topology, on rank 0 of an NCCL launch
-    nccl_log: Any = None  # harness.nccl.log.LogTail of rank 0's own NCCL log
+    nccl_topology: Any = None  # ep_harness.nccl.log.Topology, on rank 0 of an NCCL launch
+    nccl_log: Any = None  # ep_harness.nccl.log.LogTail of rank 0's own NCCL log
 
     def nccl_mark(self) -> int | None:
         return self.nccl_log.mark() if self.nccl_log is not None else None

@@ -6,7 +6,7 @@ of decode steps, another order) cannot be compared op by op as whole tensors: th
 hold other rows. So every op is recorded per *item* (for a model: one token of one prompt,
 named by the prompt and position, never by its row in this run's batch), each side as named
 *parts* (a TP partial of rank r, the expert output of slot j, ...) with the fingerprint of
-their bits (harness.fingerprint: order-sensitive) and the rank that held them. An op's inputs
+their bits (ep_harness.fingerprint: order-sensitive) and the rank that held them. An op's inputs
 are everything its output for that item depends on (for attention: the keys and values of
 every earlier token, folded into one prefix fingerprint), so "inputs agreed, outputs did not"
 pins the op itself, not something upstream of it.
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from harness.fingerprint import DIGEST_BYTES, combine, fingerprint
+from ep_harness.fingerprint import DIGEST_BYTES, combine, fingerprint
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def localise(traces_a: list[dict], traces_b: list[dict]) -> dict:
 def rows_of(t: torch.Tensor, wanted: list[bool] | None = None) -> list[str | None]:
     """fingerprint(t[i]) for each row i (None where not wanted), from one transfer to the
     CPU and one byte view: the per-row cost is the digest alone (tested equal to
-    harness.fingerprint.fingerprint row by row)."""
+    ep_harness.fingerprint.fingerprint row by row)."""
     cpu = t.detach().contiguous().cpu()
     if cpu.dim() == 0 or cpu.shape[0] == 0:
         return []

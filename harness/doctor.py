@@ -30,7 +30,7 @@ class Finding:
 def pip_install(extra: str, fallback: str) -> str:
     """`pip install` of an extra's pinned requirements (pyproject is the one place they are
     written); the extra itself would make pip look for ep-harness on an index."""
-    from harness.version import extra_requirements
+    from ep_harness.version import extra_requirements
 
     requirements = extra_requirements(extra)
     return "pip install " + (" ".join(f"'{r}'" if any(c in r for c in "<>=!~") else r for r in requirements)
@@ -67,7 +67,7 @@ def python_finding() -> Finding:
 
 
 def harness_finding() -> Finding:
-    from harness.version import version_line
+    from ep_harness.version import version_line
 
     return Finding("ep-harness", OK, version_line().removeprefix("ep-harness "))
 
@@ -146,7 +146,7 @@ def deepep_finding(gpus: int) -> Finding:
              f"export {DEEPEP_VERSION_ENV}='<tag> (<commit>)'")
     if problem:
         return Finding("deepep", SKIP, f"deep_ep does not import ({problem}): DeepEP checks are skipped", build)
-    from harness.subjects.dispatch.deepep import version
+    from ep_harness.subjects.dispatch.deepep import version
 
     stated = version()
     detail = f"deep_ep {stated} imports"

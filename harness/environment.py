@@ -81,7 +81,7 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
 
 
 def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
-    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (harness.nodes.Nodes):
+    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.nodes.Nodes):
     the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
     import dataclasses
 

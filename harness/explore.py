@@ -13,9 +13,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from harness.check import Check, single_check
-from harness.errors import HarnessError
-from harness.records import append_line, read_jsonl, write_json
+from ep_harness.check import Check, single_check
+from ep_harness.errors import HarnessError
+from ep_harness.records import append_line, read_jsonl, write_json
 
 STORE = Path("reports/out/counterexamples.jsonl")
 
@@ -80,10 +80,10 @@ def snippet(subject_name: str, example: dict, n: int, world_size: int) -> str:
 
 def explore(subject_name: str, world_size: int, budget_s: float, max_examples: int, plugins: list[str],
             store: Path = STORE, gpus: int | None = None) -> int:
-    from harness import subject as registry
-    from harness.environment import detect, pinned_env
-    from harness.nodes import Nodes
-    from harness.processes import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
+    from ep_harness import subject as registry
+    from ep_harness.environment import detect, pinned_env
+    from ep_harness.nodes import Nodes
+    from ep_harness.processes import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -91,7 +91,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     platform = detect(gpus)
     if world_size > platform.ranks:
         raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
-    from harness.verify import new_run_id
+    from ep_harness.verify import new_run_id
 
     job_dir = Path("reports/out/explore") / f"{subject_name}-{new_run_id()}"
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
     env = {**os.environ, **pinned_env(platform, {}), **import_paths()}
-    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, job_dir, module="harness.explore_rank",
+    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, job_dir, module="ep_harness.explore_rank",
                                args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:
         with interruptible():
@@ -139,7 +139,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
 
 def _rank_groups(job_dir: Path) -> set[int]:
     """The process groups of this node's exploring ranks (each wrote its pid)."""
-    from harness.processes import process_groups
+    from ep_harness.processes import process_groups
 
     pids = []
     for pid_file in job_dir.glob("pid-rank*"):

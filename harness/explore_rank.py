@@ -1,7 +1,7 @@
 """The ranks of an `ep-harness explore` launch (harness/explore.py starts it): rank 0 runs
 the Hypothesis search and broadcasts each example; every rank runs the check it names.
 
-Imports are at the top so that harness.agent does them once per launch, before it forks its
+Imports are at the top so that ep_harness.agent does them once per launch, before it forks its
 fork server, not once per rank (the CLI side, harness/explore.py, stays free of torch until
 it launches).
 """
@@ -18,11 +18,11 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
-from harness import subject as registry
-from harness.context import RankContext
-from harness.explore import as_check, strategy
-from harness.families import execute
-from harness.records import write_json
+from ep_harness import subject as registry
+from ep_harness.context import RankContext
+from ep_harness.explore import as_check, strategy
+from ep_harness.families import execute
+from ep_harness.records import write_json
 
 
 def rank_main(job_dir: str) -> int:

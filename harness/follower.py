@@ -14,11 +14,11 @@ import threading
 import time
 from pathlib import Path
 
-from harness.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
-from harness.errors import HarnessError
-from harness.launch import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
-from harness.nodes import START_TIMEOUT_S, Nodes, identity_difference
-from harness.processes import Interrupted, agent_command, child_env, interruptible, kill_launch, spawn
+from ep_harness.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
+from ep_harness.errors import HarnessError
+from ep_harness.launch import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
+from ep_harness.nodes import START_TIMEOUT_S, Nodes, identity_difference
+from ep_harness.processes import Interrupted, agent_command, child_env, interruptible, kill_launch, spawn
 
 NODE_BEAT_S = 0.5  # how often a follower tells the head it is alive (the head's NODE_TIMEOUT_S: when it is not)
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a launch's directory: one plain path component
@@ -38,7 +38,7 @@ def _validated_launch(launch, channel: Channel, run: str, k: int, nodes: Nodes, 
     namespace, rendezvous id and ranks per node are this run's, its directory name is one
     plain path component, its variables are allowlisted (no LD_PRELOAD, no library or file,
     no path), and the head runs the same harness and plugins as this node."""
-    from harness.environment import applicable_env
+    from ep_harness.environment import applicable_env
 
     where = f"node {nodes.node_rank}: launch {k} from the head at {nodes.endpoint}"
     if not isinstance(launch, dict):

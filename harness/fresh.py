@@ -5,7 +5,7 @@ fails, with how many of the K-1 relaunches differ and where the bits first moved
 repeats (run-to-run) cannot see such drift."""
 from __future__ import annotations
 
-from harness.launch import Outcome
+from ep_harness.launch import Outcome
 
 
 def _first_block(a: dict | None, b: dict | None) -> str:

@@ -10,9 +10,9 @@ measured (gloo), the same CPU model and ISA. One file per fingerprint,
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
 
-The gate fails on a run that cannot pass whatever its baseline says (reports.analysis.run_problem:
+The gate fails on a run that cannot pass whatever its baseline says (ep_harness.reports.analysis.run_problem:
 interrupted, nothing ran, every check that ran errored, or every one vacuous), and on a
-regression (reports.analysis.compare_runs: a held check now violated, a
+regression (ep_harness.reports.analysis.compare_runs: a held check now violated, a
 new unexpected or error, `ok` now skipped, vacuous or error, a control whose count moved
 for the same seeded inputs, a check that disappeared) and passes with a notice on
 improvements.
@@ -24,10 +24,10 @@ import json
 import re
 from pathlib import Path
 
-from harness.errors import HarnessError
-from harness.records import append_line, read_jsonl, write_json, write_jsonl
-from reports.analysis import compare_runs, run_problem
-from reports.load import load_run
+from ep_harness.errors import HarnessError
+from ep_harness.records import append_line, read_jsonl, write_json, write_jsonl
+from ep_harness.reports.analysis import compare_runs, run_problem
+from ep_harness.reports.load import load_run
 
 BASELINE_DIR = Path("ci/baselines")
 HISTORY_KEYS = ("check", "subject", "property", "status", "held", "mismatched", "total", "seconds")

@@ -22,21 +22,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
-from harness.errors import HarnessError
-from harness.measurement import Measurement
-from harness.nodes import START_TIMEOUT_S, Nodes, identity
-from harness.processes import Interrupted, agent_command, child_env, kill_launch, process_groups, spawn
+from ep_harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
+from ep_harness.errors import HarnessError
+from ep_harness.measurement import Measurement
+from ep_harness.nodes import START_TIMEOUT_S, Nodes, identity
+from ep_harness.processes import Interrupted, agent_command, child_env, kill_launch, process_groups, spawn
 
 # A node launcher silent this long is gone (EP_HARNESS_NODE_TIMEOUT_S; it beats every 0.5 s:
-# harness.follower.NODE_BEAT_S).
+# ep_harness.follower.NODE_BEAT_S).
 NODE_TIMEOUT_S = float(os.environ.get("EP_HARNESS_NODE_TIMEOUT_S", "6"))
 POLL_S = 0.1
 STACKS_TIMEOUT_S = 3.0  # how long ranks get to answer a request for their stacks
 
 
 def _cache_dir() -> str:
-    from harness.environment import deep_gemm_cache_dir
+    from ep_harness.environment import deep_gemm_cache_dir
 
     return deep_gemm_cache_dir()
 
@@ -170,7 +170,7 @@ def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
 
 
 def rank_states(launch: Channel, world_size: int) -> list[dict | None]:
-    """Each rank's progress through the launch's checks (harness.worker), None before it starts."""
+    """Each rank's progress through the launch's checks (ep_harness.worker), None before it starts."""
     return [launch.get(f"progress/{r}") for r in range(world_size)]
 
 
@@ -180,7 +180,7 @@ def local_groups(states, node: int) -> set[int]:
 
 
 def _dump_stacks(launch: Channel, world_size: int) -> dict[str, str]:
-    """Ask every rank, wherever it runs, for all its threads' stacks (harness.worker.Watcher)."""
+    """Ask every rank, wherever it runs, for all its threads' stacks (ep_harness.worker.Watcher)."""
     launch.add("stacks-requested")
     deadline = time.time() + STACKS_TIMEOUT_S  # a rank that is gone never answers
     while time.time() < deadline and not all(launch.has(f"stack/{r}") for r in range(world_size)):
@@ -347,7 +347,7 @@ SET_BY_ENVIRONMENT = re.compile(r"\b(?P<name>[A-Z][A-Z0-9_]*) set by environment
 def redact_logs(job_dir: Path) -> None:
     """The value of every credential-named variable in a launch's NCCL logs replaced, as in
     environment.json: the logs stay in the run directory, which CI uploads."""
-    from harness.environment import REDACTED, is_secret
+    from ep_harness.environment import REDACTED, is_secret
 
     def hide(m):
         return f"{m['name']} set by environment to {REDACTED}" if is_secret(m["name"]) else m.group(0)

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from harness.compare import Mismatch, json_float, nonfinite_counts
-from harness.fingerprint import combine as combine_fingerprints
-from harness.fingerprint import block_fingerprints, fingerprint
+from ep_harness.compare import Mismatch, json_float, nonfinite_counts
+from ep_harness.fingerprint import combine as combine_fingerprints
+from ep_harness.fingerprint import block_fingerprints, fingerprint
 
 COMPARISONS = ("bitwise", "bounded")
 

@@ -113,7 +113,7 @@ def prefill_rows(tokens: int, parts: int) -> list[int]:
 def placement_runs(prop: str, p: DispatchParams | MoeParams, world: int) -> list:
     """The placements as driver runs: each probe copy is placed by (tokens per rank, its rank
     and position, the fillers' seed) and held by its rank."""
-    from harness.families.driver import Copy, Run
+    from ep_harness.families.driver import Copy, Run
 
     return [Run(pl.label, tuple(Copy((pl.tokens, r, pos, pl.filler_seed), r) for r, pos in pl.probes), pl)
             for pl in placements(prop, p, world)]

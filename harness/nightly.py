@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.gate import NotComparable, append_history, gate, render_gate
-from harness.verify import RunOptions, verify, write_ci_outputs
-from reports.load import load_run
-from reports.render import render_run
+from ep_harness.gate import NotComparable, append_history, gate, render_gate
+from ep_harness.verify import RunOptions, verify, write_ci_outputs
+from ep_harness.reports.load import load_run
+from ep_harness.reports.render import render_run
 
 HISTORY = Path("reports/out/history.jsonl")
 

@@ -9,8 +9,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from harness.channel import parse_endpoint
-from harness.errors import HarnessError
+from ep_harness.channel import parse_endpoint
+from ep_harness.errors import HarnessError
 
 # How long ranks may take to start, and other nodes to join (EP_HARNESS_START_TIMEOUT_S).
 START_TIMEOUT_S = float(os.environ.get("EP_HARNESS_START_TIMEOUT_S", "180"))
@@ -80,7 +80,7 @@ _COMMIT: list = []
 
 def _commit() -> str | None:
     if not _COMMIT:  # two git processes: once per launcher
-        from harness.environment import git_commit
+        from ep_harness.environment import git_commit
 
         _COMMIT.append(git_commit())
     return _COMMIT[0]
@@ -101,7 +101,7 @@ def _source_hash(module: str) -> str:
 def identity(plugins) -> dict:
     """What must be the same on every node of a run: the harness's version and commit, and
     the source of every plugin the run imports."""
-    from harness import __version__
+    from ep_harness import __version__
 
     return {"version": __version__, "commit": _commit(), "plugins": {p: _source_hash(p) for p in sorted(plugins)}}
 

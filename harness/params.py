@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 
-from harness.errors import HarnessError
+from ep_harness.errors import HarnessError
 
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
 DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")

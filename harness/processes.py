@@ -16,15 +16,15 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from harness.channel import SECRET_ENV
-from harness.nodes import START_TIMEOUT_S, Nodes
+from ep_harness.channel import SECRET_ENV
+from ep_harness.nodes import START_TIMEOUT_S, Nodes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the launcher dies (Linux), so a killed
-    launcher never leaves its torchrun agent (whose ranks then follow: harness.worker)."""
+    launcher never leaves its torchrun agent (whose ranks then follow: ep_harness.worker)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -32,7 +32,7 @@ def _die_with_parent() -> None:
 
 
 def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None, job_dir: Path,
-                  module: str = "harness.worker", args: tuple[str, ...] = ()) -> list[str]:
+                  module: str = "ep_harness.worker", args: tuple[str, ...] = ()) -> list[str]:
     """torchrun's agent on this node (harness/agent/: torchrun's options, ranks forked); on
     several nodes, c10d rendezvous at the head's store, which the agents reach as
     clients (is_host=false); with Slurm, wrapped in one srun task per node. torchrun's own
@@ -43,7 +43,7 @@ def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None, 
                       "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
     else:  # what torchrun's --standalone means
         rendezvous = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", rdzv_id]
-    agent = [sys.executable, "-m", "harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
+    agent = [sys.executable, "-m", "ep_harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
              "--max-restarts", "0", "--monitor-interval", "0.1", "--log-dir", str(Path(job_dir) / "torchelastic"),
              "-m", module, *args]
     if nodes.launcher == "slurm":
@@ -62,7 +62,7 @@ def import_paths() -> dict[str, str]:
 
 def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes,
               secret: str | None = None) -> dict[str, str]:
-    # Under srun every node's tasks name their node by SLURM_NODEID (harness.channel.local_node).
+    # Under srun every node's tasks name their node by SLURM_NODEID (ep_harness.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
     # On several nodes the ranks build their own process-group store (the rendezvous store is
     # the run's); on one they share their agent's, which holds its port from the start (an
@@ -198,7 +198,7 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-        self.outcomes: dict = {}  # check id -> harness.launch.Outcome
+        self.outcomes: dict = {}  # check id -> ep_harness.launch.Outcome
 
 
 @contextlib.contextmanager

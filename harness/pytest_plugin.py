@@ -35,8 +35,8 @@ def assert_bitwise_equal(actual, expected, labels=None, what: str = "rank-invari
     `expected` is one copy ([...]) compared with every row of `actual` ([n, ...]), or a tensor
     of actual's shape. A shape or dtype mismatch is an AssertionError too, as in
     torch.testing.assert_close."""
-    from harness.compare import compare_bitwise
-    from reports.text import mismatch_text
+    from ep_harness.compare import compare_bitwise
+    from ep_harness.reports.text import mismatch_text
 
     if actual.dtype != expected.dtype:
         raise AssertionError(f"The values for attribute 'dtype' do not match: {actual.dtype} != {expected.dtype}.")
@@ -67,7 +67,7 @@ def _store(rank: int, result_dir: Path, timeout_s: float):
     """The process group's TCPStore. Rank 0 binds a port the OS picks and writes it down for
     the others: a port chosen in the parent and freed could be taken, before rank 0 binds
     it, by another test's ranks (seen under pytest-xdist: gloo's connectFullMesh then fails)."""
-    from harness.channel import tcp_store
+    from ep_harness.channel import tcp_store
 
     port_file = result_dir / "store-port"
     if rank == 0:
@@ -267,7 +267,7 @@ def suite_records(shared: Path, nonce: str, run_verify) -> dict[str, dict]:
     every caller reads only a run so stamped, in `shared`, whose records are all its own."""
     from filelock import FileLock
 
-    from harness.records import read_jsonl, write_atomic
+    from ep_harness.records import read_jsonl, write_atomic
 
     _private(shared)
     claim = shared / "ep-suite.json"
@@ -319,7 +319,7 @@ class SuiteChecks(pytest.Collector):
 
 
 class CheckItem(pytest.Item):
-    def __init__(self, *, check, suite: str, gpus, **kwargs):  # check: a harness.check.Check
+    def __init__(self, *, check, suite: str, gpus, **kwargs):  # check: an ep_harness.check.Check
         super().__init__(**kwargs)
         self.check, self.suite, self.gpus = check, suite, gpus
 
@@ -329,8 +329,8 @@ class CheckItem(pytest.Item):
         the first worker to get here runs it and the others read its records (suite_records:
         a file lock in the session's private directory)."""
         if SUITE_RECORDS not in self.config.stash:
-            from harness.plan import literal
-            from harness.verify import RunOptions, verify
+            from ep_harness.plan import literal
+            from ep_harness.verify import RunOptions, verify
 
             def run_verify(out_root: Path) -> Path:
                 batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
@@ -347,8 +347,8 @@ class CheckItem(pytest.Item):
         record = self._record()
         if record["status"] == "vacuous":
             pytest.skip(f"vacuous (not a pass): {record['reason']}")
-        from reports.analysis import FAILING
-        from reports.text import mismatch_text
+        from ep_harness.reports.analysis import FAILING
+        from ep_harness.reports.text import mismatch_text
 
         if record["status"] in FAILING:
             raise AssertionError(f"{record['status']}: {record['reason']}\n\n{mismatch_text(record)}")
@@ -366,11 +366,11 @@ def pytest_collection_modifyitems(session, config, items):
     suite = config.getoption("--ep-suite")
     if not suite:
         return
-    from harness import subject as registry
-    from harness.cases import load_suite, resolve_suite_path
-    from harness.environment import detect
-    from harness.errors import HarnessError
-    from harness.plan import expand
+    from ep_harness import subject as registry
+    from ep_harness.cases import load_suite, resolve_suite_path
+    from ep_harness.environment import detect
+    from ep_harness.errors import HarnessError
+    from ep_harness.plan import expand
 
     gpus = config.getoption("--ep-gpus")
     try:

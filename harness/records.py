@@ -57,10 +57,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def base_record(check, run_id: str, rerun: str) -> dict:
-    """The record's fields that a harness.check.Check decides, before anything is measured."""
-    from harness.environment import redacted
-    from harness.subject import plugin_distribution
-    from harness.version import harness_version
+    """The record's fields that an ep_harness.check.Check decides, before anything is measured."""
+    from ep_harness.environment import redacted
+    from ep_harness.subject import plugin_distribution
+    from ep_harness.version import harness_version
 
     record = {
         "run_id": run_id,

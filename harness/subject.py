@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
 
-from harness.errors import HarnessError, did_you_mean
+from ep_harness.errors import HarnessError, did_you_mean
 
 ENTRY_POINT_GROUP = "ep_harness.subjects"
 
@@ -43,7 +43,7 @@ class Platform:
 
     @property
     def topology(self):
-        from harness.emulation import Topology
+        from ep_harness.emulation import Topology
 
         if self.device != "cuda":
             return Topology("cpu-gloo", self.ranks, 0, self.nodes)
@@ -56,9 +56,9 @@ class OrderModel:
     """How a collective subject accumulates, as a function of all ranks' inputs.
 
     `predict(inputs [world_size, N] flat, sizes [elements per destination], nccl)` returns
-    the per-destination outputs; `nccl` (a harness.nccl.models.NcclContext, None on gloo)
+    the per-destination outputs; `nccl` (an ep_harness.nccl.models.NcclContext, None on gloo)
     tells what NCCL logged for the call, and a model raises
-    harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
+    ep_harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
     reproduce the backend bit for bit (a measured count that differs from its prediction is
     then a failure).
     """
@@ -80,7 +80,7 @@ class Subject(Protocol):
 
     # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
     # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
-    # and the warm-up's seconds are recorded apart (harness.families.driver.warm_up).
+    # and the warm-up's seconds are recorded apart (ep_harness.families.driver.warm_up).
 
 
 def compiles_kernels(subject, params) -> bool:
@@ -233,7 +233,7 @@ def load_all(plugins: list[str] = ()) -> dict[str, Subject]:
     """Import built-in subjects, entry-point subjects and explicit plugin modules."""
     global _loaded
     if not _loaded:
-        importlib.import_module("harness.subjects")
+        importlib.import_module("ep_harness.subjects")
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.dist is not None:
                 _ENTRY_POINT_DISTRIBUTIONS[ep.module.partition(".")[0]] = {"distribution": ep.dist.name,

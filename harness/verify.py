@@ -79,7 +79,7 @@ class Stream:
     keeps what it measured (the final file is then rewritten whole, in plan order)."""
 
     def __init__(self, run_dir: Path, run_id: str, checks: list[Check], quiet: bool, rerun):
-        from reports import terminal
+        from ep_harness.reports import terminal
 
         self.terminal, self.path, self.run_id, self.quiet, self.rerun = terminal, run_dir / "results.jsonl", run_id, \
             quiet, rerun
@@ -128,7 +128,7 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
                      summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
     """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
-    from reports import ci_outputs
+    from ep_harness.reports import ci_outputs
 
     if junit_xml is not None:
         write_atomic(Path(junit_xml), ci_outputs.junit_xml(records, run_dir.name))
@@ -201,7 +201,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     records alone: every effective parameter is in the record. With fresh_processes = K every
     launch is made K times, each in new processes, and a check whose bits differ between them
     fails (harness/fresh.py). On several nodes this is the head's side (node rank 0); the
-    others run harness.follower.follow."""
+    others run ep_harness.follower.follow."""
     nodes, plugins = options.nodes.validate(), list(options.plugins)
     if options.from_record is not None:
         suite_path = options.from_record
@@ -296,7 +296,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
               (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
                f"cache load, untimed)" if t["warmed_checks"] else ""), flush=True)
     if options.render:
-        from reports.render import render_run
+        from ep_harness.reports.render import render_run
 
         render_run(run_dir, quiet=options.quiet, show_skipped=options.show_skipped, rows=options.quiet)
     write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)

@@ -48,7 +48,7 @@ def extra_requirements(extra: str) -> list[str]:
 
 def version_line() -> str:
     """What `ep-harness --version` prints: version and commit, each said when unknown."""
-    from harness.environment import git_commit
+    from ep_harness.environment import git_commit
 
     commit = git_commit() or "commit unknown: not a git checkout; EP_HARNESS_COMMIT names it"
     return f"ep-harness {harness_version() or 'unknown version (not installed, no pyproject.toml)'} ({commit})"

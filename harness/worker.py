@@ -1,6 +1,6 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
-Each rank is forked by torchrun's elastic agent (harness/agent/, `-m harness.worker`) on any
+Each rank is forked by torchrun's elastic agent (harness/agent/, `-m ep_harness.worker`) on any
 node, so the imports below are done once per launch (by the agent, before it forks its fork
 server). Talks to the launchers only through the run's store (harness/channel.py), named by
 EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job,
@@ -169,7 +169,7 @@ def rank_main() -> None:
                 warm_up(check, subject, check_ctx)
                 warm_s = time.perf_counter() - warm_began
             if injection is not None:
-                from harness.selftest.wrap import wrapped
+                from ep_harness.selftest.wrap import wrapped
 
                 subject = wrapped(subject, injection, check)
             measured = execute(check, subject, check_ctx).to_json()
@@ -228,7 +228,7 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
 
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
     """This rank's GPU; as an emulated host when the launch has more ranks than GPUs."""
-    from harness.emulation import device_index, emulated_host_env
+    from ep_harness.emulation import device_index, emulated_host_env
 
     os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
     visible = torch.cuda.device_count()
@@ -241,7 +241,7 @@ def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_ran
 def _read_nccl_topology(ctx, channel: Channel) -> None:
     """Every rank parses its own NCCL log (no shared filesystem needed); rank 0 merges them
     into the communicator's topology that the order models use, and follows its own log."""
-    from harness.nccl import log as nccl_log
+    from ep_harness.nccl import log as nccl_log
 
     own = Path(os.environ["NCCL_DEBUG_FILE"])
     mine = nccl_log.parse(own.read_text(errors="replace")) if own.exists() else nccl_log.RankLog()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from reference import moe as ref_moe
+from ep_harness.reference import moe as ref_moe
 
 EPS = 1e-6
 

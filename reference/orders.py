@@ -12,14 +12,14 @@ Models (all take `inputs` [world_size, N] flat, one row per rank):
 * `nccl_ring_all_reduce`: the same walk per chunk, but chunks are cut from loops of
   world_size * chunk_elems elements, so an element's order depends on its offset and on N.
 * `nccl_ring_all_reduce_channels`: NCCL's ring all-reduce as it runs: the message split
-  over channels (`reference.nccl_plan`), each channel's part reduced around its own ring
+  over channels (`ep_harness.reference.nccl_plan`), each channel's part reduced around its own ring
   in its own loops and chunks.
 * `tree_chain_all_reduce`: single-node NCCL tree, a chain; the leaf is added first and
   the root last, identically for every element.
 * `nccl_tree_all_reduce`: NCCL's tree all-reduce over any trees (one per channel, as NCCL
   logs them; across nodes a double binary tree), with NCCL's split of the message over
   channels (`nccl_channel_split`): an element's order is its channel's tree.
-* `reference.nccl_pat.pat_reduce_scatter`: NCCL's PAT reduce-scatter (one rank per node).
+* `ep_harness.reference.nccl_pat.pat_reduce_scatter`: NCCL's PAT reduce-scatter (one rank per node).
 * `gloo_ring_all_reduce`: gloo's ring; chunk c (2 segments per rank) is summed
   x[c-1], x[c-2], ..., x[c] (descending), so the order depends on the element's offset.
 * `chain_fold`: a fixed, explicit order for every element (the deterministic folds).
@@ -123,7 +123,7 @@ def nccl_ring_all_reduce_channels(inputs: torch.Tensor, channel_rings: list[list
     """Output of NCCL's ring all-reduce (identical on every rank); inputs [world_size, N].
 
     Channel c reduces its contiguous part (channel_counts[c] elements, from
-    `reference.nccl_plan.channel_counts`) around channel_rings[c] in loops of
+    `ep_harness.reference.nccl_plan.channel_counts`) around channel_rings[c] in loops of
     world_size * chunk_elems elements; the tail loop's chunk is alignUp(divUp(rest, W), 16 B)
     (src/device/all_reduce.h runRing: chunk k of a loop starts at ring index k + 1 and is
     finalised at ring index k).
@@ -171,10 +171,10 @@ def nccl_channel_split(count: int, element_size: int, traffic_per_byte: int, com
                        max_threads: int, thread_threshold: int) -> list[int]:
     """Elements per channel (channels 0, 1, ...) of one Simple-protocol collective alone in
     its plan: NCCL first lowers the channel count for small messages, then deals the message
-    out in cells (`reference.nccl_plan`, which also covers LL and LL128). traffic_per_byte:
+    out in cells (`ep_harness.reference.nccl_plan`, which also covers LL and LL128). traffic_per_byte:
     2 for all-reduce, W for reduce-scatter and all-gather.
     """
-    from reference import nccl_plan
+    from ep_harness.reference import nccl_plan
 
     allowed = nccl_plan.max_channels(count * element_size, comm_channels, max_threads, thread_threshold)
     return nccl_plan.channel_counts(count, element_size, traffic_per_byte, "Simple", comm_channels, allowed)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from reports.analysis import counts, pairs, verdict
-from reports.text import fmt_count, mismatch_text
+from ep_harness.reports.analysis import counts, pairs, verdict
+from ep_harness.reports.text import fmt_count, mismatch_text
 
 FAILURE, ERROR, SKIPPED = ("unexpected",), ("error", "interrupted"), ("skipped", "vacuous")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import jinja2
 import pandas as pd
 
-from reports import plots
-from reports.analysis import FAILING, counts, pairs, verdict
-from reports.selftest import selftest_context
-from reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
+from ep_harness.reports import plots
+from ep_harness.reports.analysis import FAILING, counts, pairs, verdict
+from ep_harness.reports.selftest import selftest_context
+from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
            ("ws", "world size"), ("status", "status"))

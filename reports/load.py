@@ -5,8 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import HarnessError
-from harness.records import REQUIRED
+from ep_harness.errors import HarnessError
+from ep_harness.records import REQUIRED
 
 
 @dataclass

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.records import write_atomic
-from reports import terminal, trends
-from reports.analysis import compare_runs
-from reports.html import render_page
-from reports.load import load_run
+from ep_harness.records import write_atomic
+from ep_harness.reports import terminal, trends
+from ep_harness.reports.analysis import compare_runs
+from ep_harness.reports.html import render_page
+from ep_harness.reports.load import load_run
 
 
 def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from reports.analysis import FAILING, counts, pairs, verdict
-from reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int
+from ep_harness.reports.analysis import FAILING, counts, pairs, verdict
+from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
     ("status", 10), ("case", 22), ("property", 19), ("dtype", 8), ("ws", 3),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from reports import plots
+from ep_harness.reports import plots
 
 MAX_LINES = 12
 

@@ -78,7 +78,7 @@ def processes_with_env(fragment: str) -> list[int]:
 
 def gone(pid: int) -> bool:
     """Whether a process has ended, a zombie included (as the launcher counts them)."""
-    from harness.processes import ENDED_STATES, process_state
+    from ep_harness.processes import ENDED_STATES, process_state
 
     found = process_state(pid)
     return found is None or found.state in ENDED_STATES
@@ -94,13 +94,13 @@ def rank_pids(run_dir: Path) -> list[int]:
 
 @pytest.fixture
 def one_rank():
-    """A one-rank gloo group in this process and its harness.context.RankContext."""
+    """A one-rank gloo group in this process and its ep_harness.context.RankContext."""
     import tempfile
 
     import torch
     import torch.distributed as dist
 
-    from harness.context import RankContext
+    from ep_harness.context import RankContext
 
     store = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)

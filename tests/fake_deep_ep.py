@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from reference import quant
+from ep_harness.reference import quant
 
 CALLS: list[tuple[str, dict]] = []
 EMIT_KERNELS = True

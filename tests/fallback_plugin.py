@@ -4,8 +4,8 @@ only the proof of path can tell. Registered through `--plugin tests.fallback_plu
 tests/test_gpu.py runs it on a GPU, where the record must be an `error`."""
 import torch
 
-from harness.subject import register
-from harness.subjects.gemm.deepgemm import DeepGemmBf16Contiguous
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.deepgemm import DeepGemmBf16Contiguous
 
 
 @register

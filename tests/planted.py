@@ -6,11 +6,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness.subject import register
-from harness.subjects.collective.all_gather_fold import AllGatherFold
-from harness.subjects.collective.common import fold_in_order, offsets
-from harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
-from harness.subjects.moe.composed import ComposedMoE
+from ep_harness.subject import register
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
+from ep_harness.subjects.collective.common import fold_in_order, offsets
+from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
+from ep_harness.subjects.moe.composed import ComposedMoE
 
 FAULTY_RANK = 1
 
@@ -161,7 +161,7 @@ _OUTPUTS = {
 def _poisoned(family_name: str, value: float):
     """A subclass of the family's correct subject, named planted_<family>_<nan|inf>, that
     writes `value` into one element of its output (rank 1's, where the output is per rank)."""
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     base_name, method, output, per_rank = _OUTPUTS[family_name]
     base = type(registry.get(base_name))

@@ -3,8 +3,8 @@ localiser. Registered through a suite's `plugins`, as a third-party subject woul
 import torch
 import torch.distributed as dist
 
-from harness.subject import register
-from harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
+from ep_harness.subject import register
+from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 
 
 @register

@@ -5,8 +5,8 @@ import subprocess
 
 import torch.distributed as dist
 
-from harness.subject import register
-from harness.subjects.collective.all_gather_fold import AllGatherFold
+from ep_harness.subject import register
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
 
 
 @register

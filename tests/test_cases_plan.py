@@ -2,13 +2,13 @@
 what the machine cannot run is skipped with its reason."""
 import pytest
 
-from harness import subject as registry
-from harness.cases import load_suite
-from harness.environment import pinned_env
-from harness.nccl.pins import nccl_algo_for_tree
-from harness.errors import HarnessError
-from harness.plan import expand, jobs
-from harness.subject import Platform
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite
+from ep_harness.environment import pinned_env
+from ep_harness.nccl.pins import nccl_algo_for_tree
+from ep_harness.errors import HarnessError
+from ep_harness.plan import expand, jobs
+from ep_harness.subject import Platform
 
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)
 GPU4 = Platform(backend="nccl", device="cuda", ranks=4, gpu_name="H200")

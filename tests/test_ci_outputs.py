@@ -4,12 +4,12 @@ import json
 import xml.etree.ElementTree as ET
 from dataclasses import asdict
 
-from harness import subject as registry
-from harness.cases import load_suite
-from harness.plan import expand
-from harness.subject import Platform
-from reports.ci_outputs import github_annotations, junit_xml, summary_markdown
-from reports.terminal import render
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite
+from ep_harness.plan import expand
+from ep_harness.subject import Platform
+from ep_harness.reports.ci_outputs import github_annotations, junit_xml, summary_markdown
+from ep_harness.reports.terminal import render
 from tests.conftest import REPO
 from tests.test_reports import record
 

@@ -9,17 +9,17 @@ import tomllib
 
 import pytest
 
-from harness import subject as registry
-from harness.errors import HarnessError
+from ep_harness import subject as registry
+from ep_harness.errors import HarnessError
 from tests.conftest import REPO
 
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
 def harness(*args, cwd=REPO, extra_path=(), env=None, timeout=600):
-    """`python -m harness ARGS` with the checkout (and `extra_path`) importable."""
+    """`python -m ep_harness ARGS` with the checkout (and `extra_path`) importable."""
     path = os.pathsep.join([*map(str, extra_path), str(REPO)])
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ep_harness", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
@@ -34,7 +34,7 @@ def test_version_names_the_pyproject_version_and_the_commit():
 
 
 def test_version_outside_a_checkout_says_the_commit_is_unknown(tmp_path, monkeypatch):
-    from harness import environment, version
+    from ep_harness import environment, version
 
     monkeypatch.delenv("EP_HARNESS_COMMIT", raising=False)
     monkeypatch.setattr(environment, "git_commit", lambda: None)
@@ -45,10 +45,10 @@ def test_version_outside_a_checkout_says_the_commit_is_unknown(tmp_path, monkeyp
 
 
 def test_the_package_version_is_pyprojects():
-    import harness
-    from harness.version import harness_version
+    import ep_harness
+    from ep_harness.version import harness_version
 
-    assert harness_version() == PYPROJECT_VERSION == harness.__version__
+    assert harness_version() == PYPROJECT_VERSION == ep_harness.__version__
 
 
 # --- plugins: an installed distribution, optional order_model, contract errors --------
@@ -56,7 +56,7 @@ def test_the_package_version_is_pyprojects():
 FOLD_PLUGIN = '''
 import torch.distributed as dist
 
-from harness.subject import register
+from ep_harness.subject import register
 
 
 @register
@@ -133,7 +133,7 @@ def test_a_built_in_subject_names_no_plugin_distribution():
 
 
 WRONG_SIGNATURE = '''
-from harness.subject import register
+from ep_harness.subject import register
 
 
 @register
@@ -201,7 +201,7 @@ def test_order_model_is_optional_but_reduce_scatter_is_not():
 
 
 def test_no_parser_abbreviates_options_and_an_unknown_one_gets_a_suggestion():
-    from harness.cli import Parser, build_parser
+    from ep_harness.cli import Parser, build_parser
 
     parser = build_parser()
     subparsers = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"][0].choices
@@ -218,9 +218,9 @@ def test_no_parser_abbreviates_options_and_an_unknown_one_gets_a_suggestion():
 
 
 def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
-    from harness.cases import load_suite, resolve_suite_path
-    from harness.plan import expand
-    from harness.subject import Platform
+    from ep_harness.cases import load_suite, resolve_suite_path
+    from ep_harness.plan import expand
+    from ep_harness.subject import Platform
 
     with pytest.raises(HarnessError, match=r"unknown suite 'smok' \(did you mean 'smoke'\?\); built-in suites: "):
         resolve_suite_path("smok")
@@ -239,9 +239,9 @@ def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
 
 
 def test_check_takes_a_case_name_or_an_id_prefix():
-    from harness.cases import load_suite
-    from harness.plan import expand, literal
-    from harness.subject import Platform
+    from ep_harness.cases import load_suite
+    from ep_harness.plan import expand, literal
+    from ep_harness.subject import Platform
 
     registry.load_all()
     smoke = load_suite(REPO / "cases" / "smoke.toml")
@@ -307,11 +307,11 @@ def test_quiet_prints_only_failures_and_the_verdict(quiet_run):
 
 
 def _on_a_terminal(args, env):
-    """Run `python -m harness ARGS` with stdout on a pseudo-terminal; returns what it printed."""
+    """Run `python -m ep_harness ARGS` with stdout on a pseudo-terminal; returns what it printed."""
     import pty
 
     controller, terminal = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], stdout=terminal, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "ep_harness", *args], stdout=terminal, stderr=subprocess.DEVNULL,
                             cwd=REPO, env=env)
     os.close(terminal)
     chunks = []
@@ -350,9 +350,9 @@ def test_the_no_gpu_error_speaks_in_cli_options():
 
 
 def test_expect_model_without_an_order_model_is_refused_at_planning(tmp_path):
-    from harness.cases import load_suite
-    from harness.plan import expand
-    from harness.subject import Platform
+    from ep_harness.cases import load_suite
+    from ep_harness.plan import expand
+    from ep_harness.subject import Platform
 
     text = ('[[case]]\nname = "c"\nsubject = "optional_probe"\nproperties = ["rank-invariance"]\n'
             'expect = "EXPECT"\n[case.grid]\ndtype = ["bfloat16"]\nworld_size = [3]\n')

@@ -3,9 +3,9 @@ import math
 
 import torch
 
-from harness.bits import hex_bits, ulp_distance
-from harness.compare import compare_bitwise
-from reports.text import mismatch_text
+from ep_harness.bits import hex_bits, ulp_distance
+from ep_harness.compare import compare_bitwise
+from ep_harness.reports.text import mismatch_text
 
 
 def nextafter(x: torch.Tensor, steps: int) -> torch.Tensor:

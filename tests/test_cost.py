@@ -1,4 +1,4 @@
-"""harness.cost and the pure parts of harness.bench_gemm_cost, with scripted timings (no GPU)."""
+"""ep_harness.cost and the pure parts of ep_harness.bench_gemm_cost, with scripted timings (no GPU)."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from harness import bench_gemm_cost as bench
-from harness import cost
+from ep_harness import bench_gemm_cost as bench
+from ep_harness import cost
 
 
 class FakeEvent:
@@ -222,9 +222,9 @@ def test_gemm_check_cost_times_subject_against_baseline():
 def test_gemm_checks_on_the_cpu_carry_no_cost():
     from types import SimpleNamespace
 
-    from harness import params as params_mod
-    from harness.families import gemm as family
-    from harness.subject import load_all
+    from ep_harness import params as params_mod
+    from ep_harness.families import gemm as family
+    from ep_harness.subject import load_all
 
     subject = load_all()["torch_mm"]
     p = params_mod.build("gemm", {"dtype": "float32", "layout": "dense", "n": 16, "k": 32, "m_values": [1, 5]},
@@ -265,9 +265,9 @@ def test_quant_check_cost_times_the_quantizer_against_a_copy_of_as_many_bytes():
 def test_quant_checks_on_the_cpu_carry_no_cost():
     from types import SimpleNamespace
 
-    from harness import params as params_mod
-    from harness.families import quant as family
-    from harness.subject import load_all
+    from ep_harness import params as params_mod
+    from ep_harness.families import quant as family
+    from ep_harness.subject import load_all
 
     subject = load_all()["torch_fp8_quant"]
     p = params_mod.build("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test")

@@ -2,10 +2,10 @@
 column at all, never a zero."""
 from pathlib import Path
 
-from reports.html import render_page
-from reports.load import Run
-from reports.terminal import row
-from reports.text import cost_text
+from ep_harness.reports.html import render_page
+from ep_harness.reports.load import Run
+from ep_harness.reports.terminal import row
+from ep_harness.reports.text import cost_text
 
 COST = {"median_ms": 0.1787, "repeats": 20, "tflops": 769.02, "peak": "bf16", "pct_of_peak": 77.72,
         "baseline": "torch_mm", "time_vs_baseline": 1.0, "rows": 4096}

@@ -71,7 +71,7 @@ def test_deepep_wiring_against_the_recording_fake(one_rank, fake, name, quant):
 
 
 def test_deepep_is_skipped_with_the_import_error(monkeypatch):
-    from harness.subject import Platform
+    from ep_harness.subject import Platform
 
     deepep._import.clear()
     reason = deepep.DeepEPElastic().unavailable(Platform("nccl", "cuda", 4), DispatchParams())
@@ -134,7 +134,7 @@ def test_deepep_v1_predicts_its_combine_exactly(one_rank, fake):
 
 
 def test_deepep_skips_say_why(fake):
-    from harness.subject import Platform
+    from ep_harness.subject import Platform
 
     gpu = Platform("nccl", "cuda", 8, gpus=1, emulated_hosts=True)
     assert deepep.DeepEPLowLatency().unavailable(gpu, DispatchParams(world_size=4)).startswith(
@@ -145,7 +145,7 @@ def test_deepep_skips_say_why(fake):
 
 
 def test_deepep_v2_skips_where_deep_ep_has_no_elastic_buffer(monkeypatch):
-    from harness.subject import Platform
+    from ep_harness.subject import Platform
 
     class V1Only:
         pass
@@ -159,7 +159,7 @@ def test_deepep_combine_model_adds_holders_in_ascending_rank_order():
     """float32 from +0.0 in ascending rank: (2^24 + 1) rounds back to 2^24, so ranks 0, 1, 2
     holding 2^24, 1, -2^24 give 0, where rank order 2, 1, 0 would give 1 (measured on the
     H200: the model matched every element of DeepEP v1.2.1's combine)."""
-    from reference.deepep import combined_token, intranode_combine
+    from ep_harness.reference.deepep import combined_token, intranode_combine
 
     bf = lambda v: torch.tensor([v], dtype=torch.bfloat16)  # noqa: E731
     assert intranode_combine({2: bf(-2.0 ** 24), 0: bf(2.0 ** 24), 1: bf(1.0)}).item() == 0.0

@@ -5,7 +5,7 @@ import sys
 import tomllib
 import types
 
-from harness import doctor
+from ep_harness import doctor
 from tests.conftest import REPO
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -15,13 +15,13 @@ COMPONENTS = ["python", "ep-harness", "torch", "gloo", "gpus", "emulation", "dee
 
 
 def run_doctor(tmp_path, env=None, planted=None):
-    """`python -m harness doctor` with `planted` modules ({name: source}) importable first."""
+    """`python -m ep_harness doctor` with `planted` modules ({name: source}) importable first."""
     site = tmp_path / "planted"
     for name, source in (planted or {}).items():
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(source)
     path = os.pathsep.join([str(site), str(REPO)])
-    proc = subprocess.run([sys.executable, "-m", "harness", "doctor"], cwd=tmp_path, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "doctor"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": path, **(env or {})})
     lines = proc.stdout.strip().splitlines()
     by_component = {line.split()[1]: line for line in lines[1:-1]}

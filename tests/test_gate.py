@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
+from ep_harness.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
                           platform_key, read_baseline, update_baseline)
-from reports.render import render_run
+from ep_harness.reports.render import render_run
 from tests.conftest import REPO
 from tests.test_reports import record, write_run
 
@@ -86,7 +86,7 @@ def test_another_platform_is_not_comparable_and_exits_3(tmp_path, baseline, chan
     message = str(err.value)
     assert message.startswith("not comparable: baseline") and "this run on cpu-gloo-4" in message
     assert "ep-harness baseline update" in message and "\n" not in message
-    proc = subprocess.run([sys.executable, "-m", "harness", "gate", str(run), "--baseline", str(baseline)],
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "gate", str(run), "--baseline", str(baseline)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "not comparable" in proc.stderr
     # ... while a GPU run's fingerprint leaves the host CPU out (the GPU computes what is measured)

@@ -3,8 +3,8 @@ without CUDA; `ci/h200_run.sh` runs them on the lent H200 (`pytest -m gpu`)."""
 import pytest
 import torch
 
-from harness.compare import compare_bitwise
-from harness.kernels.bitcompare import bitwise_stats, triton
+from ep_harness.compare import compare_bitwise
+from ep_harness.kernels.bitcompare import bitwise_stats, triton
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
         import deep_gemm  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"deep_gemm is not importable ({exc}); install the deepgemm extra (README, GPU set-up)")
-    proc = subprocess.run([sys.executable, "-m", "harness", "verify", "--suite", "tests/cases/gpu_fallback.toml",
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "--suite", "tests/cases/gpu_fallback.toml",
                            "--gpus", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     records = [json.loads(line) for line in (tmp_path / "latest" / "results.jsonl").read_text().splitlines()]

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from harness.divergence import Op, Tracer, first_divergence, localise, merge, rows_of
-from harness.errors import HarnessError
-from harness.fingerprint import fingerprint
+from ep_harness.divergence import Op, Tracer, first_divergence, localise, merge, rows_of
+from ep_harness.errors import HarnessError
+from ep_harness.fingerprint import fingerprint
 from tests.conftest import _shared_run
 
 

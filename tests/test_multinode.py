@@ -146,7 +146,7 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
     # so in its fork server's, its resource tracker's and its 2 ranks' (forks of the fork server).
     parent = {pid: process_state(pid).parent for pid in launched}
     agents = [pid for pid in launched if parent[pid] not in parent]
-    assert [b"\0-m\0harness.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
+    assert [b"\0-m\0ep_harness.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
     assert len([pid for pid in launched if parent.get(parent[pid]) in agents]) == 2 * 2, parent
     os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
     out, _ = head.communicate(timeout=120)
@@ -197,7 +197,7 @@ def test_bad_node_options_are_one_line_and_write_nothing(tmp_path, args, message
 
 
 def test_bad_node_options_are_rejected_before_torch_loads(tmp_path):
-    code = ("import sys; from harness.cli import main; "
+    code = ("import sys; from ep_harness.cli import main; "
             "rc = main(['verify', '--nnodes', '2', '--nproc-per-node', '2', '--out', sys.argv[1]]); "
             "print(rc, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
@@ -215,7 +215,7 @@ def test_nodes_that_differ_in_what_decides_bits_are_named():
 
 
 def test_the_report_banner_says_when_nodes_differ(tmp_path):
-    from reports.render import render_run
+    from ep_harness.reports.render import render_run
     from tests.test_reports import record, write_run
 
     env = {"command": "test", "node_differences": ["torch: node 0 2.13.0, node 1 2.12.0"]}

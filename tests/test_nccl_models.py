@@ -164,7 +164,7 @@ def test_pins_are_read_per_function_and_checked_against_the_log():
 def test_the_model_table_picks_the_model_of_the_logged_function_and_algorithm(monkeypatch):
     """A model is one (function, algorithm) line of MODELS: the call NCCL logged is looked up
     there, a pair without a line is NoPrediction naming the call, and a new line is used."""
-    from harness.nccl import models
+    from ep_harness.nccl import models
 
     topo = topology("pins", 4)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from harness.compare import compare_bitwise
-from harness.measurement import Bound, Measurement
-from reports.text import mismatch_text
+from ep_harness.compare import compare_bitwise
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.reports.text import mismatch_text
 
 FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe")
 
@@ -101,7 +101,7 @@ def test_non_finite_and_subnormal_inputs_propagate_as_the_reference_does(planted
 
 
 def test_special_inputs_are_seeded_and_hold_what_they_promise():
-    from harness.inputs import values
+    from ep_harness.inputs import values
 
     x = values((64, 256), torch.bfloat16, 3, "k", data="nonfinite").float()
     assert torch.isnan(x).any() and (x == math.inf).any() and (x == -math.inf).any()

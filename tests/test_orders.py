@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import orders
-from reference.collectives import reduce_scatter, shard_offsets
+from ep_harness.reference import orders
+from ep_harness.reference.collectives import reduce_scatter, shard_offsets
 
 H = 2.0 ** -8
 BIG = 1.0 + 2.0 ** -7  # (h + h) + 1

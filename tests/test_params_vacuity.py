@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import subject as registry
-from harness.cases import load_suite
-from harness.check import single_check
-from harness.errors import HarnessError
-from harness.families import FAMILIES
-from harness.families.driver import vacuity
-from harness.plan import expand
-from harness.subject import Platform, register
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite
+from ep_harness.check import single_check
+from ep_harness.errors import HarnessError
+from ep_harness.families import FAMILIES
+from ep_harness.families.driver import vacuity
+from ep_harness.plan import expand
+from ep_harness.subject import Platform, register
 from tests.conftest import REPO, run_cli
 
 registry.load_all(["tests.planted"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.pytest_plugin import assert_bitwise_equal, assert_invariant
+from ep_harness.pytest_plugin import assert_bitwise_equal, assert_invariant
 
 HIDDEN = 1024
 
@@ -70,7 +70,7 @@ def hang_on_rank1(rank, world_size):
 
 
 def test_a_failing_rank_is_named_with_its_remote_traceback(ep_world):
-    from harness.pytest_plugin import RankFailed
+    from ep_harness.pytest_plugin import RankFailed
 
     with pytest.raises(RankFailed) as err:
         ep_world(4).run(raise_on_rank2)

@@ -6,15 +6,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.nccl import log as nccl_log
-from harness.nccl import models as nccl_models
-from harness.nccl import pins
-from harness.families.collective import Layout, _record_paths, layouts
-from harness.measurement import Measurement
-from harness.compare import Mismatch
-from harness.params import CollectiveParams
-from harness.subject import OrderModel
-from reference import nccl_plan
+from ep_harness.nccl import log as nccl_log
+from ep_harness.nccl import models as nccl_models
+from ep_harness.nccl import pins
+from ep_harness.families.collective import Layout, _record_paths, layouts
+from ep_harness.measurement import Measurement
+from ep_harness.compare import Mismatch
+from ep_harness.params import CollectiveParams
+from ep_harness.subject import OrderModel
+from ep_harness.reference import nccl_plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 

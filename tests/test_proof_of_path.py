@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from harness import kernel_trace
-from harness.check import single_check
-from harness.families import execute
-from harness.subject import register
-from harness.subjects.gemm.torch_mm import TorchMm
+from ep_harness import kernel_trace
+from ep_harness.check import single_check
+from ep_harness.families import execute
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.torch_mm import TorchMm
 from tests.conftest import REPO_ON_PYTHONPATH, run_cli
 
 
@@ -44,7 +44,7 @@ def measure(subject, ctx):
 
 
 def test_a_declared_kernel_that_did_not_run_is_an_error(one_rank):
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     m = measure(registry.get("test_silent_fallback"), one_rank)
     assert m.error and "declares kernels ['fast_gemm::grouped'] but none ran" in m.error
@@ -52,7 +52,7 @@ def test_a_declared_kernel_that_did_not_run_is_an_error(one_rank):
 
 
 def test_a_declared_kernel_that_ran_is_listed(one_rank):
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     m = measure(registry.get("test_emits_kernel"), one_rank)
     assert m.error is None and m.held
@@ -60,7 +60,7 @@ def test_a_declared_kernel_that_ran_is_listed(one_rank):
 
 
 def test_undeclared_subjects_are_not_traced_on_the_cpu():
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     assert not kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cpu"))
     assert kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cuda"))

@@ -65,10 +65,10 @@ def test_ep_suite_items_have_the_suite_as_junit_classname(tmp_path):
 
 
 def test_the_plugin_does_not_import_hypothesis():
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import harness.pytest_plugin"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import ep_harness.pytest_plugin"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
-    assert "harness.pytest_plugin" in imported  # positive control: the listing is of this import
+    assert "ep_harness.pytest_plugin" in imported  # positive control: the listing is of this import
     assert not [m for m in imported if m.split(".")[0] == "hypothesis"]
 
 
@@ -82,7 +82,7 @@ def test_hypothesis_is_the_explore_extra_not_a_dependency():
 def test_explore_without_hypothesis_is_one_line_exit_2(monkeypatch, capsys):
     import importlib.util
 
-    from harness import cli
+    from ep_harness import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a))
@@ -101,8 +101,8 @@ def test_the_plugin_loads_nothing_heavy_into_a_session_that_does_not_use_it(tmp_
         import sys
 
         def test_nothing():
-            heavy = [m for m in ("torch", "pandas", "matplotlib", "harness.verify", "harness.launch",
-                                 "reports.html") if m in sys.modules]
+            heavy = [m for m in ("torch", "pandas", "matplotlib", "ep_harness.verify", "ep_harness.launch",
+                                 "ep_harness.reports.html") if m in sys.modules]
             assert not heavy, heavy
     '''))
     proc = pytest_in(tmp_path, "-q", "test_plain.py")

@@ -35,7 +35,7 @@ class DeclaresAString(_DeclaresAString):
 def test_a_kernel_declared_as_a_bare_string_is_refused_not_matched_letter_by_letter(one_rank):
     """tuple('fast_gemm::grouped') is its letters, each of which some CPU event's name holds:
     with enough CPU events the proof of path passed without the kernel ever running."""
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     subject = registry.get("test_declares_a_string")
     with pytest.raises(TypeError, match="return a tuple of non-empty kernel-name substrings"):
@@ -105,9 +105,9 @@ def _moe_outputs(world: int, lie: bool):
     """Per rank (output, experts) of a layer that returns the float64 layer rounded to bf16,
     or, with `lie`, zeros and the (k+1)-th expert instead of the k-th wherever the harness's
     own router margin admits that swap."""
-    from harness import subject as registry
-    from harness.moe_scenario import placements
-    from reference import moe as ref
+    from ep_harness import subject as registry
+    from ep_harness.moe_scenario import placements
+    from ep_harness.reference import moe as ref
 
     p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).params
     run = placements("reference", p, world)[0]
@@ -148,7 +148,7 @@ def test_an_admitted_flip_is_held_to_the_layer_routed_as_chosen():
     x = torch.randn(3, 2048, dtype=torch.float64)
     logits = x @ w["router"].double().T
     mine = logits.argsort(dim=1, descending=True)[:, 1:5]  # not the reference's top 4
-    from reference import moe as ref
+    from ep_harness.reference import moe as ref
 
     want, _ = ref.moe_layer(x, logits, w["gate_up"], w["down"], 4)
     got, mag = moe_layer.routed_as(x, logits, mine, w, p)
@@ -165,8 +165,8 @@ def test_a_wrong_infinity_is_named_not_left_unexplained():
     """-Inf for +Inf and NaN for +Inf were mismatches whose `nonfinite` said nothing ({})."""
     import math
 
-    from harness.compare import compare_bitwise
-    from harness.verdict import nonfinite_text
+    from ep_harness.compare import compare_bitwise
+    from ep_harness.verdict import nonfinite_text
 
     got = torch.tensor([1.0, -math.inf, math.nan, math.inf, math.nan])
     exact = torch.tensor([1.0, math.inf, math.inf, math.inf, math.nan], dtype=torch.float64)
@@ -179,7 +179,7 @@ def test_a_wrong_infinity_is_named_not_left_unexplained():
 
 def test_a_nan_payload_difference_is_bits_not_an_infinite_difference():
     """Both NaN, another payload: a bitwise mismatch (bit_only), but max |diff| was 'inf'."""
-    from harness.compare import compare_bitwise
+    from ep_harness.compare import compare_bitwise
 
     x = torch.tensor([math_nan := float("nan"), 1.0])
     y = x.clone()
@@ -193,8 +193,8 @@ def test_a_nan_payload_difference_is_bits_not_an_infinite_difference():
 def test_a_relaunch_that_fell_back_to_another_kernel_is_an_error_not_ok():
     """--fresh-processes compared only the relaunches' fingerprints: a relaunch whose declared
     kernel did not run (its measurement an error), with the same bits, left the check ok."""
-    from harness.fresh import compare_launches
-    from harness.launch import Outcome
+    from ep_harness.fresh import compare_launches
+    from ep_harness.launch import Outcome
 
     fp = "blake2b:" + "b" * 32
     first = record("c/x", bits_fingerprint=fp)
@@ -218,9 +218,9 @@ def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_
     """routing = empty leaves a slot without expert (-1); the reference multiplied the token
     by that slot's 0 scale, 0 * Inf = NaN, so a correct combine (+-Inf there) failed: 42 of
     4,096 elements 'another NaN or Inf than the reference's'."""
-    from harness import subject as registry
-    from harness.families import dispatch
-    from harness.moe_scenario import placements
+    from ep_harness import subject as registry
+    from ep_harness.families import dispatch
+    from ep_harness.moe_scenario import placements
 
     subject = registry.get("torch_a2a_dispatch")
     check = single_check(subject, "combine-reference", NONFINITE_EMPTY_SLOT)
@@ -242,8 +242,8 @@ def test_moe_data_the_router_cannot_order_is_refused_when_planned(data):
     """The harness's own composed_moe failed its reference with data = spread (3 of 8 tokens
     'not admitted': fp32 softmax scores underflow to tied zeros), subnormal (the same values)
     and nonfinite (NaN logits): a false failure. Such data is now a one-line plan error."""
-    from harness import subject as registry
-    from harness.errors import HarnessError
+    from ep_harness import subject as registry
+    from ep_harness.errors import HarnessError
 
     subject = registry.get("composed_moe")
     with pytest.raises(HarnessError, match=f"data = '{data}' for the MoE layer: .*; use randn, uniform or integers"):
@@ -266,7 +266,7 @@ def test_a_dispatcher_without_sources_is_an_error_not_every_row_lost(one_rank, n
     """deepep_v2 and deepep_v1_ll leave src_rank at -1: the reference property reported
     'all (token, slot) rows were lost or misrouted', a failure of DeepEP it never measured."""
     from tests import fake_deep_ep
-    from harness.subjects.dispatch import deepep
+    from ep_harness.subjects.dispatch import deepep
 
     subject = {"deepep_v2": deepep.DeepEPElastic, "deepep_v1_ll": deepep.DeepEPLowLatency}[name]()
     subject.module = staticmethod(lambda: fake_deep_ep)
@@ -294,7 +294,7 @@ def test_an_error_that_is_fixed_is_an_improvement_not_moved_bits():
 def test_deepgemm_declares_the_kernels_of_the_gpu_it_runs_on(monkeypatch, capability, prefix):
     """DeepGEMM runs on sm90 and sm100 (unavailable() takes both), but declared sm90_ kernels
     only: on a Blackwell GPU every DeepGEMM check would have been an error ('none ran')."""
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -309,7 +309,7 @@ def test_deepgemm_declares_the_kernels_of_the_gpu_it_runs_on(monkeypatch, capabi
 def test_combined_comparisons_keep_both_sides_evidence():
     """FP8 values + scales: the scales' bit-only kinds, ULP buckets and first mismatches were
     dropped when the values matched; a side without fingerprint left the other's standing for both."""
-    from harness.compare import compare_bitwise
+    from ep_harness.compare import compare_bitwise
 
     values = torch.tensor([1.0, 2.0])
     scales, moved = torch.tensor([0.0, 4.0]), torch.tensor([-0.0, 4.5])
@@ -331,8 +331,8 @@ def test_combined_comparisons_keep_both_sides_evidence():
 def test_a_probe_without_topk_distinct_experts_is_refused_when_planned(params, shown):
     """topk = 8 with the default four probe experts crashed every rank with a RuntimeError
     (rank_tokens); num_experts = 4 folded them onto [0, 1, 0, 1], a top-k with duplicates."""
-    from harness import subject as registry
-    from harness.errors import HarnessError
+    from ep_harness import subject as registry
+    from ep_harness.errors import HarnessError
 
     subject = registry.get("torch_a2a_dispatch")
     with pytest.raises(HarnessError, match=rf"gives the probe {re.escape(shown)} .*list \d+ distinct experts"):
@@ -344,8 +344,8 @@ def test_a_probe_without_topk_distinct_experts_is_refused_when_planned(params, s
 def test_a_row_delivered_twice_is_named_not_called_zero_lost(one_rank):
     """A dispatcher that delivers one row twice failed with '0 (token, slot) rows were lost or
     misrouted': the failure said nothing happened."""
-    from harness import subject as registry
-    from harness.families import dispatch
+    from ep_harness import subject as registry
+    from ep_harness.families import dispatch
 
     subject = registry.get("torch_a2a_dispatch")
     check = single_check(subject, "reference", {"world_size": 1, "num_experts": 8})

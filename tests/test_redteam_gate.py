@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.gate import fingerprint, gate, render_gate, update_baseline
-from harness.records import write_jsonl
+from ep_harness.errors import HarnessError
+from ep_harness.gate import fingerprint, gate, render_gate, update_baseline
+from ep_harness.records import write_jsonl
 from tests.conftest import REPO, run_cli
 from tests.test_gate import ENV, baseline_records, run_with
 from tests.test_reports import write_run
@@ -55,7 +55,7 @@ def test_a_run_that_showed_nothing_fails_the_gate_even_against_its_own_baseline(
     assert [c["check"] for c in result["regressions"]] == ["(the run)"]
     assert said in result["regressions"][0]["what"]
     assert "FAILED" in render_gate(result) and said in render_gate(result)
-    proc = subprocess.run([sys.executable, "-m", "harness", "gate", str(run), "--baseline", str(base)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "gate", str(run), "--baseline", str(base)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and said in proc.stdout, proc.stdout + proc.stderr
     # ... nor can such a run become the baseline that the next one is compared with

@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from harness import __version__
-from harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
-from harness.errors import HarnessError
-from harness.follower import _validated_launch
-from harness.nodes import Nodes, identity_difference
+from ep_harness import __version__
+from ep_harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
+from ep_harness.errors import HarnessError
+from ep_harness.follower import _validated_launch
+from ep_harness.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
 
@@ -143,11 +143,11 @@ def test_every_value_is_bound_to_its_key_and_the_secret():
 
 
 def test_the_secret_is_never_recorded(tmp_path):
-    from harness.environment import recorded_env
+    from ep_harness.environment import recorded_env
 
     assert recorded_env({"EP_HARNESS_RUN_SECRET": SECRET, "NCCL_ALGO": "ring"}) == {"NCCL_ALGO": "ring"}
     # the head's rerun commands never carry it (the other nodes are started as before)
-    from harness.verify import rerun_command
+    from ep_harness.verify import rerun_command
 
     assert SECRET not in rerun_command("s.toml", "c", None, [], nodes=Nodes(2, 2, "h:1", 0, "torchrun", SECRET))
 

@@ -4,7 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from reports.ci_outputs import junit_xml
+from ep_harness.reports.ci_outputs import junit_xml
 from tests.test_reports import record
 
 HOSTILE = "boom \x1b[31mred\x1b[0m \x00nul \x07bell \x08 \x0b\x0c \x1f \ud800 \ufffe end"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pytest_plugin import ForeignResults, suite_records
+from ep_harness.pytest_plugin import ForeignResults, suite_records
 from tests.conftest import REPO
 from tests.test_reports import record
 
@@ -51,7 +51,7 @@ def test_a_forged_results_file_at_the_old_location_is_not_used(tmp_path):
 
 
 def test_the_session_directory_is_private_and_unguessable(tmp_path):
-    from harness.pytest_plugin import SUITE_DIR, pytest_configure, pytest_unconfigure
+    from ep_harness.pytest_plugin import SUITE_DIR, pytest_configure, pytest_unconfigure
 
     made = []
     for _ in range(2):

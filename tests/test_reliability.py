@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from harness.environment import recorded_env
+from ep_harness.environment import recorded_env
 from tests.conftest import REPO, gone, processes_with_env, run_cli
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
@@ -107,7 +107,7 @@ def test_rerun_commands_select_exactly_their_check_whatever_its_id():
     import fnmatch
     import shlex
 
-    from harness.verify import rerun_command
+    from ep_harness.verify import rerun_command
 
     cid = "odd[1]/rank-invariance/a*b?c"
     argv = shlex.split(rerun_command("suite.toml", cid, None, []))
@@ -117,8 +117,8 @@ def test_rerun_commands_select_exactly_their_check_whatever_its_id():
 
 
 def test_a_corrupt_history_line_is_skipped_and_appends_stay_whole(tmp_path, capsys):
-    from harness.records import append_line
-    from reports.trends import load_history
+    from ep_harness.records import append_line
+    from ep_harness.reports.trends import load_history
 
     history = tmp_path / "history.jsonl"
     row = {"date": "2026-11-29T00:00:00+00:00", "run_id": "r", "check": "c", "status": "ok", "mismatched": 0,
@@ -133,7 +133,7 @@ def test_a_corrupt_history_line_is_skipped_and_appends_stay_whole(tmp_path, caps
 
 
 def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
-    from harness import verify
+    from ep_harness import verify
 
     ids = iter(["same", "same", "other"])
     monkeypatch.setattr(verify, "new_run_id", lambda: next(ids))
@@ -171,7 +171,7 @@ def test_a_latin1_terminal_renders_any_record(tmp_path):
 
     run = write_run(tmp_path / "run", [record("a", reason="held → ≤ 2⁻⁸ · ü", status="unexpected", held=False,
                                               mismatched=1)])
-    proc = subprocess.run([sys.executable, "-m", "harness", "report", str(run)], capture_output=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "report", str(run)], capture_output=True, timeout=120,
                           env={**os.environ, "PYTHONIOENCODING": "latin-1", "LC_ALL": "C"})
     assert proc.returncode == 0, proc.stderr.decode("latin-1")[-2000:]
     assert "\u2264" in (run / "report.html").read_text(encoding="utf-8")  # the page keeps the text, in UTF-8

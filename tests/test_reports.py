@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from harness.errors import HarnessError
-from reports.analysis import compare_runs
-from reports.load import load_run
-from reports.render import render_run
+from ep_harness.errors import HarnessError
+from ep_harness.reports.analysis import compare_runs
+from ep_harness.reports.load import load_run
+from ep_harness.reports.render import render_run
 from tests.conftest import run_cli
 
 
@@ -188,7 +188,7 @@ def test_the_first_screen_answers_the_reviewer(tmp_path):
 
 
 def test_reports_import_no_torch():
-    code = "import sys, reports.render, reports.html; print('torch' in sys.modules)"
+    code = "import sys, ep_harness.reports.render, ep_harness.reports.html; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -266,9 +266,9 @@ def test_bad_injection_is_one_line_and_exit_2(tmp_path):
 def test_limit_keeps_the_first_checks_that_expect_to_hold():
     from dataclasses import replace
 
-    from harness import subject as registry
-    from harness.check import single_check
-    from harness.selftest.run import choose
+    from ep_harness import subject as registry
+    from ep_harness.check import single_check
+    from ep_harness.selftest.run import choose
 
     registry.load_all()
     base = single_check(registry.get("all_gather_fold"), "rank-invariance", {"dtype": "bfloat16", "world_size": 3})

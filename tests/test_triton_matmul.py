@@ -3,7 +3,7 @@ its index logic in float32 under Triton's interpreter (skipped where triton is a
 
 The interpreter is no bit oracle for bf16 (DESIGN.md: it computes bf16 arithmetic and bf16
 `tl.dot` wrongly), so it runs float32 only, in a child process: `TRITON_INTERPRET` is read
-when a kernel is decorated, i.e. when harness.kernels.bi_matmul is first imported, and this
+when a kernel is decorated, i.e. when ep_harness.kernels.bi_matmul is first imported, and this
 test process may already have imported it (every subject registers on import).
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ ROLL = 32
 
 def interpreter_checks() -> dict:
     """Run in a child with TRITON_INTERPRET=1; returns plain numbers for the parent to assert."""
-    from harness.tolerances import gemm_bound
+    from ep_harness.tolerances import gemm_bound
 
     g = torch.Generator().manual_seed(7)
     k, n, m_max = 200, 40, M_MAX  # K not a multiple of BLOCK_K (masked tail), N not of BLOCK_N

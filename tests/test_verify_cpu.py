@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from harness.records import REQUIRED
+from ep_harness.records import REQUIRED
 from tests.conftest import REPO, gone, rank_pids, run_cli
 
 
@@ -122,7 +122,7 @@ def test_records_name_their_topology_and_the_tp_reduction(smoke_run):
 # with inductor not loaded (it must stay so: it costs each launch 1.4 s), then loaded.
 _DETERMINISM_PROBE = """
 import sys, torch
-from harness.worker import use_deterministic_algorithms
+from ep_harness.worker import use_deterministic_algorithms
 use_deterministic_algorithms()
 print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
       "torch._inductor.config" in sys.modules)
@@ -173,7 +173,7 @@ def test_make_verify_with_more_gpus_than_present():
 def test_gpus_are_counted_by_torch_only_where_a_gpu_driver_is(monkeypatch):
     import torch
 
-    from harness import environment
+    from ep_harness import environment
 
     monkeypatch.setitem(sys.modules, "torch", None)  # importing torch now fails
     monkeypatch.setattr(environment, "GPU_DRIVER_PATHS", ("/no/such/driver",))

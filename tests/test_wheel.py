@@ -1,51 +1,113 @@
-"""The package as a user installs it: a wheel, in a virtual environment outside the
-checkout, run from a directory that has `reports/` and `harness/` packages of its own."""
+"""The package as a user installs it: a wheel (in a virtual environment, with --target, with
+--user), outside the checkout, run from a project that has `harness/`, `reference/`, `reports/`
+and `cases/` folders of its own. The wheel holds one import package, ep_harness."""
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 
 import pytest
 
 from tests.conftest import REPO
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+USER_PACKAGES = ("harness", "reference", "reports")
+# A user's test: its own packages are the ones it imports, and the ep-harness plugin (loaded
+# from the wheel) runs ranks for it. The packages refuse to load unless this test asks for them.
+USER_TEST = '''
+import importlib
+import os
+import shutil
+
+import torch.distributed as dist
+
+
+def world_size(rank, size):
+    return dist.get_world_size()
+
+
+def test_my_packages_are_mine(monkeypatch, pytestconfig):
+    monkeypatch.setenv("USER_PACKAGES_MAY_LOAD", "1")
+    for name in ("harness", "reference", "reports"):
+        mine = importlib.import_module(name)
+        assert mine.MINE and mine.__file__.startswith(os.getcwd()), mine.__file__
+    assert pytestconfig.pluginmanager.has_plugin("ep_harness")
+
+
+def test_the_plugin_runs_ranks(ep_world):
+    assert ep_world(2).run(world_size) == [2, 2]
+'''
+
+
+def user_project(root):
+    """A project with packages named like the harness's old top-level packages (importing one
+    outside the user's own test fails loudly) and a cases/ folder of unrelated TOML files."""
+    work = root / "project"
+    for name in USER_PACKAGES:
+        (work / name).mkdir(parents=True)
+        (work / name / "__init__.py").write_text(
+            "import os\n"
+            "if os.environ.get('USER_PACKAGES_MAY_LOAD') != '1':\n"
+            f"    raise SystemExit('the user {name} package was imported')\n"
+            "MINE = True\n")
+    (work / "cases").mkdir()
+    (work / "cases" / "config.toml").write_text("not = [a suite\n")  # unrelated, and not even valid TOML
+    (work / "cases" / "smoke.toml").write_text("not = [a suite\n")  # the user's, named like a built-in
+    (work / "test_mine.py").write_text(USER_TEST)
+    return work
+
+
+def _dependency_paths() -> list[str]:
+    """Where this environment's third-party packages (torch, pandas, ...) are: its site
+    directories and any directory a .pth file of theirs adds."""
+    return list(dict.fromkeys([*site.getsitepackages(), *(p for p in sys.path if p.endswith("-packages"))]))
+
+
+def _no_harness_env(**extra):
+    drop = ("PYTHONPATH", "EP_HARNESS_COMMIT", "VIRTUAL_ENV", "USER_PACKAGES_MAY_LOAD")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 @pytest.mark.slow
-def test_the_wheel_verifies_the_smoke_suite_from_anywhere(tmp_path):
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(REPO)], check=True, timeout=600)
-    [wheel] = wheels.glob("ep_harness-*.whl")
+def test_the_wheel_in_a_venv_verifies_and_runs_pytest_from_a_project_with_its_own_packages(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir)  # no pip of its own: this environment's pip installs into it (--python)
     python = env_dir / "bin" / "python"
+    # (PYTHONPATH dropped: a checkout on it, with its egg-info, reads to pip as "already installed")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
-                   check=True, timeout=600)
+                   check=True, timeout=600, env=_no_harness_env())
     # The third-party dependencies (torch, pandas, ...) come from this test's environment, appended
     # after the new environment's own site-packages; the harness itself only from the wheel.
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(purelib, "zz_test_deps.pth"), "w") as f:
-        f.write("\n".join(site.getsitepackages()) + "\n")
-    work = tmp_path / "project"
-    for shadow in ("reports", "harness"):  # a user's own packages with the harness's names
-        (work / shadow).mkdir(parents=True)
-        (work / shadow / "__init__.py").write_text(f"raise SystemExit('the user {shadow} package was imported')\n")
-    proc = subprocess.run([str(env_dir / "bin" / "ep-harness"), "verify", "--suite", "smoke", "--check",
+        f.write("\n".join(_dependency_paths()) + "\n")
+    work = user_project(tmp_path)
+    exe, env = str(env_dir / "bin" / "ep-harness"), _no_harness_env()
+    control = subprocess.run([str(python), "-c", "__import__('reference')"], cwd=work, capture_output=True, text=True, env=env)
+    assert "the user reference package was imported" in control.stderr  # positive control: the trap works
+    proc = subprocess.run([exe, "verify", "--suite", "smoke", "--check",
                            "rs-native/rank-invariance/dtype=bfloat16/world_size=3", "--gpus", "0", "--out", "runs"],
-                          cwd=work, capture_output=True, text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                          cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (work / "runs" / "latest" / "report.html").stat().st_size > 10_000
     assert "rs-native" in proc.stdout and "# OK" in proc.stdout
-    listing = subprocess.run([str(env_dir / "bin" / "ep-harness"), "list"], cwd=work, capture_output=True, text=True,
-                             timeout=300)
+    listing = subprocess.run([exe, "list"], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    assert listing.returncode == 0, listing.stderr
     assert "smoke" in listing.stdout and "nightly" in listing.stdout and "composed_moe" in listing.stdout
+    # `python -m` puts the project first on sys.path: the harness's modules still resolve to the wheel
+    module = subprocess.run([str(python), "-m", "ep_harness", "list"], cwd=work, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert module.returncode == 0 and "\n  smoke " in module.stdout, module.stdout + module.stderr
+    # pytest in the user's project: the plugin loads from the wheel, the user's packages stay theirs
+    tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], cwd=work,
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert tests.returncode == 0 and "2 passed" in tests.stdout, tests.stdout[-3000:] + tests.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -57,41 +119,58 @@ def wheel(tmp_path_factory):
     return built
 
 
-def test_the_wheel_carries_every_package_and_the_suites_as_package_data(wheel):
-    import zipfile
+def test_the_wheel_holds_one_import_package_and_its_metadata(wheel):
+    names = zipfile.ZipFile(wheel).namelist()  # what `unzip -l` lists
+    assert {n.split("/")[0] for n in names} == {"ep_harness", f"ep_harness-{VERSION}.dist-info"}
+    [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "ep-harness = ep_harness.cli:main" in text and "ep_harness = ep_harness.pytest_plugin" in text, text
 
+
+def test_the_wheel_carries_every_package_and_the_suites_as_package_data(wheel):
     from setuptools import find_packages
 
     names = zipfile.ZipFile(wheel).namelist()
-    suites = sorted(n.rpartition("/")[2] for n in names if n.startswith("harness/suites/"))
+    suites = sorted(n.rpartition("/")[2] for n in names if n.startswith("ep_harness/suites/"))
     assert suites == sorted(p.name for p in (REPO / "cases").glob("*.toml")) and "smoke.toml" in suites
     assert not [n for n in names if ".data/" in n]  # nothing installed outside the packages (no share/)
     packaged = {n.rpartition("/")[0].replace("/", ".") for n in names if n.endswith("/__init__.py")}
-    assert packaged == set(find_packages(str(REPO), include=["harness*", "reference*", "reports*"]))
+    # every package folder of the checkout, by its installed name (harness/ is ep_harness itself)
+    folders = find_packages(str(REPO), include=["harness*", "reference*", "reports*"])
+    assert packaged == {"ep_harness" + p.removeprefix("harness") if p.startswith("harness") else f"ep_harness.{p}"
+                        for p in folders}
+    assert "ep_harness.reference" in packaged and "ep_harness.subjects.moe" in packaged
 
 
 @pytest.mark.slow
 def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(wheel, tmp_path):
     target = tmp_path / "target"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=600)
-    work = tmp_path / "project"
-    (work / "cases").mkdir(parents=True)
-    (work / "cases" / "config.toml").write_text("not = [a suite\n")  # unrelated, and not even valid TOML
-    env = {**{k: v for k, v in os.environ.items() if k != "EP_HARNESS_COMMIT"}, "PYTHONPATH": str(target)}
+                   check=True, timeout=600, env=_no_harness_env())
+    work = user_project(tmp_path)
+    env = _no_harness_env(PYTHONPATH=str(target))
 
-    def harness(*args):
-        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=work, capture_output=True, text=True,
+    def harness(*args):  # `python -m`: the project's own packages are first on sys.path
+        return subprocess.run([sys.executable, "-m", "ep_harness", *args], cwd=work, capture_output=True, text=True,
                               timeout=600, env=env)
 
-    where = subprocess.run([sys.executable, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+    def script(*args):  # the console script pip put in DIR/bin
+        return subprocess.run([str(target / "bin" / "ep-harness"), *args], cwd=work, capture_output=True, text=True,
+                              timeout=600, env=env)
+
+    where = subprocess.run([sys.executable, "-c", "import ep_harness; print(ep_harness.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(target)), where  # the installed copy, not the checkout
-    listing = harness("list")
-    assert listing.returncode == 0, listing.stderr
-    for name in ("smoke", "nightly", "h200"):
-        assert f"\n  {name} " in listing.stdout, listing.stdout
-    assert "config" not in listing.stdout
+    for listing in (harness("list"), script("list")):
+        assert listing.returncode == 0, listing.stderr
+        for name in ("smoke", "nightly", "h200"):
+            assert f"\n  {name} " in listing.stdout, listing.stdout
+        assert "config" not in listing.stdout
+    by_script = script("verify", "--suite", "smoke", "--check", "ar-slice/rank-invariance/dtype=float32", "--gpus", "0",
+                       "--out", "script-runs", "--no-report")
+    assert by_script.returncode == 0, by_script.stdout[-3000:] + by_script.stderr[-3000:]
+    statuses = [json.loads(line)["status"] for line in (work / "script-runs/latest/results.jsonl").open()]
+    assert statuses == ["ok", "ok"], statuses  # world sizes 3 and 4, from the built-in smoke suite
     doctor = harness("doctor")  # the fixes name the installed metadata's pins (no pyproject here)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepgemm"]
@@ -107,7 +186,7 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert record["rerun"] == ("ep-harness verify --suite smoke --check "
                                "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0"), record["rerun"]
     env_json = json.loads((work / "runs" / "latest" / "environment.json").read_text())
-    assert env_json["suite"] == str(target / "harness" / "suites" / "smoke.toml")
+    assert env_json["suite"] == str(target / "ep_harness" / "suites" / "smoke.toml")
     assert env_json["harness_commit"] is None and env_json["harness_version"] == VERSION
     # the working directory's cases/ is read when the user names a file in it, and only then
     named = harness("list", "--suite", "cases/config.toml")
@@ -128,16 +207,13 @@ def _base_python() -> str | None:
 def test_a_user_install_finds_its_suites_from_a_directory_with_its_own_cases(wheel, tmp_path):
     python, userbase = _base_python(), tmp_path / "userbase"
     # the harness from the wheel in the user site; its dependencies (torch, ...) from this environment
-    deps = os.pathsep.join(site.getsitepackages())
-    env = {**{k: v for k, v in os.environ.items() if k not in ("EP_HARNESS_COMMIT", "VIRTUAL_ENV")},
-           "PYTHONUSERBASE": str(userbase), "PYTHONPATH": deps}
+    deps = os.pathsep.join(_dependency_paths())
+    env = _no_harness_env(PYTHONUSERBASE=str(userbase), PYTHONPATH=deps)
     subprocess.run([python, "-m", "pip", "install", "-q", "--user", "--no-deps", "--no-warn-script-location",
                     str(wheel)], check=True, timeout=600, env=env, capture_output=True)
-    work = tmp_path / "project"
-    (work / "cases").mkdir(parents=True)
-    (work / "cases" / "smoke.toml").write_text("not = [a suite\n")  # a file of the user's, named like a built-in
+    work = user_project(tmp_path)
     exe = str(userbase / "bin" / "ep-harness")
-    where = subprocess.run([python, "-c", "import harness; print(harness.__file__)"], cwd=work, env=env,
+    where = subprocess.run([python, "-c", "import ep_harness; print(ep_harness.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(userbase)), where
     listing = subprocess.run([exe, "list"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
@@ -149,3 +225,39 @@ def test_a_user_install_finds_its_suites_from_a_directory_with_its_own_cases(whe
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (work / "runs/latest/results.jsonl").read_text().splitlines()]
     assert [r["status"] for r in records] == ["ok", "ok"]  # world sizes 3 and 4, from the built-in smoke suite
+
+
+@pytest.mark.slow
+def test_an_editable_install_maps_the_folders_onto_the_namespace(tmp_path):
+    """`pip install -e` (make install): setuptools' own finder maps ep_harness onto harness/,
+    and the ranks, given the checkout on PYTHONPATH, import it through ep_harness/__init__.py."""
+    checkout = tmp_path / "checkout"  # a copy: an editable install writes its egg-info into the tree
+    for folder in ("harness", "reference", "reports", "cases", "ep_harness"):
+        shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__", "out"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, checkout / name)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(purelib, "zz_test_deps.pth"), "w") as f:  # setuptools for the build, torch, ...
+        f.write("\n".join(_dependency_paths()) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--no-build-isolation", "-e", str(checkout)], check=True, timeout=600, env=_no_harness_env())
+    work = user_project(tmp_path)
+    env = _no_harness_env()
+    where = subprocess.run([str(python), "-c", "import ep_harness.reports, ep_harness.cases as c; "
+                            "print(ep_harness.__file__, ep_harness.reports.__file__, c.built_in_dir())"],
+                           cwd=tmp_path, capture_output=True, text=True, env=env)  # not the project: -c puts it first
+    assert where.stdout.split() == [str(checkout / "harness" / "__init__.py"), str(checkout / "reports" / "__init__.py"),
+                                    str(checkout / "cases")], where.stdout + where.stderr
+    exe = str(env_dir / "bin" / "ep-harness")
+    listing = subprocess.run([exe, "list"], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    assert listing.returncode == 0 and "\n  smoke " in listing.stdout, listing.stdout + listing.stderr
+    run = subprocess.run([exe, "verify", "--suite", "smoke", "--check", "ar-slice/rank-invariance/dtype=float32",
+                          "--gpus", "0", "--out", "runs", "--no-report"], cwd=work, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    statuses = [json.loads(line)["status"] for line in (work / "runs/latest/results.jsonl").open()]
+    assert statuses == ["ok", "ok"], statuses

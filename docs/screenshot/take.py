@@ -17,7 +17,7 @@ def main(target: Path) -> int:
     if exe is None:
         print("screenshot: no Chromium on this machine (apt-get install chromium)", file=sys.stderr)
         return 2
-    cli = [sys.executable, "-m", "harness"]
+    cli = [sys.executable, "-m", "ep_harness"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("before", "after"):
             subprocess.run([*cli, "verify", "--suite", str(HERE / f"{name}.toml"), "--gpus", "0", "--no-report",

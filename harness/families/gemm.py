@@ -150,11 +150,11 @@ def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], g
 
 def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest problem timed
-    against cuBLAS (harness.cost). Absent on the CPU, never zero."""
+    against cuBLAS (ep_harness.cost). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
     if ctx.device.type == "cuda":
-        from harness import cost
-        from harness.subject import get
+        from ep_harness import cost
+        from ep_harness.subject import get
 
         w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
         dense = p.layout == "dense"  # a dense problem holds group 0's rows only

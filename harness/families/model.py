@@ -16,7 +16,7 @@ predict its generated tokens (float32 [new_tokens, vocab]).
 * reference: within tolerances.MODEL of reference/model.py (float64, teacher-forced on the
   run's tokens and router choices; flips reported apart).
 
-Every run traces every op per tracked token on every rank (harness.divergence); the traces
+Every run traces every op per tracked token on every rank (ep_harness.divergence); the traces
 travel to rank 0 only for the first run and the first run whose rows differ from it (every
 rank computes every row, so each can tell), and then the record names the first divergence
 between them (`detail.first_divergence`: layer, stage, subject, whether a collective, the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.bits import int_view, ordered_key
+from ep_harness.bits import int_view, ordered_key
 
 try:
     import triton

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from harness.nccl.log import Call, Topology
-from reference import nccl_pat, nccl_plan, orders
+from ep_harness.nccl.log import Call, Topology
+from ep_harness.reference import nccl_pat, nccl_plan, orders
 
 
 class NoPrediction(Exception):

@@ -7,7 +7,7 @@ kernels) and the channel pin.
 """
 from __future__ import annotations
 
-from harness.nccl.log import Call
+from ep_harness.nccl.log import Call
 
 DETERMINISTIC_CHANNELS = 8
 # The log subsystems the algorithm, protocol and channels of every call are read from.

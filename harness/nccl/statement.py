@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.nccl.log import parse
+from ep_harness.nccl.log import parse
 
 
 def tp_reduction_statement(run_dir: Path, backend: str) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from harness.errors import HarnessError
+from ep_harness.errors import HarnessError
 
 # Families whose subjects harness/selftest/wrap.py can wrap (its WRAPPERS; a test keeps the two equal).
 WRAPPED_FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")

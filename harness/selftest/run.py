@@ -206,7 +206,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
         print(matrix.render(rows, names))
         print(f"# selftest.json: {run_dir / 'selftest.json'}; wall {result['wall_s']} s")
     if render:
-        from reports.render import render_run
+        from ep_harness.reports.render import render_run
 
         render_run(run_dir, quiet=True)
         say(f"# report: {run_dir / 'report.html'}")

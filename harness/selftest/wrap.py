@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from harness.selftest.injections import Injection
+from ep_harness.selftest.injections import Injection
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _previous: dict[tuple, torch.Tensor] = {}  # the stale defect's memory: (subject, dtype, width) -> last true output
@@ -200,6 +200,6 @@ WRAPPERS = {"collective": _Collective, "gemm": _Gemm, "quant": _Quant, "dispatch
 
 def wrapped(subject, injection: dict, check):
     """`subject` with the injection (as the job carries it, Injection.to_json) applied for
-    one harness.check.Check (its id names the check in the log; its property says, for a
+    one ep_harness.check.Check (its id names the check in the log; its property says, for a
     dispatcher, which output the property compares)."""
     return WRAPPERS[subject.family](subject, Injection.from_json(injection), check)

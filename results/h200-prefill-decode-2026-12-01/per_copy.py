@@ -7,11 +7,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import torch
-from harness import nccl_log, nccl_models
-from harness.families.collective import prefill_decode_layouts, all_inputs, _labels
-from harness.inputs import dtype_of
-from harness.params import CollectiveParams
-from reference import nccl_plan
+from ep_harness import nccl_log, nccl_models
+from ep_harness.families.collective import prefill_decode_layouts, all_inputs, _labels
+from ep_harness.inputs import dtype_of
+from ep_harness.params import CollectiveParams
+from ep_harness.reference import nccl_plan
 
 FIX = REPO / "tests" / "fixtures" / "nccl-2.28.9-emulated-hosts"
 SIZES = [4096, 65536, 262144, 1048576, 16777216, 33554432]

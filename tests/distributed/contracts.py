@@ -15,10 +15,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness import subject as registry
-from harness.inputs import values
-from harness.processes import process_state
-from reference.collectives import shard_offsets
+from ep_harness import subject as registry
+from ep_harness.inputs import values
+from ep_harness.processes import process_state
+from ep_harness.reference.collectives import shard_offsets
 
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")
 

@@ -4,7 +4,7 @@ import json
 import os
 from pathlib import Path
 
-from harness.processes import process_state
+from ep_harness.processes import process_state
 
 
 def rank_main(out_dir):

@@ -1,9 +1,9 @@
 """All-gather every rank's input (pure copies), then fold this rank's shard in a fixed order."""
 import torch.distributed as dist
 
-from harness.subject import OrderModel, register
-from harness.subjects.collective.common import fold_descending, offsets
-from reference import orders
+from ep_harness.subject import OrderModel, register
+from ep_harness.subjects.collective.common import fold_descending, offsets
+from ep_harness.reference import orders
 
 
 def _model(x, sizes, nccl=None):

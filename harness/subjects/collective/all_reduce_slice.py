@@ -9,9 +9,9 @@ is expected to fail the invariance checks.
 """
 import torch.distributed as dist
 
-from harness.nccl import models as nccl_models
-from harness.subject import OrderModel, register
-from harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE, offsets, per_destination
+from ep_harness.nccl import models as nccl_models
+from ep_harness.subject import OrderModel, register
+from ep_harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE, offsets, per_destination
 
 
 @register

@@ -5,9 +5,9 @@ unreduced, so the order of the sum is fixed by construction.
 """
 import torch.distributed as dist
 
-from harness.subject import OrderModel, register
-from harness.subjects.collective.all_gather_fold import FOLD_MODEL
-from harness.subjects.collective.common import fold_descending
+from ep_harness.subject import OrderModel, register
+from ep_harness.subjects.collective.all_gather_fold import FOLD_MODEL
+from ep_harness.subjects.collective.common import fold_descending
 
 
 @register

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.subject import OrderModel
-from reference import orders
-from reference.collectives import shard_offsets as offsets
+from ep_harness.subject import OrderModel
+from ep_harness.reference import orders
+from ep_harness.reference.collectives import shard_offsets as offsets
 
 
 def fold_in_order(parts: torch.Tensor, order) -> torch.Tensor:

@@ -11,10 +11,10 @@ backend's reduce-scatter + all-gather; then this rank's slice.
 import torch
 import torch.distributed as dist
 
-from harness.nccl import models as nccl_models
-from harness.subject import OrderModel, register
-from harness.subjects.collective.common import fold_in_order, offsets, per_destination
-from reference import orders
+from ep_harness.nccl import models as nccl_models
+from ep_harness.subject import OrderModel, register
+from ep_harness.subjects.collective.common import fold_in_order, offsets, per_destination
+from ep_harness.reference import orders
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # per-rank message size up to which the one-shot path runs
 

@@ -6,10 +6,10 @@ destination, each a ring chain that ends at the destination.
 import torch
 import torch.distributed as dist
 
-from harness.nccl import models as nccl_models
-from harness.subject import OrderModel, register
-from harness.subjects.collective.common import offsets
-from reference import orders
+from ep_harness.nccl import models as nccl_models
+from ep_harness.subject import OrderModel, register
+from ep_harness.subjects.collective.common import offsets
+from ep_harness.reference import orders
 
 
 def _per_shard_gloo(x, sizes, nccl=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.subjects.quant.torch_fp8 import TorchFp8Quant
+from ep_harness.subjects.quant.torch_fp8 import TorchFp8Quant
 
 
 def quantize_wire(x: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

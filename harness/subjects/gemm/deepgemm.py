@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-from harness.subject import register
-from harness.subjects.gemm.common import unsupported
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.common import unsupported
 
 _state: dict = {}
 

@@ -1,8 +1,8 @@
 """torch.bmm over the masked layout [G, max_m, K] x [G, K, N]: every slot, valid or not."""
 import torch
 
-from harness.subject import register
-from harness.subjects.gemm.common import unsupported
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.common import unsupported
 
 
 @register

@@ -1,8 +1,8 @@
 """torch._grouped_mm over the contiguous layout (each expert's aligned segment is a group)."""
 import torch
 
-from harness.subject import register
-from harness.subjects.gemm.common import unsupported
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.common import unsupported
 
 
 @register

@@ -5,8 +5,8 @@ depend on how many rows share its expert: this is what batch-invariance asks.
 """
 import torch
 
-from harness.subject import register
-from harness.subjects.gemm.common import unsupported
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.common import unsupported
 
 
 @register

@@ -4,9 +4,9 @@ The fix for cuBLAS's batch variance on the dense projections that are not groupe
 (attention, shared experts, LM head): one tile configuration per (N, K, dtype), no
 split-K, K walked in one fixed order for every output element.
 """
-from harness.kernels import bi_matmul as kernel
-from harness.subject import register
-from harness.subjects.gemm.common import unsupported
+from ep_harness.kernels import bi_matmul as kernel
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.common import unsupported
 
 
 @register

@@ -18,7 +18,7 @@ of the world size). Per layer:
 then rmsnorm, the LM head (`dense_gemm`, bf16 logits) and log_softmax in float32.
 `tp_reduce` is a collective subject, `dispatch` a dispatch subject (its combine too), `gemm`
 and `dense_gemm` GEMM subjects, all by registered name in params (defaults: all_gather_fold,
-torch_a2a_dispatch, torch_mm, torch_mm). A tracer (harness.divergence) is told every op's
+torch_a2a_dispatch, torch_mm, torch_mm). A tracer (ep_harness.divergence) is told every op's
 inputs and outputs per tracked token.
 """
 from __future__ import annotations

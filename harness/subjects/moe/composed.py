@@ -64,12 +64,12 @@ class Composed:
         return None
 
     def compiles_kernels(self, params):
-        from harness.subject import compiles_kernels
+        from ep_harness.subject import compiles_kernels
 
         return any(compiles_kernels(s, STAGE_PARAMS[stage](params)) for stage, s in self.stages(params).items())
 
     def kernels(self, params):
-        from harness.kernel_trace import declared
+        from ep_harness.kernel_trace import declared
 
         return tuple(dict.fromkeys(k for stage, s in self.stages(params).items()
                                    for k in declared(s, STAGE_PARAMS[stage](params))))

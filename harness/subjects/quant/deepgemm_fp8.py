@@ -1,6 +1,6 @@
 """DeepGEMM's own quantization helper, deep_gemm.utils.per_token_cast_to_fp8."""
-from harness.subject import register
-from harness.subjects.gemm.deepgemm import import_refusal
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.deepgemm import import_refusal
 
 
 @register

@@ -8,7 +8,7 @@ DeepGEMM's and DeepEP's helpers do: three roundings before the cast.
 """
 import torch
 
-from harness.subject import register
+from ep_harness.subject import register
 
 GROUP = 128
 E4M3_MAX = 448.0
