@@ -20,7 +20,7 @@ one_pass() {  # name, cache dir, extra environment (VAR=value ...)
   local name=$1 dir=$2; shift 2
   local start code wall
   start=$(date +%s.%N)
-  env DG_JIT_CACHE_DIR="$dir" "$@" python3 -m harness verify --suite h200 --gpus 1 \
+  env DG_JIT_CACHE_DIR="$dir" "$@" python3 -m ep_harness verify --suite h200 --gpus 1 \
     --out "/tmp/cold-warm-runs-$name" > "$OUT/cold_warm-$name.log" 2>&1
   code=$?
   wall=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")

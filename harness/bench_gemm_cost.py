@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import cost
-from harness.params import GemmParams, QuantParams
+from ep_harness import cost
+from ep_harness.params import GemmParams, QuantParams
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
 GROUPED_M = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -235,7 +235,7 @@ class Bench:
 
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:
-        from harness.contracts import GemmProblem
+        from ep_harness.contracts import GemmProblem
 
         torch = self.torch
         section = {"kind": "dense", "title": title, "n": n, "k": k, "points": []}
@@ -327,9 +327,9 @@ class Bench:
 
     # grouped ------------------------------------------------------------------------------
     def grouped(self, model: MoeModel, projection: str, n: int, k: int, m_values) -> dict:
-        from harness.contracts import GemmProblem
-        from harness.subjects.quant.torch_fp8 import TorchFp8QuantReciprocal
-        from reference.quant import quantize_per_block
+        from ep_harness.contracts import GemmProblem
+        from ep_harness.subjects.quant.torch_fp8 import TorchFp8QuantReciprocal
+        from ep_harness.reference.quant import quantize_per_block
 
         torch = self.torch
         title = (f"grouped {model.name} {projection}: {model.experts} experts x [{n} x {k}], top-{model.topk}, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from harness.params import CommonParams, build, family_params
+from ep_harness.params import CommonParams, build, family_params
 
 
 @dataclass(frozen=True)

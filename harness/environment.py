@@ -7,10 +7,10 @@ import os
 import subprocess
 from pathlib import Path
 
-from harness.cases import FORCED_ENV
-from harness.errors import HarnessError
-from harness.nccl.pins import launch_pins, log_settings, nccl_version
-from harness.subject import Platform
+from ep_harness.cases import FORCED_ENV
+from ep_harness.errors import HarnessError
+from ep_harness.nccl.pins import launch_pins, log_settings, nccl_version
+from ep_harness.subject import Platform
 
 CPU_DEFAULT_RANKS = 4
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:

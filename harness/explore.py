@@ -24,7 +24,7 @@ def searchable(family: str) -> list[str]:
     """The family's properties a search may draw (Property.searchable), those compared across
     ranks first: a counterexample within one call is the smallest, and Hypothesis shrinks
     toward the first choice."""
-    from harness import families, properties
+    from ep_harness import families, properties
 
     found = [p for p in families.get(family).properties if properties.get(p).searchable]
     return sorted(found, key=lambda p: properties.get(p).comparison != "destination")

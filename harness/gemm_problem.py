@@ -1,4 +1,4 @@
-"""The GEMM family's input builder: grouped-GEMM problems (harness.contracts.GemmProblem,
+"""The GEMM family's input builder: grouped-GEMM problems (ep_harness.contracts.GemmProblem,
 in DeepGEMM's layouts) built from seeded values, and their float64 operands.
 """
 from __future__ import annotations
@@ -7,9 +7,9 @@ import functools
 
 import torch
 
-from harness import inputs as gen
-from harness.contracts import GemmProblem, align, aligned_starts
-from reference import quant
+from ep_harness import inputs as gen
+from ep_harness.contracts import GemmProblem, align, aligned_starts
+from ep_harness.reference import quant
 
 FP8 = "float8_e4m3fn"
 

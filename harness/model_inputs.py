@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from harness import inputs as gen
-from harness.params import ModelParams
+from ep_harness import inputs as gen
+from ep_harness.params import ModelParams
 
 
 def weights(p: ModelParams) -> dict:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import inputs as gen
-from harness.params import DispatchParams, MoeParams
+from ep_harness import inputs as gen
+from ep_harness.params import DispatchParams, MoeParams
 
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
 

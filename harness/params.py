@@ -12,7 +12,7 @@ hook: `unavailable`, `kernels`, `describe`, `compiles_kernels`), which read it b
 (`p.hidden`): the dataclass owns the defaults, and a field read that it lacks is an
 AttributeError, which planning turns into one line naming it (`unknown_field`). Records
 store its plain dict (`Check.params_record`). A dispatcher is told a
-harness.contracts.DispatchConfig, read the same way.
+ep_harness.contracts.DispatchConfig, read the same way.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def unknown_field(exc: AttributeError, who: str) -> str | None:
 
 def family_params(family: str) -> type[CommonParams]:
     """The parameter dataclass of `family`, as its registered Family declares it."""
-    from harness import families
+    from ep_harness import families
 
     return families.get(family).params
 

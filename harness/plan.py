@@ -7,13 +7,13 @@ import re
 
 from dataclasses import replace
 
-from harness import families, params, properties
-from harness import subject as registry
-from harness.cases import Suite, timeout_problem
-from harness.check import Check
-from harness.errors import HarnessError, did_you_mean
-from harness.params import CommonParams
-from harness.subject import Platform
+from ep_harness import families, params, properties
+from ep_harness import subject as registry
+from ep_harness.cases import Suite, timeout_problem
+from ep_harness.check import Check
+from ep_harness.errors import HarnessError, did_you_mean
+from ep_harness.params import CommonParams
+from ep_harness.subject import Platform
 
 
 def check_id(case: str, prop: str, point: dict) -> str:

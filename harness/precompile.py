@@ -2,7 +2,7 @@
 
 DeepGEMM JIT-compiles a kernel (NVCC, 3-4 s each on the lent H200) the first time a GEMM of
 a new shape is called, and keeps the cubin in its cache directory (DG_JIT_CACHE_DIR, which
-every launch pins: harness.environment.deep_gemm_cache_dir). A rank calls one shape after
+every launch pins: ep_harness.environment.deep_gemm_cache_dir). A rank calls one shape after
 another, so a cold `--suite h200` spent most of its time compiling kernels one at a time.
 
 Before a GPU run's launches, this module
@@ -86,7 +86,7 @@ class KernelCall:
 # -- 1. what the planned checks will call ---------------------------------------------------
 
 def is_deepgemm(subject) -> bool:
-    from harness.subjects.gemm.deepgemm import _DeepGemm
+    from ep_harness.subjects.gemm.deepgemm import _DeepGemm
 
     return isinstance(subject, _DeepGemm)
 
@@ -94,8 +94,8 @@ def is_deepgemm(subject) -> bool:
 def gemm_call(subject_name: str, layout: str, dtype: str, counts, n: int, k: int, groups: int,
               alignment: int, expected_m: int | None, needed_by: str) -> KernelCall:
     """The call a GEMM subject receives for experts holding `counts` rows each, with the
-    shapes harness.gemm_problem.build gives its operands (and, for FP8, their block scales)."""
-    from harness.contracts import align, aligned_starts
+    shapes ep_harness.gemm_problem.build gives its operands (and, for FP8, their block scales)."""
+    from ep_harness.contracts import align, aligned_starts
 
     counts = tuple(int(c) for c in counts)
     if layout == "dense":
@@ -117,7 +117,7 @@ def gemm_call(subject_name: str, layout: str, dtype: str, counts, n: int, k: int
 
 
 def _gemm_check_calls(check, subject) -> list[KernelCall]:
-    from harness.families.gemm import runs_for
+    from ep_harness.families.gemm import runs_for
 
     p = check.params
     return [gemm_call(subject.name, p.layout, p.dtype, run.counts, p.n, p.k, p.groups, p.alignment, run.expected_m,
@@ -128,9 +128,9 @@ def _gemm_check_calls(check, subject) -> list[KernelCall]:
 def _moe_check_calls(check, gemm) -> list[KernelCall]:
     """The layer's two expert GEMMs per run, at world size 1 with torch's dispatcher: the
     experts' row counts follow from routing the run's tokens (cheap: the router alone)."""
-    from harness.families.moe_layer import partials, router_weights
-    from harness.moe_scenario import placement_runs
-    from harness.subjects.moe.composed import route
+    from ep_harness.families.moe_layer import partials, router_weights
+    from ep_harness.moe_scenario import placement_runs
+    from ep_harness.subjects.moe.composed import route
 
     p = check.params
     experts, hidden, inter = p.num_experts, p.hidden, p.intermediate
@@ -148,8 +148,8 @@ def planned_calls(checks) -> tuple[list[KernelCall], list[str]]:
     """The distinct DeepGEMM calls of the checks that will run, in first-use order, and the
     ids of DeepGEMM checks whose calls cannot be known before the launch (they compile
     their own kernels, as before)."""
-    from harness import subject as registry
-    from harness.subject import compiles_kernels
+    from ep_harness import subject as registry
+    from ep_harness.subject import compiles_kernels
 
     calls: dict[KernelCall, KernelCall] = {}
     own: list[str] = []
@@ -177,8 +177,8 @@ def planned_calls(checks) -> tuple[list[KernelCall], list[str]]:
 
 def _uses_deepgemm_gemm(check) -> bool:
     """A composed subject (the model) with a DeepGEMM GEMM stage."""
-    from harness import subject as registry
-    from harness.params import ModelParams, MoeParams
+    from ep_harness import subject as registry
+    from ep_harness.params import ModelParams, MoeParams
 
     p = check.params
     names = [p.gemm, p.dense_gemm] if isinstance(p, ModelParams) else [p.gemm] if isinstance(p, MoeParams) else []
@@ -217,7 +217,7 @@ class _Worker:
     so that waiting for one has a limit: a hung NVCC or kernel launch must not hang the run."""
 
     def __init__(self, env: dict, device: str, log, plugins: list[str] = ()):
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.precompile_worker", device, *plugins],
+        self.proc = subprocess.Popen([sys.executable, "-m", "ep_harness.precompile_worker", device, *plugins],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                      text=True, bufsize=1, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
@@ -268,7 +268,7 @@ class _Worker:
         """End the worker's process group (and anything it started elsewhere): also when the
         worker itself has died, as its NVCC may still run. SIGTERM, then SIGKILL to whatever
         is left after 2 s; returns once the worker has been reaped."""
-        from harness.processes import kill_launch
+        from ep_harness.processes import kill_launch
 
         kill_launch(self.proc, grace_s=2.0)
         try:
@@ -339,7 +339,7 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
             last = time.perf_counter()
             finished = 0
             while finished < len(calls):
-                try:  # in slices, so that a signal (harness.processes.interruptible) is taken at once
+                try:  # in slices, so that a signal (ep_harness.processes.interruptible) is taken at once
                     call, answer = answers.get(timeout=0.5)
                 except queue.Empty:
                     if not any(t.is_alive() for t in threads) and answers.empty():
@@ -388,7 +388,7 @@ def manifest_identity(platform) -> dict:
     """What decides which kernel a call builds, besides its shapes."""
     import torch
 
-    from harness.subjects.gemm.deepgemm import settings
+    from ep_harness.subjects.gemm.deepgemm import settings
 
     return {"deep_gemm": settings().get("version"), "gpu": platform.gpu_name,
             "capability": list(platform.capability or ()), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -422,7 +422,7 @@ def worker_count() -> int:
         except ValueError:
             count = 0
         if count < 1:
-            from harness.errors import HarnessError
+            from ep_harness.errors import HarnessError
 
             raise HarnessError(f"{WORKERS_ENV}={value!r} needs a positive integer (the number of DeepGEMM compile "
                                f"processes); unset it for one per CPU core, or set EP_HARNESS_PRECOMPILE=0 to "
@@ -443,8 +443,8 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
     if platform.device != "cuda" or multi_node or os.environ.get("EP_HARNESS_PRECOMPILE", "1") == "0":
         return None
     processes = worker_count()  # a bad setting is refused on every GPU run, not only a cold one
-    from harness.environment import deep_gemm_cache_dir, pinned_env
-    from harness.processes import import_paths
+    from ep_harness.environment import deep_gemm_cache_dir, pinned_env
+    from ep_harness.processes import import_paths
 
     say = (lambda line: None) if quiet else (lambda line: print(f"# {line}", flush=True))
     calls, own = planned_calls(checks)

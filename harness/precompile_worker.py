@@ -1,9 +1,9 @@
 """One pre-compilation process (harness/precompile.py starts a pool of them):
 
-    python -m harness.precompile_worker DEVICE [PLUGIN_MODULE ...]
+    python -m ep_harness.precompile_worker DEVICE [PLUGIN_MODULE ...]
 
 loads the subjects as a rank does (built-in, entry points, the run's plugin modules), says
-{"ready": true} on a line of its own, then reads harness.precompile.KernelCall's as JSON lines
+{"ready": true} on a line of its own, then reads ep_harness.precompile.KernelCall's as JSON lines
 on stdin and answers each with one JSON line, {"ok": true} or {"ok": false, "error": "..."},
 after calling the subject once on
 zero-valued inputs of the call's exact shapes: DeepGEMM compiles (or loads) the kernel on
@@ -21,11 +21,11 @@ import traceback
 
 def zero_problem(call, device):
     """A GemmProblem of the call's shapes, every value zero (scales one); the rows per expert
-    (`counts`) are laid out as harness.gemm_problem.build does."""
+    (`counts`) are laid out as ep_harness.gemm_problem.build does."""
     import torch
 
-    from harness.contracts import GemmProblem, aligned_starts
-    from harness.precompile import FP8
+    from ep_harness.contracts import GemmProblem, aligned_starts
+    from ep_harness.precompile import FP8
 
     base = torch.float8_e4m3fn if call.dtype == FP8 else torch.bfloat16
     a = torch.zeros(call.a, dtype=base, device=device)
@@ -50,7 +50,7 @@ def zero_problem(call, device):
 def make(call, device: str) -> None:
     import torch
 
-    from harness import subject as registry
+    from ep_harness import subject as registry
 
     subject = registry.get(call.subject)
     out = torch.zeros(call.out, dtype=torch.bfloat16, device=device)
@@ -64,9 +64,9 @@ def main() -> None:
     os.dup2(2, 1)  # whatever else is printed goes to the log
     sys.stdout = sys.stderr
     device, plugins = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("cuda", [])
-    from harness import subject as registry
-    from harness.precompile import KernelCall
-    from harness.subjects.gemm.deepgemm import deep_gemm
+    from ep_harness import subject as registry
+    from ep_harness.precompile import KernelCall
+    from ep_harness.subjects.gemm.deepgemm import deep_gemm
 
     broken = None
     try:  # every call fails with the reason (the run's own loading reports it)

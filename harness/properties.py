@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import HarnessError, registered
+from ep_harness.errors import HarnessError, registered
 
 COMPARISONS = ("reference", "repeat", "placement", "destination")
 
@@ -73,7 +73,7 @@ def register(prop: Property) -> Property:
 
 
 def get(name: str) -> Property:
-    return registered(PROPERTIES, name, "property", "add one with harness.properties.register")
+    return registered(PROPERTIES, name, "property", "add one with ep_harness.properties.register")
 
 
 def needs_reference(name: str) -> bool:

@@ -16,11 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.environment import git_commit, recorded_env, redacted, redacted_command
-from harness.nccl.pins import nccl_version
-from harness.nccl.statement import tp_reduction_statement
-from harness.subject import Platform, plugin_distributions
-from harness.version import harness_version
+from ep_harness.environment import git_commit, recorded_env, redacted, redacted_command
+from ep_harness.nccl.pins import nccl_version
+from ep_harness.nccl.statement import tp_reduction_statement
+from ep_harness.subject import Platform, plugin_distributions
+from ep_harness.version import harness_version
 
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
              "apache-tvm-ffi", "nvidia-nccl-cu12", "nvidia-nccl-cu13", "pandas", "matplotlib")
@@ -51,7 +51,7 @@ def rank_fingerprint() -> dict:
     """What one rank sees: host, device, versions, and every pinned variable."""
     import torch
 
-    from harness.channel import local_node
+    from ep_harness.channel import local_node
 
     info = {
         "host": socket.gethostname(),

@@ -6,7 +6,7 @@ family names its own in its `Family` (harness/families), and `register` checks a
 against the Protocol of the family it names (the data they exchange: harness/contracts.py).
 Optionally a subject has `setup(ctx)` and `teardown(ctx)`, called once per launch on every
 rank (before its first check, after the last) with the rank's
-harness.context.RankContext: where an engine creates its own parallel state (e.g. its
+ep_harness.context.RankContext: where an engine creates its own parallel state (e.g. its
 `initialize_model_parallel`) once and reuses it for every check of the launch. Built-in
 subjects live in `harness/subjects/`, one file each; third-party packages add theirs
 through the entry-point group `ep_harness.subjects` (each entry point names a module that
@@ -76,7 +76,7 @@ class Subject(Protocol):
 
     def unavailable(self, platform: Platform, params) -> str | None:
         """Why this subject cannot run here with these params (None when it can). `params`: the
-        family's parameter dataclass (harness.params), read by attribute (`params.hidden`)."""
+        family's parameter dataclass (ep_harness.params), read by attribute (`params.hidden`)."""
 
     # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
     # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
@@ -105,14 +105,14 @@ class GemmSubject(Subject, Protocol):
     dtypes: tuple[str, ...]  # operand dtypes: "bfloat16", "float32", "float8_e4m3fn"
 
     def run(self, problem, out) -> None:
-        """Write D = A @ B^T per expert into `out` (see harness.contracts.GemmProblem)."""
+        """Write D = A @ B^T per expert into `out` (see ep_harness.contracts.GemmProblem)."""
 
 
 class DispatchSubject(Subject, Protocol):
     def dispatch(self, x, topk_idx, topk_weights, cfg, group):
         """Send each (token, slot) row of x [T, H] to the rank owning expert topk_idx[t, slot]
-        (-1: none); return a harness.contracts.Received in cfg.layout (cfg: a
-        harness.contracts.DispatchConfig)."""
+        (-1: none); return an ep_harness.contracts.Received in cfg.layout (cfg: a
+        ep_harness.contracts.DispatchConfig)."""
 
     def combine(self, expert_out, handle, topk_weights, group):
         """expert_out in the Received layout -> the top-k weighted sum [T, H] on the source ranks."""
@@ -132,8 +132,8 @@ class ModelSubject(Subject, Protocol):
     def generate(self, prompts, score_from, new_tokens: int, weights: dict, params, group, tracer):
         """Serve one batch: prefill `prompts` (lists of token ids), return the log-softmax rows
         that predict tokens score_from[i] .. len(prompts[i]) of each prompt, then greedily decode
-        `new_tokens` - 1 more (a harness.contracts.Served). `tracer` (a
-        harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
+        `new_tokens` - 1 more (an ep_harness.contracts.Served). `tracer` (a
+        ep_harness.divergence.Tracer, or None) is told each op's inputs and outputs per token."""
 
 
 _REGISTRY: dict[str, Subject] = {}
@@ -196,7 +196,7 @@ def register(cls):
     for attr in ("name", "family", "summary"):
         if not isinstance(getattr(subject, attr, None), str):
             raise ContractError(f"subject class {where} needs a string `{attr}`; add {attr} = \"...\" to the class")
-    from harness import families  # the family registry (its modules import this one)
+    from ep_harness import families  # the family registry (its modules import this one)
 
     family = families.FAMILIES.get(subject.family)
     if family is None:

@@ -2,8 +2,8 @@
 the launcher and the planner)."""
 from __future__ import annotations
 
-from harness import properties
-from harness.measurement import Measurement
+from ep_harness import properties
+from ep_harness.measurement import Measurement
 
 
 def nonfinite_text(nonfinite: dict | None) -> str:

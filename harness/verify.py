@@ -10,20 +10,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import subject as registry
-from harness.cases import load_suite, resolve_suite_path, suite_argument
-from harness.check import Check
-from harness.errors import HarnessError
-from harness.environment import applicable_env, pinned_env, platform_for
-from harness.fresh import compare_launches
-from harness.launch import Head, Outcome, run_job
-from harness.nodes import Nodes
-from harness.plan import expand, jobs, literal, planned, selected
-from harness.processes import Interrupted, interruptible
-from harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
-from harness.run_environment import EnvironmentRecord
-from harness.verdict import decide
-from reports.analysis import FAILING, nothing_shown
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite, resolve_suite_path, suite_argument
+from ep_harness.check import Check
+from ep_harness.errors import HarnessError
+from ep_harness.environment import applicable_env, pinned_env, platform_for
+from ep_harness.fresh import compare_launches
+from ep_harness.launch import Head, Outcome, run_job
+from ep_harness.nodes import Nodes
+from ep_harness.plan import expand, jobs, literal, planned, selected
+from ep_harness.processes import Interrupted, interruptible
+from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from ep_harness.run_environment import EnvironmentRecord
+from ep_harness.verdict import decide
+from ep_harness.reports.analysis import FAILING, nothing_shown
 
 
 def new_run_id() -> str:
@@ -245,7 +245,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     with interruptible():
         try:
             head.wait_for_nodes()
-            from harness.precompile import precompile
+            from ep_harness.precompile import precompile
 
             precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins)
             if nodes.multi:  # ranks spread over nodes all take part in every launch

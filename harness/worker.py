@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import harness.subjects  # noqa: F401  (the built-in subjects, imported before the ranks fork)
-from harness import subject as registry
-from harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
-from harness.check import Check
-from harness.context import RankContext
-from harness.run_environment import rank_fingerprint
-from harness.families import execute, warm_up
-from harness.measurement import Measurement
-from harness.subject import compiles_kernels
+import ep_harness.subjects  # noqa: F401  (the built-in subjects, imported before the ranks fork)
+from ep_harness import subject as registry
+from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
+from ep_harness.check import Check
+from ep_harness.context import RankContext
+from ep_harness.run_environment import rank_fingerprint
+from ep_harness.families import execute, warm_up
+from ep_harness.measurement import Measurement
+from ep_harness.subject import compiles_kernels
 
 WATCH_S = 0.2
 

@@ -22,7 +22,7 @@ def _png(fig: Figure) -> str:
 def summary_figure(frame) -> str | None:
     """Mismatch percentage per subject and invariance property (controls red, fixes blue); a
     property compared with a reference counts errors, not differences, and is left out."""
-    from harness.properties import needs_reference
+    from ep_harness.properties import needs_reference
 
     measured = frame[frame["mismatched"].notna() & ~frame["property"].map(needs_reference).astype(bool)]
     if measured.empty:

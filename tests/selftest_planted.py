@@ -11,8 +11,8 @@
 """
 from dataclasses import replace
 
-from harness import families, properties
-from harness.families import collective
+from ep_harness import families, properties
+from ep_harness.families import collective
 
 WEAK = "weak-batch-invariance"
 WEAK_REFERENCE = "weak-reference"

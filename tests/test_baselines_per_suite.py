@@ -17,7 +17,7 @@ from tests.conftest import REPO
 
 
 def _verify(*args: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "harness", "verify", "-q", *args], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "-q", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = Path(args[args.index("--out") + 1])
@@ -33,8 +33,8 @@ def subset_run(tmp_path_factory) -> Path:
 def test_a_from_record_run_keeps_its_suites_baseline(subset_run, tmp_path):
     """A rerun from records keeps its source run's suite name: its baseline is the suite's
     (named after the records' path it would nest a directory under ci/baselines)."""
-    from harness.gate import BASELINE_DIR, baseline_path, fingerprint
-    from reports.load import load_run
+    from ep_harness.gate import BASELINE_DIR, baseline_path, fingerprint
+    from ep_harness.reports.load import load_run
 
     rerun = _verify("--from-record", str(subset_run / "results.jsonl"), "--out", str(tmp_path))
     assert fingerprint(load_run(subset_run).environment)["suite"] == "smoke"
@@ -45,8 +45,8 @@ def test_a_from_record_run_keeps_its_suites_baseline(subset_run, tmp_path):
 def test_a_check_subset_is_not_recorded_as_the_suites_baseline(subset_run, tmp_path):
     """`make baseline` of a `--check` run would make a few checks the suite's baseline (every
     later full run would see the rest as `new`, never a lost `ok`): refused, naming it."""
-    from harness.errors import HarnessError
-    from harness.gate import update_baseline
+    from ep_harness.errors import HarnessError
+    from ep_harness.gate import update_baseline
 
     with pytest.raises(HarnessError, match="selected checks"):
         update_baseline(subset_run, tmp_path / "smoke-baseline.jsonl")
@@ -55,9 +55,9 @@ def test_a_check_subset_is_not_recorded_as_the_suites_baseline(subset_run, tmp_p
 def test_a_check_subset_is_gated_on_what_it_selected(subset_run, tmp_path):
     """Gating a `--check` run against the whole suite's baseline would call every check it
     did not select 'disappeared': not comparable (exit 3), naming the selection."""
-    from harness.gate import NotComparable, fingerprint, gate
-    from harness.records import read_jsonl, write_jsonl
-    from reports.load import load_run
+    from ep_harness.gate import NotComparable, fingerprint, gate
+    from ep_harness.records import read_jsonl, write_jsonl
+    from ep_harness.reports.load import load_run
 
     records = read_jsonl(subset_run / "results.jsonl")
     other = {**records[0], "check": "rs-native/batch-invariance/world_size=4", "case": "rs-native"}
@@ -78,8 +78,8 @@ def _run_with_environment(src: Path, dst: Path, **env) -> Path:
 def test_a_suite_name_is_a_plain_file_name(subset_run, tmp_path):
     """A suite's name names its baseline files: `name = "team/nightly"` would put one in a
     directory under ci/baselines; refused in one line naming the name."""
-    from harness.cases import load_suite
-    from harness.errors import HarnessError
+    from ep_harness.cases import load_suite
+    from ep_harness.errors import HarnessError
 
     suite = tmp_path / "mine.toml"
     suite.write_text('[suite]\nname = "team/nightly"\n\n[[case]]\nname = "fold"\nsubject = "all_gather_fold"\n'
@@ -93,7 +93,7 @@ def test_a_suite_name_is_a_plain_file_name(subset_run, tmp_path):
 def test_not_comparable_names_only_this_suites_baselines(subset_run, tmp_path, monkeypatch):
     """A `--suite h200` run on the emulated platform has no baseline; the baselines of
     h200-deepep and h200-emulated (whose names start the same) are not offered as its own."""
-    from harness.gate import NotComparable, gate
+    from ep_harness.gate import NotComparable, gate
 
     monkeypatch.chdir(REPO)  # BASELINE_DIR is relative to the checkout
     path = next((REPO / "ci" / "baselines").glob("nvidia-h200-x1-emulated-hosts-8-h200-emulated-*.jsonl"))

@@ -141,8 +141,8 @@ def test_deep_gemm_kernels_are_cached_in_a_stable_directory(monkeypatch, tmp_pat
 
 
 def test_only_jit_compiling_subjects_are_warmed_up_before_timing():
-    from harness.params import CollectiveParams, GemmParams, MoeParams, QuantParams
-    from harness.subject import compiles_kernels
+    from ep_harness.params import CollectiveParams, GemmParams, MoeParams, QuantParams
+    from ep_harness.subject import compiles_kernels
 
     registry.load_all()
     fp8 = GemmParams(dtype="float8_e4m3fn", layout="contiguous")

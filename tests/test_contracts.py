@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import subject as registry
-from harness.contracts import DispatchConfig, Received
-from harness.families.dispatch import run_experts
-from harness.subjects.dispatch import deepep
+from ep_harness import subject as registry
+from ep_harness.contracts import DispatchConfig, Received
+from ep_harness.families.dispatch import run_experts
+from ep_harness.subjects.dispatch import deepep
 from tests import fake_deep_ep
 
 HARNESS = Path(__file__).resolve().parent.parent / "harness"
@@ -31,14 +31,14 @@ def imported_modules(path: Path) -> set[str]:
 def test_no_family_imports_a_subject_and_contracts_import_neither():
     family_side = [*HARNESS.glob("families/*.py"), HARNESS / "gemm_problem.py", HARNESS / "moe_scenario.py",
                    HARNESS / "model_inputs.py", HARNESS / "contracts.py"]
-    offending = {p.name: sorted(m for m in imported_modules(p) if m.startswith("harness.subjects"))
+    offending = {p.name: sorted(m for m in imported_modules(p) if m.startswith("ep_harness.subjects"))
                  for p in family_side}
     assert not {k: v for k, v in offending.items() if v}
-    assert not {m for m in imported_modules(HARNESS / "contracts.py") if m.startswith("harness.families")}
+    assert not {m for m in imported_modules(HARNESS / "contracts.py") if m.startswith("ep_harness.families")}
 
 
 def test_no_subject_imports_a_familys_input_builder():
-    builders = ("harness.families", "harness.gemm_problem", "harness.moe_scenario", "harness.model_inputs")
+    builders = ("ep_harness.families", "ep_harness.gemm_problem", "ep_harness.moe_scenario", "ep_harness.model_inputs")
     offending = {str(p.relative_to(HARNESS)): sorted(m for m in imported_modules(p) if m.startswith(builders))
                  for p in HARNESS.glob("subjects/**/*.py")}
     assert not {k: v for k, v in offending.items() if v}
@@ -46,8 +46,8 @@ def test_no_subject_imports_a_familys_input_builder():
 
 def test_the_import_check_sees_a_subject_import(tmp_path):
     planted = tmp_path / "family.py"
-    planted.write_text("from harness.subjects.dispatch.common import quantize_wire\n")
-    assert "harness.subjects.dispatch.common" in imported_modules(planted)
+    planted.write_text("from ep_harness.subjects.dispatch.common import quantize_wire\n")
+    assert "ep_harness.subjects.dispatch.common" in imported_modules(planted)
 
 
 CFG = DispatchConfig(num_experts=8, topk=2, hidden=128, layout="contiguous", alignment=16, expert_quant="bf16",

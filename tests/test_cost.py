@@ -200,7 +200,7 @@ class FakeGemm:
 
 
 def test_gemm_check_cost_times_subject_against_baseline():
-    from harness.contracts import GemmProblem
+    from ep_harness.contracts import GemmProblem
 
     clock = FakeClock()
     problem = GemmProblem("dense", torch.ones(6, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16),
@@ -237,7 +237,7 @@ def test_gemm_checks_on_the_cpu_carry_no_cost():
 
 
 def test_contiguous_cost_counts_valid_rows_not_padding():
-    from harness.contracts import GemmProblem
+    from ep_harness.contracts import GemmProblem
 
     clock = FakeClock()
     a = torch.zeros(256, 8, dtype=torch.bfloat16)  # two experts of 3 and 5 rows, each padded to 128

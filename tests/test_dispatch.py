@@ -6,11 +6,11 @@ import shlex
 import pytest
 import torch
 
-from harness.check import single_check
-from harness.families import execute
-from harness.params import DispatchParams
-from harness.subjects.dispatch import deepep
-from harness.contracts import check_buffer_option, resolve_wire_dtype
+from ep_harness.check import single_check
+from ep_harness.families import execute
+from ep_harness.params import DispatchParams
+from ep_harness.subjects.dispatch import deepep
+from ep_harness.contracts import check_buffer_option, resolve_wire_dtype
 from tests import fake_deep_ep
 from tests.conftest import run_cli
 

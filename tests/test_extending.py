@@ -25,12 +25,12 @@ from typing import Protocol
 
 import torch
 
-from harness import families
-from harness.compare import compare_bitwise
-from harness.families.driver import Copy, Family, Run, kept
-from harness.measurement import Measurement
-from harness.params import CommonParams
-from harness.subject import Subject, register
+from ep_harness import families
+from ep_harness.compare import compare_bitwise
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.measurement import Measurement
+from ep_harness.params import CommonParams
+from ep_harness.subject import Subject, register
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +106,9 @@ class ParityOrder:
 TOY_PROPERTY = '''
 from dataclasses import replace
 
-from harness import families, properties
-from harness.families.driver import Copy, Run
-from harness.properties import Property
+from ep_harness import families, properties
+from ep_harness.families.driver import Copy, Run
+from ep_harness.properties import Property
 
 import toy_family
 
@@ -182,12 +182,12 @@ def test_a_property_added_as_the_readme_says_is_planned_run_and_judged(tmp_path)
 def test_an_unregistered_property_or_a_bad_family_is_refused_in_one_line():
     from dataclasses import replace
 
-    from harness import families
-    from harness.errors import HarnessError
-    from harness.families import gemm
+    from ep_harness import families
+    from ep_harness.errors import HarnessError
+    from ep_harness.families import gemm
 
     with pytest.raises(HarnessError, match="property 'reversal-invariancee' is not registered"):
         families.register(replace(gemm.FAMILY, name="toy-bad", properties=("reversal-invariancee",)))
-    with pytest.raises(HarnessError, match="not a dataclass derived from harness.params.CommonParams"):
+    with pytest.raises(HarnessError, match="not a dataclass derived from ep_harness.params.CommonParams"):
         families.register(replace(gemm.FAMILY, name="toy-bad", params=dict))
     assert "toy-bad" not in families.FAMILIES

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.families import gemm as gemm_family
-from harness.gemm_problem import build, weights
-from harness.params import GemmParams
-from reference import gemm as ref_gemm
-from reference import quant as ref_quant
+from ep_harness.families import gemm as gemm_family
+from ep_harness.gemm_problem import build, weights
+from ep_harness.params import GemmParams
+from ep_harness.reference import gemm as ref_gemm
+from ep_harness.reference import quant as ref_quant
 from tests.planted import SPLIT_K_ROWS, split_k, whole_k
 
 

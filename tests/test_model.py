@@ -133,17 +133,17 @@ def test_untracked_items_are_not_recorded_and_rows_are_fingerprinted_like_finger
 
 
 def _params(**over):
-    from harness import subject as registry
-    from harness.params import build
+    from ep_harness import subject as registry
+    from ep_harness.params import build
 
     registry.load_all()
     return build("model", {"world_size": 4, **over}, registry.get("composed_model"), "test")
 
 
 def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
-    from harness.families.model import logprob_bound
-    from harness.model_inputs import prompts, weights
-    from reference import model as ref
+    from ep_harness.families.model import logprob_bound
+    from ep_harness.model_inputs import prompts, weights
+    from ep_harness.reference import model as ref
 
     p = _params()
     w = weights(p)
@@ -157,8 +157,8 @@ def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
 
 
 def test_reference_routing_follows_the_run_and_reports_its_own_choice():
-    from harness.model_inputs import prompts, weights
-    from reference import model as ref
+    from ep_harness.model_inputs import prompts, weights
+    from ep_harness.reference import model as ref
 
     p = _params()
     w, tokens = weights(p), prompts(p)[1]
@@ -171,8 +171,8 @@ def test_reference_routing_follows_the_run_and_reports_its_own_choice():
 
 
 def test_runs_that_move_nothing_are_vacuous():
-    from harness.families.driver import Copy, Run
-    from harness.families.model import Batch, RunSeen, _nothing_moved, _runs
+    from ep_harness.families.driver import Copy, Run
+    from ep_harness.families.model import Batch, RunSeen, _nothing_moved, _runs
 
     p = _params()
     tokens = {pid: [0] * p.new_tokens for pid in range(max(p.batch_sizes))}

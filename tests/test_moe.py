@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from harness.subject import register
-from harness.subjects.moe.composed import ComposedMoE
-from reference import moe as ref
+from ep_harness.subject import register
+from ep_harness.subjects.moe.composed import ComposedMoE
+from ep_harness.reference import moe as ref
 
 
 def by_check(run_dir):
@@ -70,7 +70,7 @@ def test_smoke_moe_layer_records(smoke_run):
 
 
 def test_prefill_rows_hold_the_first_last_and_one_row_per_slice_on_every_residue():
-    from harness.moe_scenario import prefill_rows
+    from ep_harness.moe_scenario import prefill_rows
 
     assert prefill_rows(32, 8) == [0, 5, 10, 15, 16, 21, 26, 31]  # slice i of 4 rows probed at offset i % 4
     assert {r % 4 for r in prefill_rows(32, 8)} == {0, 1, 2, 3}
@@ -97,9 +97,9 @@ class LaneDependentMoE(ComposedMoE):
 def test_prefill_decode_catches_a_defect_tied_to_a_row_lane(one_rank):
     """The probes of a prefill batch cover every row residue mod 4 (and 8 at 256 tokens), so
     a defect that only rows 1 mod 4 show is caught; the correct layer holds (the control)."""
-    from harness.check import single_check
-    from harness.families import execute
-    from harness.subject import get
+    from ep_harness.check import single_check
+    from ep_harness.families import execute
+    from ep_harness.subject import get
 
     for name, held in (("composed_moe", True), ("test_lane_dependent_moe", False)):
         check = single_check(get(name), "prefill-decode-invariance", {"world_size": 1})
@@ -109,11 +109,11 @@ def test_prefill_decode_catches_a_defect_tied_to_a_row_lane(one_rank):
 
 
 def test_prefill_of_one_token_is_refused_and_single_routing_has_no_prefill():
-    from harness.check import single_check
-    from harness.errors import HarnessError
-    from harness.families.driver import vacuity
-    from harness.moe_scenario import placement_runs
-    from harness.subject import get
+    from ep_harness.check import single_check
+    from ep_harness.errors import HarnessError
+    from ep_harness.families.driver import vacuity
+    from ep_harness.moe_scenario import placement_runs
+    from ep_harness.subject import get
 
     with pytest.raises((HarnessError, ValueError), match="prefill_tokens"):
         single_check(get("composed_moe"), "prefill-decode-invariance",

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.nccl import log as nccl_log
-from harness.nccl import pins
-from harness.inputs import dtype_of
-from harness.nccl.models import NcclContext, NoPrediction, all_reduce, all_reduce_plan, reduce_scatter
-from reference import nccl_pat, nccl_plan, orders
+from ep_harness.nccl import log as nccl_log
+from ep_harness.nccl import pins
+from ep_harness.inputs import dtype_of
+from ep_harness.nccl.models import NcclContext, NoPrediction, all_reduce, all_reduce_plan, reduce_scatter
+from ep_harness.reference import nccl_pat, nccl_plan, orders
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))

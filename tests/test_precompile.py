@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import precompile
-from harness.cases import load_suite
-from harness.check import single_check
-from harness.subject import Platform, get, load_all
+from ep_harness import precompile
+from ep_harness.cases import load_suite
+from ep_harness.check import single_check
+from ep_harness.subject import Platform, get, load_all
 from tests.conftest import REPO
 
 FAKE_DIR = REPO / "tests" / "fake_deep_gemm"
@@ -48,8 +48,8 @@ def fake_deep_gemm(monkeypatch):
     """The fake imported as `deep_gemm` in this process (and the adapters' cached import reset).
     A graph-mode run calls the subject eagerly (no CUDA graphs on the CPU): the same calls, as
     capturing one starts with eager warm-up calls of the same function on the same buffers."""
-    from harness.families import gemm
-    from harness.subjects.gemm import deepgemm
+    from ep_harness.families import gemm
+    from ep_harness.subjects.gemm import deepgemm
 
     monkeypatch.setattr(gemm, "replay_in_graph", lambda fn, out, inp: fn(out, inp))
 
@@ -95,7 +95,7 @@ def planned_key(call: precompile.KernelCall) -> tuple:
 
 def calls_the_checks_make(checks, ctx, fake) -> set[tuple]:
     """Run every check's real observe (the warm-up a rank runs) against the fake."""
-    from harness.families import warm_up
+    from ep_harness.families import warm_up
 
     fake.CALLS.clear()
     for check in checks:
@@ -184,7 +184,7 @@ def test_calls_compile_concurrently_with_progress_and_the_checks_find_them_cache
     # The checks (here in this process, with the same cache directory) compile nothing now.
     monkeypatch.setenv("DG_JIT_CACHE_DIR", env["DG_JIT_CACHE_DIR"])
     fake_deep_gemm.CALLS.clear()
-    from harness.families import warm_up
+    from ep_harness.families import warm_up
 
     needing = {c.needed_by for c in calls}
     for check in checks:
@@ -394,9 +394,9 @@ def test_a_worker_that_does_not_start_stops_its_thread_and_the_rest_is_not_tried
 
 SERVE_RAISES = """
 import os, sys
-from harness import precompile
-from harness.check import single_check
-from harness.subject import get, load_all
+from ep_harness import precompile
+from ep_harness.check import single_check
+from ep_harness.subject import get, load_all
 
 made = []
 
@@ -516,7 +516,7 @@ def test_a_dead_workers_children_are_ended(tmp_path, ends_its_workers):
 def test_a_bad_worker_count_is_one_clear_line(fake_deep_gemm, tmp_path, monkeypatch, value):
     """EP_HARNESS_PRECOMPILE_WORKERS that is not a positive integer is refused with one line
     naming it, before any worker starts."""
-    from harness.errors import HarnessError
+    from ep_harness.errors import HarnessError
 
     for k, v in worker_env(tmp_path).items():
         monkeypatch.setenv(k, v)

@@ -2,13 +2,13 @@
 skip reason and explore's choices follow a property's fields, whatever its name."""
 import pytest
 
-from harness import properties
-from harness.errors import HarnessError
-from harness.explore import searchable
-from harness.families.driver import Copy, Run, vacuity
-from harness.plan import skip_reason
-from harness.properties import Property
-from harness.subject import Platform
+from ep_harness import properties
+from ep_harness.errors import HarnessError
+from ep_harness.explore import searchable
+from ep_harness.families.driver import Copy, Run, vacuity
+from ep_harness.plan import skip_reason
+from ep_harness.properties import Property
+from ep_harness.subject import Platform
 
 
 @pytest.fixture
@@ -46,8 +46,8 @@ def test_vacuity_follows_the_comparison(toy_property, comparison, runs_, vacuous
 
 
 def test_a_gpu_property_is_skipped_on_the_cpu_with_its_reason(toy_property):
-    from harness import subject as registry
-    from harness.params import build
+    from ep_harness import subject as registry
+    from ep_harness.params import build
 
     registry.load_all()
     subject = registry.get("all_gather_fold")

@@ -5,16 +5,16 @@ import re
 import pytest
 import torch
 
-from harness import kernel_trace
-from harness.check import single_check
-from harness.families import execute
-from harness.families import moe_layer
-from harness.families.driver import compared_nothing
-from harness.measurement import Bound, Measurement
-from harness.params import MoeParams
-from harness.subject import register
-from harness.subjects.gemm.torch_mm import TorchMm
-from reports.analysis import compare_runs
+from ep_harness import kernel_trace
+from ep_harness.check import single_check
+from ep_harness.families import execute
+from ep_harness.families import moe_layer
+from ep_harness.families.driver import compared_nothing
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.params import MoeParams
+from ep_harness.subject import register
+from ep_harness.subjects.gemm.torch_mm import TorchMm
+from ep_harness.reports.analysis import compare_runs
 from tests.test_reports import record
 
 RULE = Bound(rule="test")

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.bits import ulp_distance
-from harness import properties
-from harness.errors import HarnessError
-from harness.families import collective, dispatch, gemm, moe_layer, quant
-from harness.selftest import expectations, matrix
-from harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
-from harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
+from ep_harness.bits import ulp_distance
+from ep_harness import properties
+from ep_harness.errors import HarnessError
+from ep_harness.families import collective, dispatch, gemm, moe_layer, quant
+from ep_harness.selftest import expectations, matrix
+from ep_harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
+from ep_harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
 from tests.conftest import REPO, run_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,

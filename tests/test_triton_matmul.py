@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from harness.kernels import bi_matmul as kernel
-from harness.params import GemmParams
-from harness.subject import Platform, load_all
+from ep_harness.kernels import bi_matmul as kernel
+from ep_harness.params import GemmParams
+from ep_harness.subject import Platform, load_all
 from tests.conftest import REPO, REPO_ON_PYTHONPATH
 
 CPU = Platform("gloo", "cpu", 1)

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from harness import params as params_mod
-from harness import subject as registry
-from harness.cases import load_suite
-from harness.contracts import DispatchConfig
-from harness.errors import HarnessError
-from harness.families import FAMILIES
-from harness.params import CollectiveParams
-from harness.plan import expand
-from harness.subject import Platform
+from ep_harness import params as params_mod
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite
+from ep_harness.contracts import DispatchConfig
+from ep_harness.errors import HarnessError
+from ep_harness.families import FAMILIES
+from ep_harness.params import CollectiveParams
+from ep_harness.plan import expand
+from ep_harness.subject import Platform
 from tests.conftest import REPO
 
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)
@@ -137,7 +137,7 @@ def test_the_scans_cover_the_families_and_subjects():
 
 
 TYPO_PLUGIN = '''
-from harness.subject import register
+from ep_harness.subject import register
 
 
 @register
@@ -189,7 +189,7 @@ def test_a_subject_reading_a_missing_field_fails_when_planned_naming_it(plugin_p
 def test_the_cli_stops_with_one_line_naming_the_field_before_anything_is_written(tmp_path):
     suite = _suite(tmp_path, "hiden")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.run([sys.executable, "-m", "harness", "verify", "--suite", str(suite), "--out",
+    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "--suite", str(suite), "--out",
                            str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

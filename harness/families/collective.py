@@ -30,23 +30,23 @@ from typing import NamedTuple
 
 import torch
 
-from harness import inputs as gen
-from harness import properties
-from harness.bits import int_view, unit_roundoff
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run, kept
-from harness.graphs import replay_in_graph
-from harness.measurement import Bound, Measurement
-from harness.nccl import models as nccl_models
-from harness.nccl.models import NcclContext, NoPrediction
-from harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
-from harness.params import CollectiveParams
-from harness.subject import CollectiveSubject, order_model_of
-from harness.tolerances import gamma
-from reference import orders
-from reference.collectives import reduce_scatter as reference_reduce_scatter
-from reference.collectives import shard_offsets
+from ep_harness import inputs as gen
+from ep_harness import properties
+from ep_harness.bits import int_view, unit_roundoff
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.graphs import replay_in_graph
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.nccl import models as nccl_models
+from ep_harness.nccl.models import NcclContext, NoPrediction
+from ep_harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
+from ep_harness.params import CollectiveParams
+from ep_harness.subject import CollectiveSubject, order_model_of
+from ep_harness.tolerances import gamma
+from ep_harness.reference import orders
+from ep_harness.reference.collectives import reduce_scatter as reference_reduce_scatter
+from ep_harness.reference.collectives import shard_offsets
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",

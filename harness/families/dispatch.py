@@ -19,16 +19,16 @@ from typing import NamedTuple
 
 import torch
 
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.contracts import DispatchConfig, Received, resolve_wire_dtype
-from harness.families.driver import Family, kept
-from harness.measurement import Bound, Measurement
-from harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
-from harness.params import DispatchParams
-from harness.subject import DispatchSubject
-from harness.tolerances import gamma
-from reference import quant as ref_quant
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.contracts import DispatchConfig, Received, resolve_wire_dtype
+from ep_harness.families.driver import Family, kept
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
+from ep_harness.params import DispatchParams
+from ep_harness.subject import DispatchSubject
+from ep_harness.tolerances import gamma
+from ep_harness.reference import quant as ref_quant
 
 PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
               "rank-invariance", "others-invariance")

@@ -5,8 +5,8 @@
 
 A family (harness/families/<name>.py) supplies only what is its own, as a `Family`:
 
-* `properties`: the names of the properties it supports (each a harness.properties.Property);
-* `params`: its parameter dataclass (a harness.params.CommonParams; it owns the defaults);
+* `properties`: the names of the properties it supports (each an ep_harness.properties.Property);
+* `params`: its parameter dataclass (an ep_harness.params.CommonParams; it owns the defaults);
 * `protocol`: the Protocol its subjects implement (harness/subject.py);
 * `runs(prop, p, world_size)`: the runs a property compares, each with the `Copy`s of the
   probe it yields, in comparison order (where each copy sits: what the vacuity rules read);
@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-from harness import kernel_trace, properties
-from harness.context import RankContext
-from harness.measurement import Measurement
+from ep_harness import kernel_trace, properties
+from ep_harness.context import RankContext
+from ep_harness.measurement import Measurement
 
 @dataclass(frozen=True)
 class Copy:
@@ -61,9 +61,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Family:
-    """One family, registered by harness.families.register: its name, the names of the
+    """One family, registered by ep_harness.families.register: its name, the names of the
     properties it supports (harness/properties.py), its parameter dataclass (a subclass of
-    harness.params.CommonParams), how it runs and measures a check, and the Protocol its
+    ep_harness.params.CommonParams), how it runs and measures a check, and the Protocol its
     subjects implement (harness/subject.py checks each subject against it when registered;
     `optional` names the Protocol's members a subject may leave out)."""
 
@@ -73,7 +73,7 @@ class Family:
     runs: Callable[[str, Any, int], list[Run]]  # (property, the params dataclass, world size)
     observe: Callable
     measure: Callable
-    protocol: type | None = None  # None: only the members every subject has (harness.subject.Subject)
+    protocol: type | None = None  # None: only the members every subject has (ep_harness.subject.Subject)
     optional: tuple[str, ...] = ()
 
 
@@ -121,7 +121,7 @@ def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
 
 
 def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
-    """Run a harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
+    """Run an ep_harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
     p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)

@@ -18,18 +18,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise, json_float
-from harness.context import RankContext
-from harness.contracts import GemmProblem
-from harness.families.driver import Copy, Family, Run, kept
-from harness.measurement import Bound, Measurement
-from harness.params import GemmParams
-from harness.subject import GemmSubject
-from harness.gemm_problem import FP8, build, dequantized, weights
-from harness.graphs import replay_in_graph
-from harness.tolerances import gemm_bound
-from reference import gemm as ref
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise, json_float
+from ep_harness.context import RankContext
+from ep_harness.contracts import GemmProblem
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.params import GemmParams
+from ep_harness.subject import GemmSubject
+from ep_harness.gemm_problem import FP8, build, dequantized, weights
+from ep_harness.graphs import replay_in_graph
+from ep_harness.tolerances import gemm_bound
+from ep_harness.reference import gemm as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
 

@@ -33,20 +33,20 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import inputs as gen
-from harness import properties
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.divergence import Tracer, localise
-from harness.families.driver import Copy, Family, Run
-from harness.families.moe_layer import router_flips, within_router_margin
-from harness.measurement import Bound, Measurement
-from harness.model_inputs import prompts, to_device, weights
-from harness.params import ModelParams
-from harness.subject import ModelSubject
-from harness.tolerances import MODEL, model_factor
-from reference import model as ref
-from reference.orders import order_sensitive
+from ep_harness import inputs as gen
+from ep_harness import properties
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.divergence import Tracer, localise
+from ep_harness.families.driver import Copy, Family, Run
+from ep_harness.families.moe_layer import router_flips, within_router_margin
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.model_inputs import prompts, to_device, weights
+from ep_harness.params import ModelParams
+from ep_harness.subject import ModelSubject
+from ep_harness.tolerances import MODEL, model_factor
+from ep_harness.reference import model as ref
+from ep_harness.reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance")
 PROBE = 0

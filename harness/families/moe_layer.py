@@ -24,17 +24,17 @@ from typing import NamedTuple
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.families.driver import Family, kept
-from harness.measurement import Bound, Measurement
-from harness.moe_scenario import Placement, placement_runs, probe_copies
-from harness.params import MoeParams
-from harness.subject import MoeLayerSubject
-from harness.tolerances import MOE, gamma
-from reference import moe as ref
-from reference.orders import order_sensitive
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.families.driver import Family, kept
+from ep_harness.measurement import Bound, Measurement
+from ep_harness.moe_scenario import Placement, placement_runs, probe_copies
+from ep_harness.params import MoeParams
+from ep_harness.subject import MoeLayerSubject
+from ep_harness.tolerances import MOE, gamma
+from ep_harness.reference import moe as ref
+from ep_harness.reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
               "others-invariance", "prefill-decode-invariance")

@@ -10,14 +10,14 @@ from typing import NamedTuple
 
 import torch
 
-from harness import inputs as gen
-from harness.compare import compare_bitwise
-from harness.context import RankContext
-from harness.families.driver import Copy, Family, Run, kept
-from harness.measurement import Measurement
-from harness.params import QuantParams
-from harness.subject import QuantSubject
-from reference import quant as ref
+from ep_harness import inputs as gen
+from ep_harness.compare import compare_bitwise
+from ep_harness.context import RankContext
+from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.measurement import Measurement
+from ep_harness.params import QuantParams
+from ep_harness.subject import QuantSubject
+from ep_harness.reference import quant as ref
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
 def reciprocal_scales(x: torch.Tensor) -> torch.Tensor:

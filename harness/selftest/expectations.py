@@ -34,8 +34,8 @@ cells are not applicable. A plugin that adds a property declares its row with `d
 """
 from __future__ import annotations
 
-from harness import properties
-from harness.selftest.injections import WRAPPED_FAMILIES
+from ep_harness import properties
+from ep_harness.selftest.injections import WRAPPED_FAMILIES
 
 EXACT_REFERENCE = frozenset({"ulp"})  # added where a reference property compares bit for bit
 FAMILY_MUST_CATCH: dict[str, frozenset[str]] = {"collective": frozenset({"out-of-slice"})}

@@ -18,20 +18,20 @@ import shlex
 import time
 from pathlib import Path
 
-from harness import subject as registry
-from harness.cases import load_suite, resolve_suite_path
-from harness.check import Check
-from harness.environment import pinned_env, platform_for
-from harness.run_environment import run_fingerprint
-from harness.errors import HarnessError
-from harness.launch import Head, run_job
-from harness.nodes import Nodes
-from harness.plan import expand, jobs, literal
-from harness.processes import Interrupted, interruptible
-from harness.records import read_jsonl, write_json, write_jsonl
-from harness.selftest import expectations, matrix
-from harness.selftest.injections import Injection, parse
-from harness.verify import claim_run_dir, finalize, point_latest, rerun_command
+from ep_harness import subject as registry
+from ep_harness.cases import load_suite, resolve_suite_path
+from ep_harness.check import Check
+from ep_harness.environment import pinned_env, platform_for
+from ep_harness.run_environment import run_fingerprint
+from ep_harness.errors import HarnessError
+from ep_harness.launch import Head, run_job
+from ep_harness.nodes import Nodes
+from ep_harness.plan import expand, jobs, literal
+from ep_harness.processes import Interrupted, interruptible
+from ep_harness.records import read_jsonl, write_json, write_jsonl
+from ep_harness.selftest import expectations, matrix
+from ep_harness.selftest.injections import Injection, parse
+from ep_harness.verify import claim_run_dir, finalize, point_latest, rerun_command
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness.subject import register
-from harness.contracts import Received, aligned_starts, check_buffer_option, resolve_wire_dtype, wire_refusal
-from harness.subjects.dispatch.common import quantize_wire
-from reference import deepep as ref_deepep
+from ep_harness.subject import register
+from ep_harness.contracts import Received, aligned_starts, check_buffer_option, resolve_wire_dtype, wire_refusal
+from ep_harness.subjects.dispatch.common import quantize_wire
+from ep_harness.reference import deepep as ref_deepep
 
 _import: dict = {}
 VERSION_ENV = "EP_HARNESS_DEEPEP_VERSION"  # set by whoever built it: tag, commit, build flags

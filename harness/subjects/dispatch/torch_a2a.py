@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.contracts import Received, align, aligned_starts, resolve_wire_dtype, wire_refusal
-from harness.subject import register
-from harness.subjects.dispatch.common import quantize_wire
+from ep_harness.contracts import Received, align, aligned_starts, resolve_wire_dtype, wire_refusal
+from ep_harness.subject import register
+from ep_harness.subjects.dispatch.common import quantize_wire
 
 
 def _exchange_counts(dest: torch.Tensor, world: int, device, group) -> tuple[list[int], list[int]]:

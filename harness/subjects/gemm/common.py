@@ -1,7 +1,7 @@
 """What every GEMM subject checks before it runs: layout and dtype support."""
 from __future__ import annotations
 
-from harness.params import GemmParams
+from ep_harness.params import GemmParams
 
 
 def unsupported(subject, params: GemmParams) -> str | None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.divergence import Op, rows_of
-from harness.contracts import DispatchConfig, GemmProblem, Served
-from harness.params import ModelParams
-from harness.subject import register
-from harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
-from harness.subjects.moe.composed import STAGES as MOE_STAGES
-from harness.subjects.moe.composed import Composed, ComposedMoE, route
+from ep_harness.divergence import Op, rows_of
+from ep_harness.contracts import DispatchConfig, GemmProblem, Served
+from ep_harness.params import ModelParams
+from ep_harness.subject import register
+from ep_harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
+from ep_harness.subjects.moe.composed import STAGES as MOE_STAGES
+from ep_harness.subjects.moe.composed import Composed, ComposedMoE, route
 
 STAGES = (*MOE_STAGES, "dense_gemm")
 BF16 = torch.bfloat16

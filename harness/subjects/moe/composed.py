@@ -13,11 +13,11 @@ from dataclasses import fields
 
 import torch
 
-from harness import subject as registry
-from harness.contracts import DispatchConfig, GemmProblem
-from harness.errors import HarnessError
-from harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
-from harness.subject import register
+from ep_harness import subject as registry
+from ep_harness.contracts import DispatchConfig, GemmProblem
+from ep_harness.errors import HarnessError
+from ep_harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
+from ep_harness.subject import register
 
 STAGES = ("tp_reduce", "dispatch", "gemm")  # each a field of the parameters naming a subject
 
