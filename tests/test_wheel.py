@@ -112,9 +112,12 @@ def test_the_wheel_in_a_venv_verifies_and_runs_pytest_from_a_project_with_its_ow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the sources: setuptools reuses a checkout's build/lib, so a wheel
+    built in a checkout that built one before could carry files of an older layout."""
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "ep-harness"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "out"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(REPO)], check=True, timeout=600)
+                    str(source)], check=True, timeout=600)
     [built] = out.glob("ep_harness-*.whl")
     return built
 
