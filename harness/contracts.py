@@ -68,6 +68,34 @@ def aligned_starts(counts: list[int], alignment: int) -> tuple[list[int], int]:
     return starts, total
 
 
+def layout_rows(layout: str, counts: list[int], alignment: int) -> tuple[int, ...]:
+    """The dims of A (and of the output) before K (N) for experts holding `counts` rows: one
+    dense block, the padded segments of the contiguous layout, or one padded block per
+    expert in the masked layout."""
+    if layout == "dense":
+        return (counts[0],)
+    if layout == "contiguous":
+        return (aligned_starts(counts, alignment)[1],)
+    if layout == "masked":
+        return (len(counts), align(max(max(counts), 1), alignment))
+    raise ValueError(f"unknown GEMM layout {layout!r}; known: contiguous, masked, dense")
+
+
+def contiguous_segments(counts: list[int], alignment: int, device=None) -> tuple[list[int], torch.Tensor]:
+    """The contiguous layout for experts holding `counts` rows: each segment's start, and the
+    grouped layout DeepGEMM reads (each row's expert, -1 on padding rows)."""
+    starts, total = aligned_starts(counts, alignment)
+    grouped = torch.full((total,), -1, dtype=torch.int32, device=device)
+    for g, (start, c) in enumerate(zip(starts, counts)):
+        grouped[start:start + c] = g
+    return starts, grouped
+
+
+def expected_m_hint(counts: list[int]) -> int:
+    """The masked layout's expected_m when a caller names none: the mean rows per expert."""
+    return max(1, sum(counts) // max(len(counts), 1))
+
+
 # --- dispatch ------------------------------------------------------------------------------
 
 @dataclass

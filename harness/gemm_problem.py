@@ -8,7 +8,7 @@ import functools
 import torch
 
 from ep_harness import inputs as gen
-from ep_harness.contracts import GemmProblem, align, aligned_starts
+from ep_harness.contracts import GemmProblem, contiguous_segments, expected_m_hint, layout_rows
 from ep_harness.reference import quant
 
 FP8 = "float8_e4m3fn"
@@ -36,28 +36,22 @@ def build(layout: str, dtype: str, rows: dict[int, torch.Tensor], counts: list[i
           k: int, alignment: int, expected_m: int | None = None) -> GemmProblem:
     """Place each expert's rows ({group: [count, K]}) into the layout."""
     base = torch.bfloat16 if dtype == FP8 else gen.dtype_of(dtype)
-    groups = len(counts)
     if layout == "dense":
         problem = GemmProblem("dense", rows[0], b[0], counts, [0])
         b_scale = None if b_scale is None else b_scale[0]
-    elif layout == "contiguous":
-        starts, total = aligned_starts(counts, alignment)
-        a = torch.zeros(total, k, dtype=base)
-        grouped = torch.full((total,), -1, dtype=torch.int32)
-        for g, c in enumerate(counts):
-            a[starts[g]:starts[g] + c] = rows[g]
-            grouped[starts[g]:starts[g] + c] = g
-        problem = GemmProblem("contiguous", a, b, counts, starts, grouped_layout=grouped)
-    elif layout == "masked":
-        max_m = align(max(max(counts), 1), alignment)
-        a = torch.zeros(groups, max_m, k, dtype=base)
-        for g, c in enumerate(counts):
-            a[g, :c] = rows[g]
-        problem = GemmProblem("masked", a, b, counts, [0] * groups,
-                              masked_m=torch.tensor(counts, dtype=torch.int32),
-                              expected_m=expected_m or max(1, sum(counts) // groups))
     else:
-        raise ValueError(f"unknown GEMM layout {layout!r}; known: contiguous, masked, dense")
+        a = torch.zeros(*layout_rows(layout, counts, alignment), k, dtype=base)
+        if layout == "contiguous":
+            starts, grouped = contiguous_segments(counts, alignment)
+            for g, c in enumerate(counts):
+                a[starts[g]:starts[g] + c] = rows[g]
+            problem = GemmProblem("contiguous", a, b, counts, starts, grouped_layout=grouped)
+        else:
+            for g, c in enumerate(counts):
+                a[g, :c] = rows[g]
+            problem = GemmProblem("masked", a, b, counts, [0] * len(counts),
+                                  masked_m=torch.tensor(counts, dtype=torch.int32),
+                                  expected_m=expected_m or expected_m_hint(counts))
     problem.b_scale = b_scale
     if dtype == FP8:
         flat = problem.a.reshape(-1, k)

@@ -94,21 +94,16 @@ def is_deepgemm(subject) -> bool:
 def gemm_call(subject_name: str, layout: str, dtype: str, counts, n: int, k: int, groups: int,
               alignment: int, expected_m: int | None, needed_by: str) -> KernelCall:
     """The call a GEMM subject receives for experts holding `counts` rows each, with the
-    shapes ep_harness.gemm_problem.build gives its operands (and, for FP8, their block scales)."""
-    from ep_harness.contracts import align, aligned_starts
+    shapes its operands have in the layout (ep_harness.contracts.layout_rows, which
+    gemm_problem.build and the dispatchers' layouts follow; FP8 adds block scales)."""
+    from ep_harness.contracts import expected_m_hint, layout_rows
 
     counts = tuple(int(c) for c in counts)
-    if layout == "dense":
-        a, b, out = (counts[0], k), (n, k), (counts[0], n)
-    elif layout == "contiguous":
-        total = aligned_starts(list(counts), alignment)[1]
-        a, b, out = (total, k), (groups, n, k), (total, n)
-    elif layout == "masked":
-        max_m = align(max(max(counts), 1), alignment)
-        a, b, out = (groups, max_m, k), (groups, n, k), (groups, max_m, n)
-        expected_m = expected_m or max(1, sum(counts) // groups)
-    else:
-        raise ValueError(f"unknown GEMM layout {layout!r}")
+    rows = layout_rows(layout, list(counts), alignment)
+    a, out = (*rows, k), (*rows, n)
+    b = (n, k) if layout == "dense" else (groups, n, k)
+    if layout == "masked":
+        expected_m = expected_m or expected_m_hint(counts)
     scales = {}
     if dtype == FP8:
         scales = {"a_scale": (*a[:-1], k // 128), "b_scale": (*b[:-2], n // 128, k // 128)}
@@ -140,7 +135,7 @@ def _moe_check_calls(check, gemm) -> list[KernelCall]:
         counts = [int((idx == e).sum()) for e in range(experts)]
         for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate-up, then down
             calls.append(gemm_call(gemm.name, p.layout, "bfloat16", counts, n, k, experts, p.alignment,
-                                   max(1, sum(counts) // experts), check.id))
+                                   None, check.id))
     return calls
 
 

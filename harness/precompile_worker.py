@@ -21,10 +21,10 @@ import traceback
 
 def zero_problem(call, device):
     """A GemmProblem of the call's shapes, every value zero (scales one); the rows per expert
-    (`counts`) are laid out as ep_harness.gemm_problem.build does."""
+    (`counts`) are laid out as ep_harness.gemm_problem.build does (ep_harness.contracts)."""
     import torch
 
-    from ep_harness.contracts import GemmProblem, aligned_starts
+    from ep_harness.contracts import GemmProblem, contiguous_segments
     from ep_harness.precompile import FP8
 
     base = torch.float8_e4m3fn if call.dtype == FP8 else torch.bfloat16
@@ -33,11 +33,7 @@ def zero_problem(call, device):
     counts = list(call.counts)
     problem = GemmProblem(call.layout, a, b, counts, [0] * max(len(counts), 1))
     if call.layout == "contiguous":
-        starts, total = aligned_starts(counts, call.alignment)
-        grouped = torch.full((total,), -1, dtype=torch.int32)
-        for g, (start, c) in enumerate(zip(starts, counts)):
-            grouped[start:start + c] = g
-        problem.starts, problem.grouped_layout = starts, grouped.to(device)
+        problem.starts, problem.grouped_layout = contiguous_segments(counts, call.alignment, device)
     elif call.layout == "masked":
         problem.masked_m = torch.tensor(counts, dtype=torch.int32, device=device)
         problem.expected_m = call.expected_m

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ep_harness.contracts import Received, align, aligned_starts, resolve_wire_dtype, wire_refusal
+from ep_harness.contracts import Received, aligned_starts, layout_rows, resolve_wire_dtype, wire_refusal
 from ep_harness.subject import register
 from ep_harness.subjects.dispatch.common import quantize_wire
 
@@ -70,13 +70,12 @@ class TorchAllToAllDispatcher:
     def _layout(self, cfg, per_rank, rows, scale, meta, local) -> Received:
         counts = [int((local == e).sum()) for e in range(per_rank)]
         hidden, dev = rows.shape[1], rows.device
+        shape = layout_rows(cfg.layout, counts, cfg.alignment)
         if cfg.layout == "masked":
-            max_m = align(max(max(counts), 1), cfg.alignment)
-            shape, starts = (per_rank, max_m), [0] * per_rank
-            slot_of = [e * max_m + i for e in range(per_rank) for i in range(counts[e])]
+            starts = [0] * per_rank
+            slot_of = [e * shape[1] + i for e in range(per_rank) for i in range(counts[e])]
         else:
-            starts, total = aligned_starts(counts, cfg.alignment)
-            shape = (total,)
+            starts, _ = aligned_starts(counts, cfg.alignment)
             slot_of = [starts[e] + i for e in range(per_rank) for i in range(counts[e])]
         where = torch.tensor(slot_of, dtype=torch.long, device=dev)
         flat_rows = int(torch.tensor(shape).prod())

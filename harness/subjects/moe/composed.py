@@ -14,7 +14,7 @@ from dataclasses import fields
 import torch
 
 from ep_harness import subject as registry
-from ep_harness.contracts import DispatchConfig, GemmProblem
+from ep_harness.contracts import DispatchConfig, GemmProblem, expected_m_hint
 from ep_harness.errors import HarnessError
 from ep_harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
 from ep_harness.subject import register
@@ -119,7 +119,7 @@ class ComposedMoE(Composed):
     def _gemm(subject, received, a, b):
         problem = GemmProblem(received.layout, a.contiguous(), b.contiguous(), received.counts, received.starts,
                               grouped_layout=received.grouped_layout, masked_m=received.masked_m,
-                              expected_m=max(1, sum(received.counts) // max(len(received.counts), 1)))
+                              expected_m=expected_m_hint(received.counts))
         shape = (*a.shape[:-1], b.shape[1])
         out = torch.zeros(shape, dtype=torch.bfloat16, device=a.device)
         subject.run(problem, out)
