@@ -30,6 +30,8 @@ from pathlib import Path
 
 from ep_harness.errors import HarnessError, did_you_mean
 
+SUITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # it names the suite's baseline files: a plain file name
+
 EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
 BACKENDS = ("gloo", "nccl")
 CASE_KEYS = {"name", "subject", "properties", "expect", "timeout_s", "env", "grid", "params", "description"}
@@ -182,7 +184,7 @@ def load_suite(path) -> Suite:
             _fail(path, f"case {c.name!r}", "the name is used twice", "give every case its own name")
         seen.add(c.name)
     name = str(meta.get("name", path.stem))
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):  # it names the suite's baseline files
+    if not SUITE_NAME.fullmatch(name):
         _fail(path, "[suite]", f"name {name!r} is not a plain file name",
               "use letters, digits, '.', '_' and '-' (e.g. name = \"team-nightly\")")
     return Suite(path=path, name=name, description=str(meta.get("description", "")),

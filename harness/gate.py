@@ -24,6 +24,7 @@ import json
 import re
 from pathlib import Path
 
+from ep_harness.cases import SUITE_NAME
 from ep_harness.errors import HarnessError
 from ep_harness.records import append_line, read_jsonl, write_json, write_jsonl
 from ep_harness.reports.analysis import compare_runs, run_problem
@@ -58,7 +59,7 @@ def suite_name(environment: dict) -> str:
     suite = str(environment.get("suite") or "")
     if suite.endswith(".toml"):
         return Path(suite).stem
-    return suite if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", suite) else "unknown"
+    return suite if SUITE_NAME.fullmatch(suite) else "unknown"
 
 
 def selection_problem(environment: dict) -> str | None:
