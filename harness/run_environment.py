@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform as pyplatform
 import socket
@@ -150,6 +151,14 @@ def cpu_fingerprint() -> dict:
         capability = None
     return {"model": model, "isa": sorted(f for f in ISA_FLAGS if f in flags), "torch_capability": capability,
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
+
+
+def source_suite_name(records: Path) -> str | None:
+    """The suite name a rerun's records came from, from their run's environment.json."""
+    try:
+        return json.loads((Path(records).parent / "environment.json").read_text()).get("suite_name")
+    except (OSError, ValueError):
+        return None
 
 
 class EnvironmentRecord:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import shlex
@@ -21,7 +20,7 @@ from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
 from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
-from ep_harness.run_environment import EnvironmentRecord
+from ep_harness.run_environment import EnvironmentRecord, source_suite_name
 from ep_harness.verdict import decide
 from ep_harness.reports.analysis import FAILING, nothing_shown
 
@@ -186,14 +185,6 @@ class RunOptions:
     show_skipped: bool = False
     nodes: Nodes = Nodes()
     fresh_processes: int = 1  # launches of every check, each in new processes
-
-
-def source_suite_name(records: Path) -> str | None:
-    """The suite name a rerun's records came from, from their run's environment.json."""
-    try:
-        return json.loads((Path(records).parent / "environment.json").read_text()).get("suite_name")
-    except (OSError, ValueError):
-        return None
 
 
 def verify(options: RunOptions) -> tuple[int, Path]:
