@@ -44,20 +44,34 @@ def traced(subject, params: dict, device: torch.device) -> bool:
 @contextlib.contextmanager
 def kernel_names(device: torch.device, enabled: bool):
     """Yields a set that holds, after the block, the names of the kernels (CUDA) or profiled
-    events (CPU) that ran inside it."""
+    events (CPU) that ran inside it.
+
+    torch.autograd.profiler's profile, not torch.profiler's: the latter's start asks
+    `hasattr(torch, "_inductor")`, which imports inductor, dynamo and sympy (about 900
+    modules, seconds on a fresh GPU machine) in every rank that traces a check."""
     names: set[str] = set()
     if not enabled:
         yield names
         return
-    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd.profiler import profile
 
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
+    cuda = device.type == "cuda"
+    with profile(use_cpu=not cuda, use_device="cuda" if cuda else None, use_kineto=True) as prof:
         yield names
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
-    kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
-    names.update(e.name for e in prof.events() if e.device_type == kind)
+    names.update(_event_names(prof, torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU))
+
+
+def _event_names(prof, kind) -> set[str]:
+    """Names of the profiled events of device `kind`. Read from the profiler's raw (Kineto)
+    events where this torch has them: the FunctionEvents build a Python object per event
+    and their call tree, 2.1 s for a check's 47,000 kernels on the H200 against 0.1 s raw
+    (the same names)."""
+    results = getattr(prof, "kineto_results", None)
+    if results is not None and hasattr(results, "events"):
+        return {e.name() for e in results.events() if e.device_type() == kind}
+    return {e.name for e in prof.function_events if e.device_type == kind}
 
 
 def summarize(per_rank: list[set[str]], wanted: tuple[str, ...] = ()) -> list[str]:

@@ -81,8 +81,8 @@ class Measurement(Mismatch):
         if len(set(shapes.values())) > 1:  # broadcasting would compare other elements, and count fewer
             raise ValueError("bounded comparison of different shapes (" + ", ".join(
                 f"{k} {tuple(v)}" for k, v in shapes.items()) + "): the subject must return the reference's shape")
-        observed, got = got, got.to(torch.float64)
-        valid = torch.ones_like(got, dtype=torch.bool) if valid is None else valid
+        observed, got = got, got.to(exact.device, torch.float64)  # compared where the reference was computed
+        valid = torch.ones_like(got, dtype=torch.bool) if valid is None else valid.to(exact.device)
         finite = torch.isfinite(got) & torch.isfinite(exact)
         same_nonfinite = ~finite & ((torch.isnan(got) & torch.isnan(exact)) | (got == exact))
         err = torch.where(finite, (got - exact).abs(), torch.full_like(got, math.inf))

@@ -14,7 +14,7 @@ import torch
 def grouped_contiguous(a: torch.Tensor, b: torch.Tensor, grouped_layout: torch.Tensor) -> torch.Tensor:
     """a [M_sum, K], b [G, N, K], grouped_layout [M_sum] -> float64 [M_sum, N]."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64)
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
     for g in range(b.shape[0]):
         rows = (grouped_layout == g).nonzero().flatten()
         if rows.numel():
@@ -25,7 +25,7 @@ def grouped_contiguous(a: torch.Tensor, b: torch.Tensor, grouped_layout: torch.T
 def grouped_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor) -> torch.Tensor:
     """a [G, max_m, K], b [G, N, K], masked_m [G] -> float64 [G, max_m, N]."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    out = torch.zeros(a.shape[0], a.shape[1], b.shape[1], dtype=torch.float64)
+    out = torch.zeros(a.shape[0], a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
     for g in range(b.shape[0]):
         m = int(masked_m[g])
         out[g, :m] = a64[g, :m] @ b64[g].T

@@ -6,7 +6,9 @@
 
 The 1e-4 floor and the 448 divisor are DeepGEMM's and DeepEP's conventions. The division
 is done in float64 and rounded once to e4m3 here, by hand, so no intermediate float32
-rounding can creep in.
+rounding can creep in. Every step is exact or one IEEE-rounded operation (exponents read
+with frexp, powers of two built from their bits, no log2 or exp2 whose last bit a device's
+math library may round otherwise), so the bits are the same on the CPU and on a GPU.
 """
 from __future__ import annotations
 
@@ -25,19 +27,34 @@ def group_scales(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> torc
         raise ValueError(f"cols={cols} is not a multiple of the group size {group}")
     amax = x.to(torch.float64).abs().view(rows, cols // group, group).amax(dim=2).clamp_min(AMAX_FLOOR)
     scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)  # float32 division, as kernels do
-    if ue8m0:  # round up to a power of two, so that x / scale is exact in binary
-        scale = torch.exp2(torch.ceil(torch.log2(scale.to(torch.float64)))).to(torch.float32)
-    return scale
+    return round_up_to_power_of_two(scale) if ue8m0 else scale
+
+
+def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales: each (positive, finite) float32 scale rounded up to a power of two, so
+    that x / scale is exact in binary: 2^ceil(log2(s)), computed from s's exponent."""
+    s = scale.to(torch.float64)
+    finite = torch.isfinite(s)
+    mantissa, exp = torch.frexp(torch.where(finite, s, torch.ones_like(s)))  # s = m * 2^e, m in [0.5, 1)
+    rounded = power_of_two(torch.where(mantissa == 0.5, exp - 1, exp))
+    return torch.where(finite, rounded, s).to(torch.float32)  # NaN and Inf (non-finite inputs) stay
+
+
+def power_of_two(exp: torch.Tensor) -> torch.Tensor:
+    """2.0 ** exp as float64, exactly, for integer exponents of normal float64 values
+    ([-1022, 1023]), built from the IEEE bits."""
+    return ((exp.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
 def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     """Round float64 values to the nearest e4m3fn value (ties to even), saturating at 448."""
     mag = v.abs()
-    exp = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag))))
-    exp = exp.clamp_min(E4M3_MIN_NORMAL_EXP)  # subnormals share the smallest normal's quantum
-    quantum = torch.exp2(exp - E4M3_MANTISSA_BITS)
+    finite = torch.isfinite(mag)
+    _, exp = torch.frexp(torch.where(finite & (mag > 0), mag, torch.ones_like(mag)))  # mag = m * 2^exp
+    exp = (exp - 1).clamp(E4M3_MIN_NORMAL_EXP, 1023)  # floor(log2(mag)); subnormals share the smallest normal's quantum
+    quantum = power_of_two(exp - E4M3_MANTISSA_BITS)
     rounded = torch.round(mag / quantum) * quantum  # torch.round: half to even; exact in float64
-    rounded = rounded.clamp_max(E4M3_MAX)
+    rounded = torch.where(finite, rounded.clamp_max(E4M3_MAX), torch.nan)  # e4m3fn has no infinity: NaN
     return torch.copysign(rounded, v).to(torch.float8_e4m3fn)  # keeps -0 and tiny negatives
 
 
@@ -57,7 +74,7 @@ def quantize_per_block(w: torch.Tensor, block: int = 128, ue8m0: bool = False):
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
     scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale.to(torch.float64)))).to(torch.float32)
+        scale = round_up_to_power_of_two(scale)
     expanded = scale.to(torch.float64).repeat_interleave(block, 0).repeat_interleave(block, 1)
     return round_to_e4m3(w.to(torch.float64) / expanded), scale
 

@@ -41,6 +41,44 @@ def test_group_scales_and_ue8m0():
     assert q[0, 5].float().item() == 448.0
 
 
+def _rounding_by_log2(v):
+    """The rounding written with log2/exp2 (the module's first form): exact on the CPU, but
+    a GPU's log2 may round its last bit, hence the frexp form. Both must give the same bits."""
+    mag = v.abs()
+    exp = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag)))).clamp_min(-6)
+    quantum = torch.exp2(exp - 3)
+    return torch.copysign((torch.round(mag / quantum) * quantum).clamp_max(448.0), v).to(torch.float8_e4m3fn)
+
+
+def test_exact_rounding_agrees_bit_for_bit_with_the_log2_form():
+    """Every e4m3 value, every tie between two, one float64 step either side of each tie and
+    of every power of two, signed zeros, subnormals, non-finite values and seeded spread
+    values: the frexp form (device-independent) rounds exactly as the log2 form did."""
+    g = torch.Generator().manual_seed(7)
+    spread = torch.randn(200_000, generator=g, dtype=torch.float64) * \
+        torch.exp2(torch.randint(-30, 30, (200_000,), generator=g).double())
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    e4m3 = torch.sort(e4m3[torch.isfinite(e4m3)].unique()).values
+    ties = (e4m3[1:] + e4m3[:-1]) / 2
+    powers = torch.exp2(torch.arange(-1074, 1024, dtype=torch.float64))
+    step = lambda t, way: torch.nextafter(t, torch.full_like(t, way))  # noqa: E731
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 464.0, 480.0, 5e-324, 1e308])
+    v = torch.cat([spread, e4m3, ties, step(ties, 0.0), step(ties, 1e9), powers, step(powers, 0.0),
+                   step(powers, math.inf), specials])
+    v = torch.cat([v, -v])
+    assert torch.equal(ref_quant.round_to_e4m3(v).view(torch.uint8), _rounding_by_log2(v).view(torch.uint8))
+
+
+def test_ue8m0_scales_and_powers_of_two_are_exact():
+    e = torch.arange(-1022, 1024)
+    assert ref_quant.power_of_two(e).tolist() == [2.0 ** int(k) for k in e]
+    g = torch.Generator().manual_seed(8)
+    s = torch.cat([torch.rand(100_000, generator=g) * torch.exp2(torch.randint(-40, 40, (100_000,), generator=g).float()),
+                   torch.exp2(torch.arange(-126, 128).float()), torch.tensor([math.nan, math.inf])])
+    by_log2 = torch.exp2(torch.ceil(torch.log2(s.double()))).float()
+    assert torch.equal(ref_quant.round_up_to_power_of_two(s).view(torch.int32), by_log2.view(torch.int32))
+
+
 def test_contiguous_layout_aligns_and_marks_padding():
     w, _ = weights(0, 3, 16, 128, "bfloat16", "randn")
     rows = {g: torch.full((c, 128), float(g + 1), dtype=torch.bfloat16) for g, c in enumerate([3, 0, 130])}

@@ -60,3 +60,28 @@ def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
     assert fallback["held"] is True  # the numbers were right: only the proof of path is missing
     assert not any("deep_gemm::" in k for k in fallback.get("kernels", []))
     assert proc.returncode != 0  # an error makes the run fail
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_gemm_problems_built_on_the_gpu_have_the_cpus_bits(dtype):
+    """The GEMM family builds its problems (weights' scaling, FP8 quantization) where the
+    check runs: every step is exact or one IEEE rounding, so the bits must be the CPU's."""
+    from ep_harness.gemm_problem import build, dequantized, weights
+    from ep_harness.inputs import values
+
+    shape = dict(seed=3, groups=2, n=256, k=512, dtype=dtype, data="spread", cancel=True)
+    (w_cpu, s_cpu), (w_gpu, s_gpu) = weights(**shape, device="cpu"), weights(**shape, device="cuda")
+    assert w_gpu.is_cuda and torch.equal(w_gpu.cpu().view(torch.uint8), w_cpu.view(torch.uint8))
+    if s_cpu is not None:
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+    counts = [5, 130]
+    rows = {g: values((c, 512), torch.bfloat16, 3, "rows", g, data="spread") for g, c in enumerate(counts)}
+    built = [build("contiguous", dtype, rows, counts, w, s, 512, 128) for w, s in ((w_cpu, s_cpu), (w_gpu, s_gpu))]
+    for name in ("a", "a_scale", "b", "b_scale", "grouped_layout"):
+        cpu, gpu = getattr(built[0], name), getattr(built[1], name)
+        assert (cpu is None) == (gpu is None)
+        if cpu is not None:
+            assert gpu.is_cuda and torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)), name
+    a_cpu, b_cpu = dequantized(built[0])
+    a_gpu, b_gpu = dequantized(built[1])
+    assert torch.equal(a_gpu.cpu(), a_cpu) and torch.equal(b_gpu.cpu(), b_cpu)

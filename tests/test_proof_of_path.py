@@ -1,6 +1,9 @@
 """Proof that the path under test ran: declared kernels must run, and every rank must see
 the variables the launcher pinned."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,6 +67,40 @@ def test_undeclared_subjects_are_not_traced_on_the_cpu():
 
     assert not kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cpu"))
     assert kernel_trace.traced(registry.get("torch_mm"), {}, torch.device("cuda"))
+
+
+def test_raw_event_names_are_the_profilers_own_and_the_fallback_reads_the_same():
+    """The fast path (the profiler's raw Kineto events) lists what its FunctionEvents list; a
+    profiler without raw events (another torch) falls back to those."""
+    from torch.autograd.profiler import profile
+
+    with profile(use_cpu=True, use_kineto=True) as prof:
+        with torch.profiler.record_function("fast_gemm::grouped (cpu)"):
+            torch.ones(8, 8) @ torch.ones(8, 8)
+    cpu = torch.autograd.DeviceType.CPU
+    expected = {e.name for e in prof.function_events if e.device_type == cpu}
+    assert "fast_gemm::grouped (cpu)" in expected and "aten::mm" in expected
+    assert kernel_trace._event_names(prof, cpu) == expected
+
+    class WithoutRaw:  # what a profiler without kineto_results offers
+        function_events = prof.function_events
+
+    assert kernel_trace._event_names(WithoutRaw(), cpu) == expected
+    assert kernel_trace._event_names(prof, torch.autograd.DeviceType.CUDA) == set()
+
+
+def test_tracing_a_check_does_not_import_inductor():
+    """torch.profiler's start imports torch._inductor (dynamo, sympy: seconds per rank on a
+    GPU machine); the trace must not."""
+    code = ("import sys, torch; from ep_harness import kernel_trace\n"
+            "with kernel_trace.kernel_names(torch.device('cpu'), True) as names:\n"
+            "    torch.ones(2) + 1\n"
+            "assert 'aten::add' in names, names\n"
+            "print('torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **REPO_ON_PYTHONPATH},
+                         check=True).stdout.split()
+    assert out[-1] == "False"
 
 
 def test_kernel_matching_is_by_substring_over_all_ranks():

@@ -92,6 +92,13 @@ def probe_row(p: GemmParams, base) -> torch.Tensor:
     return probe
 
 
+def case_weights(p: GemmParams, ctx: RankContext):
+    """The case's weights (cached) on the rank's device: its problems are built there, and
+    the float64 reference is computed there (exact and IEEE-rounded operations only, or
+    float64 GEMMs whose last-bit order moves the bound by far less than a bf16 ULP)."""
+    return weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel, str(ctx.device))
+
+
 def make_problem(p: GemmParams, run: GemmRun, w, w_scale) -> GemmProblem:
     k, dtype = p.k, p.dtype
     base = torch.bfloat16 if dtype == FP8 else gen.dtype_of(dtype)
@@ -121,7 +128,7 @@ def _runs(prop: str, p: GemmParams, world_size: int) -> list[Run]:
 def _observe(subject, ctx: RankContext, p: GemmParams, prop: str, runs: list[Run]):
     """The probe row's output per run (every rank computes the same GEMMs); for the
     reference, the whole output of the one run."""
-    w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
+    w, w_scale = case_weights(p, ctx)
     probes = []
     for run in runs:
         problem = make_problem(p, run.spec, w, w_scale)
@@ -138,7 +145,7 @@ def _observe(subject, ctx: RankContext, p: GemmParams, prop: str, runs: list[Run
 
 
 def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], gathered) -> Measurement:
-    w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
+    w, w_scale = case_weights(p, ctx)
     if check.property == "reference":
         return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])
     observed = torch.stack(gathered[0])
@@ -156,7 +163,7 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
         from ep_harness import cost
         from ep_harness.subject import get
 
-        w, w_scale = weights(p.seed, p.groups, p.n, p.k, p.dtype, p.data, p.cancel)
+        w, w_scale = case_weights(p, ctx)
         dense = p.layout == "dense"  # a dense problem holds group 0's rows only
         largest = max(runs, key=lambda r: r.spec.counts[0] if dense else sum(r.spec.counts))
         problem = make_problem(p, largest.spec, w, w_scale).to(ctx.device)
@@ -176,7 +183,9 @@ def order_sensitive(p: GemmParams, w, w_scale) -> int:
     a, b = dequantized(problem)
     row = a[problem.row_index(p.probe_group, 0)]
     weight = b if problem.layout == "dense" else b[p.probe_group]
-    row32, w32, half = row.float(), weight.float(), p.k // 2
+    # float32 sums on the CPU, whatever device the problem is on: the count must not depend
+    # on a device's GEMV order
+    row32, w32, half = row.float().cpu(), weight.float().cpu(), p.k // 2
     whole = w32 @ row32
     split = w32[:, :half] @ row32[:half] + w32[:, half:] @ row32[half:]
     dtype = out_dtype(p.dtype)
@@ -204,16 +213,17 @@ def _measure_reference(p: GemmParams, problem: GemmProblem, out: torch.Tensor) -
     bound = tol["u_out"] * exact.abs() + tol["gamma"] * scale
     valid = _valid_mask(problem, exact.shape)
     rule = Bound(rule=tol["rule"], terms={k: v for k, v in tol.items() if k != "rule"})
+    got = out.to(exact.device, torch.float64)
     return Measurement.within(out, exact, bound, rule, valid,
-                              detail={"calc_diff": json_float(_calc_diff(out.to(torch.float64)[valid], exact[valid]))})
+                              detail={"calc_diff": json_float(_calc_diff(got[valid], exact[valid]))})
 
 
 def _valid_mask(problem: GemmProblem, shape) -> torch.Tensor:
     if problem.layout == "dense":
-        return torch.ones(shape, dtype=torch.bool)
+        return torch.ones(shape, dtype=torch.bool, device=problem.a.device)
     if problem.layout == "contiguous":
         return (problem.grouped_layout >= 0).unsqueeze(1).expand(shape)
-    rows = torch.arange(shape[1]).unsqueeze(0) < problem.masked_m.unsqueeze(1)
+    rows = torch.arange(shape[1], device=problem.masked_m.device).unsqueeze(0) < problem.masked_m.unsqueeze(1)
     return rows.unsqueeze(2).expand(shape)
 
 
