@@ -20,13 +20,21 @@ E4M3_MIN_NORMAL_EXP = -6
 AMAX_FLOOR = 1e-4
 
 
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 as one float32 division, as the kernels compute it. The divisor is a
+    tensor: CUDA divides by a Python scalar as a multiplication by its reciprocal, which
+    rounds differently, and the scales must be the same on every device."""
+    amax = amax.to(torch.float32)
+    return amax / torch.full_like(amax, E4M3_MAX)
+
+
 def group_scales(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> torch.Tensor:
     """x: [rows, cols] (cols a multiple of `group`) -> float32 scales [rows, cols // group]."""
     rows, cols = x.shape
     if cols % group:
         raise ValueError(f"cols={cols} is not a multiple of the group size {group}")
     amax = x.to(torch.float64).abs().view(rows, cols // group, group).amax(dim=2).clamp_min(AMAX_FLOOR)
-    scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)  # float32 division, as kernels do
+    scale = scale_of(amax)
     return round_up_to_power_of_two(scale) if ue8m0 else scale
 
 
@@ -72,7 +80,7 @@ def quantize_per_block(w: torch.Tensor, block: int = 128, ue8m0: bool = False):
         raise ValueError(f"weight {n}x{k} is not a multiple of the {block}x{block} block")
     blocks = w.to(torch.float64).view(n // block, block, k // block, block)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
-    scale = (amax.to(torch.float32) / E4M3_MAX).to(torch.float32)
+    scale = scale_of(amax)
     if ue8m0:
         scale = round_up_to_power_of_two(scale)
     expanded = scale.to(torch.float64).repeat_interleave(block, 0).repeat_interleave(block, 1)

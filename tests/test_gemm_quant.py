@@ -79,6 +79,18 @@ def test_ue8m0_scales_and_powers_of_two_are_exact():
     assert torch.equal(ref_quant.round_up_to_power_of_two(s).view(torch.int32), by_log2.view(torch.int32))
 
 
+def test_scales_are_one_correctly_rounded_division():
+    """amax / 448 in float32 is the float64 quotient rounded once (exact: 53 >= 2 * 24 + 2
+    bits); a multiplication by the reciprocal, which CUDA uses for a Python-scalar divisor,
+    rounds otherwise for about half of these values."""
+    g = torch.Generator().manual_seed(9)
+    amax = (torch.rand(200_000, generator=g, dtype=torch.float64) *
+            torch.exp2(torch.randint(-20, 20, (200_000,), generator=g).double())).float()
+    correctly_rounded = (amax.double() / 448.0).float()
+    assert torch.equal(ref_quant.scale_of(amax), correctly_rounded)
+    assert (amax * (1 / 448.0) != correctly_rounded).float().mean() > 0.3  # what the reciprocal would give
+
+
 def test_contiguous_layout_aligns_and_marks_padding():
     w, _ = weights(0, 3, 16, 128, "bfloat16", "randn")
     rows = {g: torch.full((c, 128), float(g + 1), dtype=torch.bfloat16) for g, c in enumerate([3, 0, 130])}
