@@ -1,6 +1,6 @@
 """Proof that the path under test ran: the kernels launched during a check's measured calls.
 
-On a GPU every check is traced with torch.profiler (CUDA activity): the record lists the
+On a GPU every check is traced with PyTorch's profiler (CUDA activity): the record lists the
 CUDA kernels that ran. A subject may declare the kernels it must launch,
 
     def kernels(self, params) -> tuple[str, ...]:  # substrings of kernel names
