@@ -21,8 +21,8 @@ a call still to compile, and the DeepGEMM checks that compile their own kernels,
 otherwise build the same cache entries as the workers at the same time) to the end of each
 launch, keeping their order (`compiled_last`), and a rank waits before the first of them until
 the head has written the run directory's marker (`MARKER`), which it does however the compile
-ends (done, failed, raised, stopped). The wait is the ranks' `precompile-wait` state, outside
-every check's timeout_s, and has a limit of its own (EP_HARNESS_PRECOMPILE_WAIT_S, default
+ends (done, failed, raised, stopped). The wait is a progress state of its own (the ranks'
+`waiting_until`), outside every check's timeout_s, and has a limit of its own (EP_HARNESS_PRECOMPILE_WAIT_S, default
 WAIT_LIMIT_S): past it the head stops the compile and the checks compile what is left; a rank
 still waiting RANK_GRACE_S later (a head that is stuck) fails its check with one line.
 
