@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `--suite h200 --gpus 1` cold then warm, side by side in one device call (issue 25, item 3):
 # cold = an empty DeepGEMM kernel cache (a new DG_JIT_CACHE_DIR), so every kernel is
-# compiled, in parallel by harness/precompile.py before the launch; warm = the same cache
-# again, where nothing is compiled. Writes $OUT/cold_warm.txt: each pass's exit code and
-# wall time, its precompile lines and the run's own timing line (how long the checks still
-# spent warming up, i.e. compiling what precompile did not), plus both full logs.
+# compiled, in parallel by harness/precompile.py beside the launch (the checks needing none
+# run meanwhile); warm = the same cache again, where nothing is compiled. Writes
+# $OUT/cold_warm.txt: each pass's exit code and wall time, its precompile and launch lines and
+# the run's own timing line (how long the checks still spent warming up, i.e. compiling what
+# precompile did not, and how long rank 0 waited for the compile), plus both full logs.
 # SERIAL=1 adds a third pass, cold with EP_HARNESS_PRECOMPILE=0: the one-at-a-time
 # compilation as before, for comparison (about 160 s more).
 #   run on the device:  bash ci/h200_cold_warm.sh
@@ -25,7 +26,7 @@ one_pass() {  # name, cache dir, extra environment (VAR=value ...)
   code=$?
   wall=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")
   { echo; echo "== $name: exit $code, $wall s wall (DG_JIT_CACHE_DIR held $(find "$dir" -name kernel.cubin | wc -l) cubins after)"
-    grep -E "^# (compiling DeepGEMM kernels|DeepGEMM kernels)" "$OUT/cold_warm-$name.log"
+    grep -E "^# (compiling DeepGEMM kernels|DeepGEMM kernels|launching)" "$OUT/cold_warm-$name.log"
     grep -E "^# wall " "$OUT/cold_warm-$name.log"
     tail -n 1 "$OUT/cold_warm-$name.log"; } >> "$summary"
 }

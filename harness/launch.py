@@ -10,6 +10,10 @@ A check that raises on any rank, or does not finish within its timeout (stacks d
 first), is recorded as an error and the job is relaunched from the next check, so one bad
 subject never costs the whole run and no process outlives it. A node that dies or never
 arrives makes every check it would have run an error naming it.
+
+While the DeepGEMM kernels compile beside a launch (harness/precompile.py), a rank that waits
+for them says so in its progress (`waiting_until`): that time is not the check's, and is
+bounded by the wait's own limit instead of the check's timeout_s.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from ep_harness.processes import Interrupted, agent_command, child_env, kill_lau
 # ep_harness.follower.NODE_BEAT_S).
 NODE_TIMEOUT_S = float(os.environ.get("EP_HARNESS_NODE_TIMEOUT_S", "6"))
 POLL_S = 0.1
+WAIT_SLACK_S = 30.0  # past a rank's own limit on waiting for the compile, the launcher ends the launch
 STACKS_TIMEOUT_S = 3.0  # how long ranks get to answer a request for their stacks
 
 
@@ -82,6 +87,7 @@ class Head:
         self.identities: dict[tuple, dict] = {}
         self.lost: dict[int, str] = {}  # node -> why it is gone
         self.reported: dict[str, dict] = {}  # launch -> what its rank 0 reported (launch_results)
+        self.precompile_wait_s = 0.0  # how long rank 0 waited for the DeepGEMM compile, all launches together
 
     def wait_for_nodes(self) -> None:
         """Every follower must have joined (torchrun launcher, several nodes) before the
@@ -219,6 +225,13 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
             return start, f"ranks did not start within {START_TIMEOUT_S:.0f} s", {
                 "stacks": _dump_stacks(launch, world_size), "log": _log_tail(log_path)}
         for s in running:
+            if s.get("waiting_until") is not None:  # waiting for the compile: not the check's time
+                if time.time() > s["waiting_until"] + WAIT_SLACK_S:  # the rank's own limit did not end it
+                    stuck = [r for r, x in enumerate(states) if x and x.get("waiting_until") is not None]
+                    return s["index"], (f"ranks {stuck} still waiting for the DeepGEMM compile past its limit "
+                                        f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
+                                        f"checks"), {"stacks": _dump_stacks(launch, world_size)}
+                continue
             if time.time() - s["since"] > checks[s["index"]].timeout_s:
                 failed_at = min(x["index"] for x in running)
                 stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
@@ -252,10 +265,13 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
 
 
 def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
-            plugins: list[str], emulate_hosts: bool = False, on_outcome=None) -> dict[str, Outcome]:
+            plugins: list[str], emulate_hosts: bool = False, on_outcome=None,
+            precompile_wait: dict | None = None) -> dict[str, Outcome]:
     """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
     NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py).
-    on_outcome(check, outcome) is called for every check as soon as it is finished."""
+    on_outcome(check, outcome) is called for every check as soon as it is finished.
+    precompile_wait: the marker the ranks wait for before the checks it names
+    (ep_harness.precompile.Background.rank_wait), or None."""
     job_dir.mkdir(parents=True, exist_ok=True)
     nodes = head.nodes
     nproc = nodes.nproc_per_node or world_size
@@ -289,6 +305,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
             "pinned_env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.
             "collective_timeout_s": longest + 60,
+            "precompile": precompile_wait,
         }, env, nproc, job_dir.name)
         k = head.launches - 1
         log_path = job_dir / f"torchrun-{attempt}.log"
@@ -310,6 +327,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
                             namespace=launch.namespace)
             head.follower_exits(k)
             head.reported[f"{job_dir.name}/launch{k}"] = launch_results(launch)
+            head.precompile_wait_s += float(launch.get("precompile-waited") or 0.0)
             redact_logs(job_dir)
         report()
         if error is None and proc.returncode != 0:

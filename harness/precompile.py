@@ -1,23 +1,36 @@
-"""DeepGEMM's kernels compiled before the checks, many at once.
+"""DeepGEMM's kernels compiled beside the launches, many at once.
 
 DeepGEMM JIT-compiles a kernel (NVCC, 3-4 s each on the lent H200) the first time a GEMM of
 a new shape is called, and keeps the cubin in its cache directory (DG_JIT_CACHE_DIR, which
 every launch pins: ep_harness.environment.deep_gemm_cache_dir). A rank calls one shape after
 another, so a cold `--suite h200` spent most of its time compiling kernels one at a time.
 
-Before a GPU run's launches, this module
+When a GPU run starts, this module (`start`)
 1. gathers every distinct DeepGEMM call the planned checks will make (`planned_calls`): the
    subject, layout, dtype and the exact shapes of its operands, scales and output (and
    `expected_m` for masked layouts): DeepGEMM picks its kernel configuration from these, so
    a smaller stand-in shape could build another kernel than the check needs;
 2. makes each call once on zero-valued inputs of those shapes, in a pool of worker
-   processes (harness/precompile_worker.py) sized to the CPU count, printing progress; the
-   compiled kernels land in the cache, where the checks' own warm-up finds them.
+   processes (harness/precompile_worker.py) sized to the CPU count less one per local rank
+   (the ranks share the CPU with them; EP_HARNESS_PRECOMPILE_WORKERS, when set, is taken as
+   is), printing progress; the compiled kernels land in the cache, where the checks' own
+   warm-up finds them.
+This runs in a thread of the head (`Background`) while the ranks start and run the checks that
+need none of these kernels: verify.py moves the checks that do (`waits_for`: every check making
+a call still to compile, and the DeepGEMM checks that compile their own kernels, which would
+otherwise build the same cache entries as the workers at the same time) to the end of each
+launch, keeping their order (`compiled_last`), and a rank waits before the first of them until
+the head has written the run directory's marker (`MARKER`), which it does however the compile
+ends (done, failed, raised, stopped). The wait is a progress state of its own (the ranks'
+`waiting_until`), outside every check's timeout_s, and has a limit of its own (EP_HARNESS_PRECOMPILE_WAIT_S, default
+WAIT_LIMIT_S): past it the head stops the compile and the checks compile what is left; a rank
+still waiting RANK_GRACE_S later (a head that is stuck) fails its check with one line.
 
 Nothing here decides a verdict: a call that fails or is not gathered is compiled by the check
 itself as before (and fails there if it must), and a failure is printed with the worker's log.
 A no-op on the CPU, without DeepGEMM, on several nodes, with EP_HARNESS_PRECOMPILE=0, and when
-every call was compiled by an earlier run into the same cache (the manifest below).
+every call was compiled by an earlier run into the same cache (the manifest below): the run
+then launches as it would without this module (no reordering, no wait).
 """
 from __future__ import annotations
 
@@ -40,6 +53,10 @@ LABEL = "compiling DeepGEMM kernels"
 CALL_LIMIT_S = 600.0  # a call's limit when no check gave one (KernelCall.timeout_s)
 STARTUP_LIMIT_S = 300.0  # a worker's start: torch, CUDA and DeepGEMM imported, 16 at once on one GPU
 WORKERS_ENV = "EP_HARNESS_PRECOMPILE_WORKERS"
+WAIT_ENV = "EP_HARNESS_PRECOMPILE_WAIT_S"
+WAIT_LIMIT_S = 900.0  # the compile's limit while ranks may wait for it (calls have their own)
+RANK_GRACE_S = 60.0  # past the compile's limit, a rank stops waiting for a head that never wrote the marker
+MARKER = "precompile.done"  # in the run directory: written by the head once the compile has ended
 
 
 @dataclass(frozen=True)
@@ -143,10 +160,18 @@ def planned_calls(checks) -> tuple[list[KernelCall], list[str]]:
     """The distinct DeepGEMM calls of the checks that will run, in first-use order, and the
     ids of DeepGEMM checks whose calls cannot be known before the launch (they compile
     their own kernels, as before)."""
+    calls, own, _ = _gathered(checks)
+    return calls, own
+
+
+def _gathered(checks) -> tuple[list[KernelCall], list[str], dict[KernelCall, list[str]]]:
+    """planned_calls, and for each call the ids of every check that makes it (`needed_by`
+    names only the first)."""
     from ep_harness import subject as registry
     from ep_harness.subject import compiles_kernels
 
     calls: dict[KernelCall, KernelCall] = {}
+    users: dict[KernelCall, list[str]] = {}
     own: list[str] = []
     for check in checks:
         if check.skip_reason:
@@ -167,7 +192,16 @@ def planned_calls(checks) -> tuple[list[KernelCall], list[str]]:
             first = calls.setdefault(call, dataclasses.replace(call, timeout_s=check.timeout_s))
             if check.timeout_s > first.timeout_s:  # the call's limit: the most any check needing it allows
                 calls[call] = dataclasses.replace(first, timeout_s=check.timeout_s)
-    return list(calls.values()), own
+            needers = users.setdefault(call, [])
+            if check.id not in needers:
+                needers.append(check.id)
+    return list(calls.values()), own, users
+
+
+def compiled_last(checks: list, waits_for) -> list:
+    """A launch's checks with those in `waits_for` moved after the others, each part in its
+    own order (a stable partition): the others run while the kernels compile."""
+    return [c for c in checks if c.id not in waits_for] + [c for c in checks if c.id in waits_for]
 
 
 def _uses_deepgemm_gemm(check) -> bool:
@@ -200,6 +234,8 @@ class Outcome:
     done: int = 0
     failed: list[tuple[KernelCall, str]] = field(default_factory=list)
     seconds: float = 0.0
+    compiled: list[KernelCall] = field(default_factory=list)  # the calls made (what the manifest remembers)
+    stopped: bool = False  # ended by `stop` before every call was answered
 
 
 class GaveUp(Exception):
@@ -278,7 +314,7 @@ def _reason(exc: BaseException) -> str:
 
 def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, log_path: Path,
                 say: Callable[[str], None], failed_say: Callable[[str], None] | None = None,
-                plugins: list[str] = ()) -> Outcome:
+                plugins: list[str] = (), stop: threading.Event | None = None) -> Outcome:
     """Make every call once in `workers` processes (each loading the run's `plugins`, as the
     ranks do); `say` gets the progress lines (at most one every PROGRESS_EVERY_S, and the
     last), `failed_say` (default `say`) one line per failure. A worker that dies fails its
@@ -286,7 +322,10 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
     call's timeout_s) or answers nonsense fails its call and its thread stops: whatever
     broke it would likely break the next one too, and every stopped thread bounds the time
     lost to one limit; the other threads make the calls left, and calls no thread is left to
-    make fail as not tried. Every failed call is compiled by its check, as without this step."""
+    make fail as not tried. Every failed call is compiled by its check, as without this step.
+    `stop` set (the launches ended, the run was interrupted, or the compile outran its limit)
+    ends every worker at once; the calls not answered by then fail as stopped, without a line
+    each (outcome.stopped says so)."""
     failed_say = failed_say or say
     todo: queue.Queue = queue.Queue()
     for call in calls:
@@ -333,7 +372,13 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
                 t.start()
             last = time.perf_counter()
             finished = 0
+            answered: set[KernelCall] = set()
             while finished < len(calls):
+                if stop is not None and stop.is_set():
+                    outcome.stopped = True
+                    _drain(todo)
+                    outcome.failed += [(c, STOPPED) for c in calls if c not in answered]
+                    break
                 try:  # in slices, so that a signal (ep_harness.processes.interruptible) is taken at once
                     call, answer = answers.get(timeout=0.5)
                 except queue.Empty:
@@ -341,8 +386,10 @@ def compile_all(calls: list[KernelCall], workers: int, env: dict, device: str, l
                         break  # every thread has stopped: nobody is left to make the calls still queued
                     continue
                 elapsed = time.perf_counter() - began
+                answered.add(call)
                 if answer["ok"]:
                     outcome.done += 1
+                    outcome.compiled.append(call)
                 else:
                     outcome.failed.append((call, answer["error"]))
                     failed_say(f"{LABEL}: FAILED {call.describe()}: {answer['error']} (the check compiles it "
@@ -406,10 +453,11 @@ def remember(cache_dir: Path, identity: dict, keys: set[str]) -> None:
     os.replace(tmp, cache_dir / MANIFEST)
 
 
-# -- the step a GPU run takes before its launches ---------------------------------------------
+# -- the step a GPU run takes beside its launches ---------------------------------------------
 
-def worker_count() -> int:
-    """EP_HARNESS_PRECOMPILE_WORKERS processes, or one per CPU core this process may use."""
+def worker_count(ranks: int = 0) -> int:
+    """EP_HARNESS_PRECOMPILE_WORKERS processes, or one per CPU core this process may use less
+    one per local rank running meanwhile (at least one)."""
     value = os.environ.get(WORKERS_ENV, "").strip()
     if value:
         try:
@@ -424,25 +472,132 @@ def worker_count() -> int:
                                f"compile in the checks")
         return count
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return max(1, cores - ranks)
 
 
-def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False,
-               device: str = "cuda", plugins: list[str] = ()) -> Outcome | None:
-    """Compile the DeepGEMM kernels the checks will need, before their launches; None when
-    there was nothing to do. `plugins`: the run's plugin modules, which the workers load as
-    the ranks do (a plugin subject may be a DeepGEMM one). (`device`: where the workers
-    allocate, "cpu" only in tests.)"""
+def wait_limit() -> float:
+    """EP_HARNESS_PRECOMPILE_WAIT_S, or WAIT_LIMIT_S."""
+    value = os.environ.get(WAIT_ENV, "").strip()
+    if not value:
+        return WAIT_LIMIT_S
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = 0.0
+    if not limit > 0 or limit == float("inf"):
+        from ep_harness.errors import HarnessError
+
+        raise HarnessError(f"{WAIT_ENV}={value!r} needs a positive number of seconds (how long the checks wait for "
+                           f"the DeepGEMM compile); unset it for {WAIT_LIMIT_S:g} s, or set EP_HARNESS_PRECOMPILE=0 "
+                           f"to compile in the checks")
+    return limit
+
+
+def write_marker(path: Path, content: dict) -> None:
+    """Atomically: a rank that sees the file sees all of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, path)
+
+
+class Background:
+    """The compile in a thread of the head while the launches run. `waits_for`: the ids of
+    the checks that must run after it (`rank_wait` is what their ranks are told); the marker
+    is written however the compile ends, so that no rank waits for it forever. After
+    `limit_s` the compile is stopped (the checks compile what is left)."""
+
+    def __init__(self, compile: Callable[[threading.Event], Outcome], marker: Path, waits_for, limit_s: float,
+                 say: Callable[[str], None]):
+        self.marker, self.waits_for, self.limit_s = marker, frozenset(waits_for), limit_s
+        self.stop = threading.Event()
+        self.outcome: Outcome | None = None
+        self.error: str | None = None  # what the compile raised
+        self.timed_out = False
+        self.began = time.time()
+        self._compile, self._say = compile, say
+        self._thread = threading.Thread(target=self._run, daemon=True, name="precompile")
+        self._timer = threading.Timer(limit_s, self._too_long)
+        self._timer.daemon = True
+
+    def start(self) -> Background:
+        self._thread.start()
+        self._timer.start()
+        return self
+
+    def _too_long(self) -> None:
+        self.timed_out = True
+        self.stop.set()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = self._compile(self.stop)
+        except BaseException as exc:  # a bug, EMFILE, ...: the checks compile their kernels as without this step
+            self.error = _reason(exc)
+            self._say(f"{LABEL}: stopped by {self.error}; the checks compile their kernels themselves")
+        finally:
+            self._timer.cancel()
+            try:
+                if self.timed_out and self.outcome is not None:
+                    left = sum(error == STOPPED for _, error in self.outcome.failed)
+                    self._say(f"{LABEL}: not finished within {self.limit_s:g} s ({WAIT_ENV}): stopped with {left} "
+                              f"call(s) left, which their checks compile themselves; raise {WAIT_ENV}, or set "
+                              f"EP_HARNESS_PRECOMPILE=0 to compile in the checks")
+            finally:
+                write_marker(self.marker, {
+                    "done": self.outcome.done if self.outcome else 0,
+                    "failed": len(self.outcome.failed) if self.outcome else None, "error": self.error,
+                    "timed_out": self.timed_out, "seconds": round(time.time() - self.began, 3),
+                    "time": time.time()})
+
+    def rank_wait(self) -> dict:
+        """What a launch's ranks are told (the job's `precompile`): the marker to wait for,
+        before which checks, and until when (RANK_GRACE_S after the compile's own limit:
+        only a head that is stuck leaves them waiting that long)."""
+        return {"marker": str(self.marker), "checks": sorted(self.waits_for),
+                "limit_s": self.limit_s + RANK_GRACE_S, "until": self.began + self.limit_s + RANK_GRACE_S}
+
+    def finish(self, stop_because: str | None = None, limit_s: float = 60.0) -> Outcome | None:
+        """The compile's outcome once it has ended (None when it raised). With
+        `stop_because`, it is stopped first if still running (saying why, unless empty);
+        after a stop it has `limit_s` to end its workers."""
+        if stop_because is not None and self._thread.is_alive():
+            if stop_because:
+                self._say(f"{LABEL}: stopped: {stop_because}")
+            self.stop.set()
+        deadline = time.time() + limit_s
+        while self._thread.is_alive():  # in slices: a signal is taken at once
+            self._thread.join(0.2)
+            if self.stop.is_set() and time.time() > deadline:
+                self._say(f"{LABEL}: the compile thread did not end within {limit_s:g} s of being stopped "
+                          f"(see {self.marker.parent / 'precompile.log'})")
+                break
+        return self.outcome
+
+
+STOPPED = "stopped before it was compiled"
+
+
+def start(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False, device: str = "cuda",
+          plugins: list[str] = (), ranks: int = 0) -> Background | None:
+    """Start compiling the DeepGEMM kernels the checks will need, in the background; None
+    when there is nothing to do (then nothing waits and nothing is reordered). `ranks`: the
+    local ranks that run meanwhile (each takes a compile process's place). `plugins`: the
+    run's plugin modules, which the workers load as the ranks do (a plugin subject may be a
+    DeepGEMM one). (`device`: where the workers allocate, "cpu" only in tests.)"""
     if platform.device != "cuda" or multi_node or os.environ.get("EP_HARNESS_PRECOMPILE", "1") == "0":
         return None
-    processes = worker_count()  # a bad setting is refused on every GPU run, not only a cold one
+    processes = worker_count(ranks)  # a bad setting is refused on every GPU run, not only a cold one
+    limit_s = wait_limit()
+    from ep_harness.console import line
     from ep_harness.environment import deep_gemm_cache_dir, pinned_env
     from ep_harness.processes import import_paths
 
-    say = (lambda line: None) if quiet else (lambda line: print(f"# {line}", flush=True))
-    calls, own = planned_calls(checks)
+    say = (lambda text: None) if quiet else (lambda text: line(f"# {text}"))
+    failed_say = lambda text: line(f"# {text}")  # noqa: E731  (printed under -q too)
+    calls, own, users = _gathered(checks)
     if own:
         say(f"DeepGEMM kernels of {len(own)} check(s) are decided at run time (multi-rank routing): "
             f"they compile their own, e.g. {own[0]}")
@@ -456,12 +611,33 @@ def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = 
     if not todo:
         say(f"DeepGEMM kernels: all {len(calls)} planned calls were compiled by an earlier run into {cache_dir}")
         return None
+    # The checks making a call still to compile, and those compiling their own kernels: these
+    # would build the same cache entries as the workers, at the same time.
+    waits_for = {check_id for call in todo for check_id in users[call]} | set(own)
     workers = min(processes, len(todo))
-    say(f"{LABEL}: {len(todo)} distinct calls (shapes) on {workers} processes, into {cache_dir}")
-    outcome = compile_all(todo, workers, env, device, run_dir / "precompile.log", say,
-                          failed_say=lambda line: print(f"# {line}", flush=True), plugins=list(plugins))
-    failed = {c.key() for c, _ in outcome.failed}
-    remember(cache_dir, identity, {c.key() for c in todo} - failed)
-    if outcome.failed:
-        say(f"{LABEL}: {len(outcome.failed)} of {len(todo)} failed; their checks compile them again and report it")
-    return outcome
+    say(f"{LABEL}: {len(todo)} distinct calls (shapes) on {workers} processes, into {cache_dir}" +
+        (f"; meanwhile the ranks run the checks that need none ({len(waits_for)} wait for them)" if ranks else ""))
+
+    def compile(stop: threading.Event) -> Outcome:
+        outcome = compile_all(todo, workers, env, device, run_dir / "precompile.log", say, failed_say=failed_say,
+                              plugins=list(plugins), stop=stop)
+        remember(cache_dir, identity, {c.key() for c in outcome.compiled})
+        if outcome.failed and not outcome.stopped:
+            say(f"{LABEL}: {len(outcome.failed)} of {len(todo)} failed; their checks compile them again and report it")
+        return outcome
+
+    return Background(compile, run_dir / MARKER, waits_for, limit_s, failed_say).start()
+
+
+def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False,
+               device: str = "cuda", plugins: list[str] = ()) -> Outcome | None:
+    """start(), then wait for the compile to end: every kernel compiled before anything
+    else runs (None when there was nothing to do)."""
+    background = start(checks, platform, run_dir, quiet, multi_node, device, plugins)
+    if background is None:
+        return None
+    try:
+        return background.finish()
+    except BaseException:  # interrupted: end the workers before passing it on
+        background.finish(stop_because="")
+        raise

@@ -1,4 +1,9 @@
-"""plan -> launch -> records -> reports -> exit code."""
+"""plan -> launch -> records -> reports -> exit code.
+
+On a GPU, the DeepGEMM kernels the checks need compile beside the launches
+(harness/precompile.py): each launch runs its other checks first and those that need the
+kernels after them (the same order within each part), their ranks waiting until the compile
+has ended; results.jsonl keeps the plan's order."""
 from __future__ import annotations
 
 import datetime
@@ -12,6 +17,7 @@ from pathlib import Path
 from ep_harness import subject as registry
 from ep_harness.cases import load_suite, resolve_suite_path, suite_argument
 from ep_harness.check import Check
+from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
 from ep_harness.environment import applicable_env, pinned_env, platform_for
 from ep_harness.fresh import compare_launches
@@ -87,24 +93,33 @@ class Stream:
         self.records: dict[str, dict] = {}  # check id -> its record, as streamed
         self.began = time.time()
         if not quiet:
-            print(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}", flush=True)
+            say_line(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}")
 
     def finished(self, check: Check, outcome: Outcome) -> None:
         record = self.records[check.id] = finalize(check, outcome, self.run_id, self.rerun(check))
         append_line(self.path, record)
         if not self.quiet:
             count = f"[{len(self.records)}/{self.runnable}]"
-            line = self.terminal.row(record, self.keys[check.case], self.terminal.colour_enabled())
-            print(f"{count:<10}{time.time() - self.began:7.1f}s {line[2:]}", flush=True)
+            row = self.terminal.row(record, self.keys[check.case], self.terminal.colour_enabled())
+            say_line(f"{count:<10}{time.time() - self.began:7.1f}s {row[2:]}")
 
 
-def timing(records, wall_s: float) -> dict:
-    """Where a run's time went: the launches' wall clock, the checks' own time, and the untimed
-    warm-up of JIT-compiling subjects (what a warm kernel cache saves)."""
+def timing(records, wall_s: float, precompile_wait_s: float = 0.0) -> dict:
+    """Where a run's time went: the launches' wall clock, the checks' own time, the untimed
+    warm-up of JIT-compiling subjects (what a warm kernel cache saves) and how long rank 0
+    waited, in all launches, for the DeepGEMM compile beside them (harness/precompile.py)."""
     records = list(records)
     warmed = [r["warm_up_seconds"] for r in records if r.get("warm_up_seconds") is not None]
     return {"wall_s": round(wall_s, 2), "check_s": round(sum(float(r.get("seconds") or 0) for r in records), 2),
-            "warm_up_s": round(sum(warmed), 2), "warmed_checks": len(warmed)}
+            "warm_up_s": round(sum(warmed), 2), "warmed_checks": len(warmed),
+            "precompile_wait_s": round(precompile_wait_s, 2)}
+
+
+def timing_line(t: dict) -> str:
+    return (f"# wall {t['wall_s']} s: {t['check_s']} s in checks" +
+            (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
+             f"cache load, untimed)" if t["warmed_checks"] else "") +
+            (f", {t['precompile_wait_s']} s waiting for the DeepGEMM compile" if t.get("precompile_wait_s") else ""))
 
 
 def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
@@ -222,6 +237,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     outcomes: dict[str, Outcome] = {}
     relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
     interrupted = None
+    background = None  # the DeepGEMM compile beside the launches (harness/precompile.py)
     try:
         head = Head(nodes, run_id)
     except HarnessError:
@@ -236,15 +252,18 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     with interruptible():
         try:
             head.wait_for_nodes()
-            from ep_harness.precompile import precompile
+            from ep_harness.precompile import compiled_last, start
 
-            precompile(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins)
             if nodes.multi:  # ranks spread over nodes all take part in every launch
                 grouping = "one"
             elif options.launches != "auto":
                 grouping = options.launches
             else:
                 grouping = "one" if platform.backend == "gloo" else "per-world-size"
+            local_ranks = max((nodes.ranks or ws for ws, _, _ in jobs(checks, grouping)), default=1)
+            background = start(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins,
+                               ranks=local_ranks)
+
             def run_all(tag: str, on_outcome) -> dict[str, Outcome]:
                 done: dict[str, Outcome] = {}
                 for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
@@ -252,24 +271,34 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                     env = pinned_env(platform, env_overrides)
                     job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
                     environment.launched(job_dir.name, env)
+                    wait, later = None, ""
+                    if background is not None and any(c.id in background.waits_for for c in job_checks):
+                        job_checks, wait = compiled_last(job_checks, background.waits_for), background.rank_wait()
+                        later = (f"; the {sum(c.id in background.waits_for for c in job_checks)} needing the "
+                                 f"DeepGEMM kernels last, once they are compiled")
                     if not options.quiet:
-                        print(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
-                              f"{tag.replace('-', ' ')}", flush=True)
+                        say_line(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
+                                 f"{tag.replace('-', ' ')}{later}")
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        platform.emulated_hosts, on_outcome=on_outcome))
+                                        platform.emulated_hosts, on_outcome=on_outcome, precompile_wait=wait))
                 return done
 
             outcomes.update(run_all("", stream.finished))
             for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
                 relaunched.append(run_all(f"-fresh{k}", None))
+            if background is not None:  # nothing waits for it any more (a launch that died before its checks)
+                background.finish(stop_because="every launch has ended")
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
             outcomes.update(exc.outcomes)
             interrupted = exc
-            print(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)", flush=True)
+            say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
         finally:
+            if background is not None:  # interrupted or failed: its workers and their NVCC end too
+                background.finish(stop_because="")
             head.close()
     differ = environment.finish(head.reported, run_dir, interrupted, timing(stream.records.values(),
-                                                                           time.time() - stream.began))
+                                                                           time.time() - stream.began,
+                                                                           head.precompile_wait_s))
     for line in differ if not options.quiet else ():
         print(f"# WARNING: the nodes differ, {line}", flush=True)
     fingerprint = environment.data
@@ -282,10 +311,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
     if not options.quiet:
-        t = fingerprint["timing"]
-        print(f"# wall {t['wall_s']} s: {t['check_s']} s in checks" +
-              (f", {t['warm_up_s']} s warming up {t['warmed_checks']} JIT-compiling check(s) (kernel compile or "
-               f"cache load, untimed)" if t["warmed_checks"] else ""), flush=True)
+        print(timing_line(fingerprint["timing"]), flush=True)
     if options.render:
         from ep_harness.reports.render import render_run
 

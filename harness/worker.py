@@ -8,6 +8,12 @@ progress/<rank> (which check, since when, pid, node), error/<rank> (the tracebac
 that raised; the rank then exits so torchrun tears the job down), stack/<rank> (all threads'
 stacks, on request) and rank 0's record/<index> per finished check. EP_HARNESS_JOB_DIR is a
 directory of this node for NCCL's log.
+
+A job's `precompile` (single node only) names the marker file the head writes once the
+DeepGEMM kernels compiled beside the launch are done (harness/precompile.py) and the checks
+that need them: before the first of those a rank waits for the marker, in a progress state of
+its own (`waiting_until`, so that the launcher does not count the wait against the check), and
+rank 0 puts how long it waited (`precompile-waited`).
 """
 from __future__ import annotations
 
@@ -37,6 +43,31 @@ from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels
 
 WATCH_S = 0.2
+MARKER_POLL_S = 0.05
+
+
+class PrecompileNotFinished(RuntimeError):
+    """The head never said that the DeepGEMM compile ended (its marker file is missing)."""
+
+
+def wait_for_precompile(spec: dict, waiting) -> float:
+    """Seconds spent waiting for the marker `spec["marker"]` (0 when it is there already);
+    `waiting()` is called once before a wait begins. Raises PrecompileNotFinished past
+    `spec["until"]` (a wall-clock time: a relaunch after it fails at once, not after another
+    wait)."""
+    marker = Path(spec["marker"])
+    if marker.exists():
+        return 0.0
+    waiting()
+    began = time.time()
+    while not marker.exists():
+        if time.time() > spec["until"]:
+            raise PrecompileNotFinished(
+                f"the DeepGEMM compile beside the launch did not end within {spec['limit_s']:g} s ({marker} was "
+                f"never written; see precompile.log beside it): set EP_HARNESS_PRECOMPILE=0 to compile in the "
+                f"checks instead")
+        time.sleep(MARKER_POLL_S)
+    return time.time() - began
 
 
 def use_deterministic_algorithms() -> None:
@@ -110,9 +141,9 @@ def rank_main() -> None:
     start, where = job["start"], {"pid": os.getpid(), "node": local_node(), "host": socket.gethostname()}
     state: dict = {}
 
-    def progress(index: int) -> None:
+    def progress(index: int, **extra) -> None:
         state.update(index=index)
-        channel.put(f"progress/{rank}", {"index": index, "since": time.time(), **where})
+        channel.put(f"progress/{rank}", {"index": index, "since": time.time(), **where, **extra})
 
     progress(start - 1)  # started: the launcher now knows this rank's pid and node
     Watcher(rank).start()
@@ -141,6 +172,8 @@ def rank_main() -> None:
     checks = job["checks"]
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
     prepared = {}  # subjects whose setup(ctx) ran in this launch
+    precompile = job.get("precompile")  # None once the compile has ended (or when there is none)
+    waits_for = set(precompile["checks"]) if precompile else set()
     for index in range(start, len(checks)):
         # `inject`: a defect `ep-harness selftest` plants in the subject (harness/selftest/wrap.py)
         injection = checks[index].get("inject")
@@ -155,6 +188,14 @@ def rank_main() -> None:
                                                 "measured": refused.to_json()})
             continue
         try:
+            if precompile is not None and check.id in waits_for:  # its kernels compile beside the launch
+                waited = wait_for_precompile(precompile, lambda: progress(index, waiting_until=precompile["until"]))
+                precompile = None
+                if waited:
+                    progress(index)  # the check's own time starts now
+                    began = time.perf_counter()
+                    if rank == 0:
+                        channel.put("precompile-waited", round(waited, 3))
             if check_ctx is None:  # a smaller world size: this rank waits for its subgroup
                 dist.barrier()
                 continue
