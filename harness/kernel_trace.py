@@ -74,9 +74,16 @@ def _event_names(prof, kind) -> set[str]:
     return {e.name for e in prof.function_events if e.device_type == kind}
 
 
+TORCH_OWN = ("at::native::", "Memcpy ", "Memset ")  # PyTorch's elementwise/reduction kernels and copies
+
+
 def summarize(per_rank: list[set[str]], wanted: tuple[str, ...] = ()) -> list[str]:
-    """Every rank's kernels, distinct, shortened, the declared ones first: what the record lists."""
-    union = sorted(set().union(*per_rank), key=lambda n: (not any(w in n for w in wanted), n))
+    """Every rank's kernels, distinct, shortened: what the record lists, at most MAX_NAMES.
+    The declared ones first, then the libraries' (cuBLAS, NCCL, a subject's own), then
+    PyTorch's own kernels and copies, which include the harness's input preparation on the
+    device (copies, FP8 quantization of the operands) and are the first to be left out."""
+    union = sorted(set().union(*per_rank), key=lambda n: (not any(w in n for w in wanted),
+                                                         any(t in n for t in TORCH_OWN), n))
     return [n if len(n) <= MAX_NAME_CHARS else n[:MAX_NAME_CHARS - 3] + "..." for n in union[:MAX_NAMES]]
 
 

@@ -110,6 +110,18 @@ def test_kernel_matching_is_by_substring_over_all_ranks():
 
 
 @pytest.mark.slow
+def test_the_record_lists_declared_then_library_then_torch_kernels():
+    """At most MAX_NAMES names: PyTorch's own kernels (the harness's input preparation among
+    them) are the first to be left out, never a declared or a library kernel."""
+    torch_own = {f"void at::native::elementwise_kernel<{i}>(...)" for i in range(kernel_trace.MAX_NAMES)}
+    ran = [torch_own | {"Memcpy DtoD (Device -> Device)", "sm90_xmma_gemm_bf16bf16_bf16f32"},
+           {"void deep_gemm::sm90_bf16_gemm<128>(...)"}]
+    listed = kernel_trace.summarize(ran, ("deep_gemm::sm90_",))
+    assert len(listed) == kernel_trace.MAX_NAMES
+    assert listed[:2] == ["void deep_gemm::sm90_bf16_gemm<128>(...)", "sm90_xmma_gemm_bf16bf16_bf16f32"]
+    assert set(listed[2:]) < torch_own | {"Memcpy DtoD (Device -> Device)"}
+
+
 def test_a_rank_without_a_pinned_variable_makes_every_check_an_error(tmp_path, monkeypatch):
     for key, value in REPO_ON_PYTHONPATH.items():
         monkeypatch.setenv(key, value)
