@@ -65,6 +65,24 @@ def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, for
     assert ("2 threads after importing torch; the fork server is started anew" in proc.stderr) == (threads == 2)
 
 
+@pytest.mark.slow
+def test_one_rank_without_omp_num_threads_is_still_forked_from_the_agent(tmp_path):
+    """A launch of one rank sets no OMP_NUM_THREADS, and numpy's OpenBLAS (loaded by `import
+    torch`) would start a thread per core: the agent keeps it to one thread while importing,
+    so its fork server is still a fork (not a new interpreter importing torch again), and the
+    ranks' environment does not carry the setting."""
+    agent = agent_command(Nodes(), 1, "origin", None, tmp_path, module="tests.distributed.fork_origin",
+                          args=(str(tmp_path),))
+    env = {k: v for k, v in WITH_REPO_ON_PATH.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", AGENT_WITH_THREADS, "1", *agent[3:]], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank = json.loads((tmp_path / "rank0.json").read_text())
+    assert "threads after importing torch" not in proc.stderr
+    assert "from ep_harness.agent import main" in rank["command"] and rank["threads"] == 1, rank
+    assert "OPENBLAS_NUM_THREADS" not in rank["environ"]
+
+
 @pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])
 def test_the_agent_names_a_missing_entry_module_in_one_line(entry):
     proc = subprocess.run([sys.executable, "-m", "ep_harness.agent", "--nproc-per-node", "2", *entry],

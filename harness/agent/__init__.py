@@ -22,6 +22,7 @@ count is a torchrun rank's (and an agent of several ranks has one thread after i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -42,6 +43,24 @@ def _set_omp_threads_as_torchrun(argv: list[str]) -> None:
     nproc, _ = early.parse_known_args(argv)
     if "OMP_NUM_THREADS" not in os.environ and nproc.nproc_per_node.isdigit() and int(nproc.nproc_per_node) > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@contextlib.contextmanager
+def _blas_without_a_thread_pool():
+    """numpy's OpenBLAS, which `import torch` loads, starts a thread per core as it loads
+    unless told otherwise (15 more threads on the lent H200's 16-core host, where a launch of
+    one rank sets no OMP_NUM_THREADS): the agent would then start its fork server anew, which
+    imports torch again (4.5 s a launch there). OPENBLAS_NUM_THREADS=1 while the imports
+    run, unless the user set it; removed after, so the ranks' environment is the user's.
+    Their numpy BLAS, loaded here, stays single-threaded: the harness computes with torch."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OPENBLAS_NUM_THREADS", None)
 
 
 def _entry_module(argv: list[str]) -> str | None:
@@ -122,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                          "end the options with -m MODULE [ARGS], MODULE defining rank_main")
     # What every rank runs, imported while this process has one thread: torch's launcher
     # (a rank starts in its wrapper) and MODULE. The fork server is then a fork of this process.
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
+    with _blas_without_a_thread_pool():
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+        from torch.distributed.run import config_from_args, parse_args
 
-    importlib.import_module(module)
+        importlib.import_module(module)
     # For a fork server started anew: the same, so that no rank imports torch itself.
     multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "ep_harness.agent", module])
     _start_fork_server()

@@ -11,4 +11,5 @@ def rank_main(out_dir):
     parent = os.getppid()
     threads = process_state(parent).threads
     command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"threads": threads, "command": command}))
+    Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"threads": threads, "command": command,
+                                                                       "environ": sorted(os.environ)}))
