@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness import precompile
+from ep_harness import precompile, precompile_worker
 from ep_harness.cases import load_suite
 from ep_harness.check import single_check
 from ep_harness.subject import Platform, get, load_all
@@ -204,6 +204,9 @@ def test_one_call_at_a_time_with_one_worker(tmp_path):
                                      tmp_path / "precompile.log", lambda line: None)
     assert outcome.done == len(calls) >= 2
     assert most_at_once(log_records(tmp_path)) == 1
+    # the compile yields the CPU to the ranks beside it
+    parent = os.getpriority(os.PRIO_PROCESS, 0)
+    assert {r["nice"] for r in log_records(tmp_path)} == {min(19, parent + precompile_worker.NICENESS)}
 
 
 def test_failures_are_printed_and_the_rest_still_compiles(tmp_path):

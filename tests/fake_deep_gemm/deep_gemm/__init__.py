@@ -34,7 +34,7 @@ def _call(fn: str, a, b, d, expected_m=None) -> None:
               "sfa": None if sfa is None else _shape(sfa), "sfb": None if sfb is None else _shape(sfb),
               "expected_m": expected_m}
     key = json.dumps(record)
-    record.update(pid=os.getpid(), start=time.time())
+    record.update(pid=os.getpid(), nice=os.getpriority(os.PRIO_PROCESS, 0), start=time.time())
     if os.environ.get("FAKE_DEEP_GEMM_CRASH") and os.environ["FAKE_DEEP_GEMM_CRASH"] in key:
         os._exit(134)
     if os.environ.get("FAKE_DEEP_GEMM_FAIL") and os.environ["FAKE_DEEP_GEMM_FAIL"] in key:
