@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -500,7 +501,10 @@ def test_a_dead_workers_children_are_ended(tmp_path, ends_its_workers):
     env = {**worker_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)])}
     # Control: the measure sees a process started with this environment.
     control = subprocess.Popen(["sleep", "300"], env=env)
-    try:
+    try:  # until it has exec'd, /proc shows the forking parent's environment
+        deadline = time.monotonic() + 10
+        while control.pid not in leftover_workers(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert control.pid in leftover_workers(tmp_path)
     finally:
         control.kill()
