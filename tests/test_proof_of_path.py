@@ -109,7 +109,6 @@ def test_kernel_matching_is_by_substring_over_all_ranks():
         ["intranode::combine"]
 
 
-@pytest.mark.slow
 def test_the_record_lists_declared_then_library_then_torch_kernels():
     """At most MAX_NAMES names: PyTorch's own kernels (the harness's input preparation among
     them) are the first to be left out, never a declared or a library kernel."""
@@ -122,6 +121,7 @@ def test_the_record_lists_declared_then_library_then_torch_kernels():
     assert set(listed[2:]) < torch_own | {"Memcpy DtoD (Device -> Device)"}
 
 
+@pytest.mark.slow
 def test_a_rank_without_a_pinned_variable_makes_every_check_an_error(tmp_path, monkeypatch):
     for key, value in REPO_ON_PYTHONPATH.items():
         monkeypatch.setenv(key, value)
