@@ -67,11 +67,17 @@ def _event_names(prof, kind) -> set[str]:
     """Names of the profiled events of device `kind`. Read from the profiler's raw (Kineto)
     events where this torch has them: the FunctionEvents build a Python object per event
     and their call tree, 2.1 s for a check's 47,000 kernels on the H200 against 0.1 s raw
-    (the same names)."""
+    (the same names).
+
+    On a GPU, not the record_function ranges Kineto mirrors onto the GPU timeline (CUDA-device
+    events named by the range): a subject's own label is no proof that a kernel ran."""
+    ranges_count = kind == torch.autograd.DeviceType.CPU
     results = getattr(prof, "kineto_results", None)
     if results is not None and hasattr(results, "events"):
-        return {e.name() for e in results.events() if e.device_type() == kind}
-    return {e.name for e in prof.function_events if e.device_type == kind}
+        return {e.name() for e in results.events() if e.device_type() == kind
+                and (ranges_count or not getattr(e, "is_user_annotation", lambda: False)())}
+    return {e.name for e in prof.function_events if e.device_type == kind
+            and (ranges_count or not getattr(e, "is_user_annotation", False))}
 
 
 TORCH_OWN = ("at::native::", "Memcpy ", "Memset ")  # PyTorch's elementwise/reduction kernels and copies

@@ -89,6 +89,45 @@ def test_raw_event_names_are_the_profilers_own_and_the_fallback_reads_the_same()
     assert kernel_trace._event_names(prof, torch.autograd.DeviceType.CUDA) == set()
 
 
+def test_a_profiler_range_on_the_gpu_timeline_is_not_a_kernel():
+    """Kineto mirrors a record_function range onto the GPU timeline (a CUDA-device event named
+    by the range, `is_user_annotation`): on a GPU a subject could name its torch.mm fallback
+    after the kernel it declares. Only kernels (and copies) count there, in both read paths;
+    on the CPU the ranges are what the fakes emit, and they count (the control)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    class Raw:  # a _KinetoEvent's accessors
+        def __init__(self, name, device, annotation):
+            self._name, self._device, self._annotation = name, device, annotation
+
+        def name(self):
+            return self._name
+
+        def device_type(self):
+            return self._device
+
+        def is_user_annotation(self):
+            return self._annotation
+
+    events = [("deep_gemm::sm90_fp8_gemm_1d2d", cuda, True), ("sm90_xmma_gemm_bf16bf16_bf16f32", cuda, False),
+              ("fast_gemm::grouped (cpu)", cpu, True)]
+
+    class Profiled:
+        class kineto_results:
+            @staticmethod
+            def events():
+                return [Raw(*e) for e in events]
+
+    class Fallback:  # FunctionEvents: attributes, not methods
+        function_events = [type("E", (), {"name": n, "device_type": d, "is_user_annotation": a})() for n, d, a in events]
+
+    for prof in (Profiled(), Fallback()):
+        assert kernel_trace._event_names(prof, cuda) == {"sm90_xmma_gemm_bf16bf16_bf16f32"}
+        assert kernel_trace.missing(("deep_gemm::sm90_",), [kernel_trace._event_names(prof, cuda)]) == \
+            ["deep_gemm::sm90_"]
+        assert kernel_trace._event_names(prof, cpu) == {"fast_gemm::grouped (cpu)"}
+
+
 def test_tracing_a_check_does_not_import_inductor():
     """torch.profiler's start imports torch._inductor (dynamo, sympy: seconds per rank on a
     GPU machine); the trace must not."""
@@ -109,7 +148,6 @@ def test_kernel_matching_is_by_substring_over_all_ranks():
         ["intranode::combine"]
 
 
-@pytest.mark.slow
 def test_the_record_lists_declared_then_library_then_torch_kernels():
     """At most MAX_NAMES names: PyTorch's own kernels (the harness's input preparation among
     them) are the first to be left out, never a declared or a library kernel."""
@@ -122,6 +160,7 @@ def test_the_record_lists_declared_then_library_then_torch_kernels():
     assert set(listed[2:]) < torch_own | {"Memcpy DtoD (Device -> Device)"}
 
 
+@pytest.mark.slow
 def test_a_rank_without_a_pinned_variable_makes_every_check_an_error(tmp_path, monkeypatch):
     for key, value in REPO_ON_PYTHONPATH.items():
         monkeypatch.setenv(key, value)
