@@ -626,7 +626,7 @@ def start(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False
             say(f"{LABEL}: {len(outcome.failed)} of {len(todo)} failed; their checks compile them again and report it")
         return outcome
 
-    return Background(compile, run_dir / MARKER, waits_for, limit_s, failed_say).start()
+    return Background(compile, Path(run_dir).resolve() / MARKER, waits_for, limit_s, failed_say).start()
 
 
 def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False,

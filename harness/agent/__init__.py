@@ -52,7 +52,8 @@ def _blas_without_a_thread_pool():
     one rank sets no OMP_NUM_THREADS): the agent would then start its fork server anew, which
     imports torch again (4.5 s a launch there). OPENBLAS_NUM_THREADS=1 while the imports
     run, unless the user set it; removed after, so the ranks' environment is the user's.
-    Their numpy BLAS, loaded here, stays single-threaded: the harness computes with torch."""
+    Their numpy BLAS, loaded here, stays single-threaded (the harness computes with torch; a
+    torch built on OpenBLAS, as on aarch64, would run its CPU GEMMs on one thread too)."""
     if "OPENBLAS_NUM_THREADS" in os.environ:
         yield
         return
