@@ -50,14 +50,14 @@ class PrecompileNotFinished(RuntimeError):
     """The head never said that the DeepGEMM compile ended (its marker file is missing)."""
 
 
-def wait_for_precompile(spec: dict, waiting) -> float:
-    """Seconds spent waiting for the marker `spec["marker"]` (0 when it is there already);
-    `waiting()` is called once before a wait begins. Raises PrecompileNotFinished past
+def wait_for_precompile(spec: dict, waiting) -> float | None:
+    """Seconds spent waiting for the marker `spec["marker"]`, None when it was there already
+    (no wait began); `waiting()` is called once before a wait begins. Raises PrecompileNotFinished past
     `spec["until"]` (a wall-clock time: a relaunch after it fails at once, not after another
     wait)."""
     marker = Path(spec["marker"])
     if marker.exists():
-        return 0.0
+        return None
     waiting()
     began = time.time()
     while not marker.exists():
@@ -189,9 +189,9 @@ def rank_main() -> None:
             continue
         try:
             if precompile is not None and check.id in waits_for:  # its kernels compile beside the launch
-                waited = wait_for_precompile(precompile, lambda: progress(index, waiting_until=precompile["until"]))
-                precompile = None
-                if waited:
+                spec, precompile = precompile, None
+                waited = wait_for_precompile(spec, lambda: progress(index, waiting_until=spec["until"]))
+                if waited is not None:  # it said it was waiting (even for less than the clock's step)
                     progress(index)  # the check's own time starts now
                     began = time.perf_counter()
                     if rank == 0:
