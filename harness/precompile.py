@@ -628,16 +628,3 @@ def start(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False
 
     return Background(compile, Path(run_dir).resolve() / MARKER, waits_for, limit_s, failed_say).start()
 
-
-def precompile(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False,
-               device: str = "cuda", plugins: list[str] = ()) -> Outcome | None:
-    """start(), then wait for the compile to end: every kernel compiled before anything
-    else runs (None when there was nothing to do)."""
-    background = start(checks, platform, run_dir, quiet, multi_node, device, plugins)
-    if background is None:
-        return None
-    try:
-        return background.finish()
-    except BaseException:  # interrupted: end the workers before passing it on
-        background.finish(stop_because="")
-        raise

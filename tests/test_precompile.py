@@ -110,6 +110,19 @@ def worker_env(tmp_path: Path, **extra) -> dict:
             **extra}
 
 
+def compile_now(checks, platform, run_dir: Path, quiet: bool, **options):
+    """precompile.start(), then wait for the compile to end (None when there was nothing
+    to do): the whole compile, as these tests observe it."""
+    background = precompile.start(checks, platform, run_dir, quiet, **options)
+    if background is None:
+        return None
+    try:
+        return background.finish()
+    except BaseException:  # interrupted: end the workers before passing it on
+        background.finish(stop_because="")
+        raise
+
+
 def log_records(tmp_path: Path) -> list[dict]:
     path = tmp_path / "calls.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -250,10 +263,10 @@ def test_precompile_is_a_no_op_on_the_cpu_and_without_deepgemm_checks(tmp_path, 
     load_all()
     dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
     cpu = Platform(backend="gloo", device="cpu", ranks=4)
-    assert precompile.precompile([dg], cpu, tmp_path, quiet=False) is None
+    assert compile_now([dg], cpu, tmp_path, quiet=False) is None
     torch_mm = single_check(get("torch_mm"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
-    assert precompile.precompile([torch_mm], H200, tmp_path, quiet=False, device="cpu") is None
-    assert precompile.precompile([dg], H200, tmp_path, quiet=False, multi_node=True, device="cpu") is None
+    assert compile_now([torch_mm], H200, tmp_path, quiet=False, device="cpu") is None
+    assert compile_now([dg], H200, tmp_path, quiet=False, multi_node=True, device="cpu") is None
     assert capsys.readouterr().out == ""
     assert not (tmp_path / "precompile.log").exists()  # no worker was started
 
@@ -264,7 +277,7 @@ def test_precompile_prints_progress_remembers_and_is_a_no_op_when_warm(fake_deep
         monkeypatch.setenv(k, v)
     checks = small_h200_checks()[:4]
     calls = precompile.planned_calls(checks)[0]
-    first = precompile.precompile(checks, H200, tmp_path, quiet=False, device="cpu")
+    first = compile_now(checks, H200, tmp_path, quiet=False, device="cpu")
     assert first.done == len(calls) and not first.failed
     out = capsys.readouterr().out
     assert f"# compiling DeepGEMM kernels: {len(calls)} distinct calls (shapes) on " in out
@@ -272,11 +285,11 @@ def test_precompile_prints_progress_remembers_and_is_a_no_op_when_warm(fake_deep
     manifest = json.loads((tmp_path / "dg-cache" / precompile.MANIFEST).read_text())
     assert set(manifest["calls"]) == {c.key() for c in calls}
     (tmp_path / "calls.jsonl").unlink()
-    assert precompile.precompile(checks, H200, tmp_path, quiet=False, device="cpu") is None  # warm
+    assert compile_now(checks, H200, tmp_path, quiet=False, device="cpu") is None  # warm
     assert "compiled by an earlier run" in capsys.readouterr().out
     assert log_records(tmp_path) == []  # no worker called anything
     monkeypatch.setenv("DG_JIT_FAKE_SETTING", "1")  # another DeepGEMM setting: compiled again
-    assert precompile.precompile(checks, H200, tmp_path, quiet=True, device="cpu").done == len(calls)
+    assert compile_now(checks, H200, tmp_path, quiet=True, device="cpu").done == len(calls)
     assert capsys.readouterr().out == ""  # -q: no progress
 
 
@@ -285,7 +298,7 @@ def test_quiet_still_prints_failures(fake_deep_gemm, tmp_path, monkeypatch, caps
         monkeypatch.setenv(k, v)
     load_all()
     dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
-    outcome = precompile.precompile([dg], H200, tmp_path, quiet=True, device="cpu")
+    outcome = compile_now([dg], H200, tmp_path, quiet=True, device="cpu")
     assert len(outcome.failed) == 1
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("# compiling DeepGEMM kernels: FAILED deepgemm_bf16_dense")
@@ -365,7 +378,7 @@ def test_a_hung_precompile_call_does_not_hang_the_run(fake_deep_gemm, tmp_path, 
     load_all()
     dg = dataclasses.replace(single_check(get("deepgemm_bf16_dense"), "reference",
                                           {"dtype": "bfloat16", "n": 256, "k": 256}), timeout_s=3.0)
-    outcome = within(120, lambda: precompile.precompile([dg], H200, tmp_path, quiet=True, device="cpu"))
+    outcome = within(120, lambda: compile_now([dg], H200, tmp_path, quiet=True, device="cpu"))
     assert [(c.needed_by, error) for c, error in outcome.failed] == [(dg.id, "timed out after 3 s")]
     assert outcome.done == 0
     assert leftover_workers(tmp_path) == []
@@ -457,11 +470,11 @@ def test_precompile_knows_plugin_subjects(fake_deep_gemm, tmp_path, monkeypatch,
     calls = precompile.planned_calls([check])[0]
     assert calls and {c.subject for c in calls} == {"planted_deepgemm_fallback"}
     # Control: workers not told of the plugin cannot make its calls (and say why).
-    unaware = precompile.precompile([check], H200, tmp_path, quiet=True, device="cpu")
+    unaware = compile_now([check], H200, tmp_path, quiet=True, device="cpu")
     assert len(unaware.failed) == len(calls)
     assert all("unknown subject 'planted_deepgemm_fallback'" in e for _, e in unaware.failed)
     capsys.readouterr()
-    outcome = precompile.precompile([check], H200, tmp_path, quiet=True, device="cpu",
+    outcome = compile_now([check], H200, tmp_path, quiet=True, device="cpu",
                                     plugins=["tests.fallback_plugin"])
     assert (outcome.done, outcome.failed) == (len(calls), [])
     assert capsys.readouterr().out == ""  # -q and nothing failed: no line
@@ -531,7 +544,7 @@ def test_a_bad_worker_count_is_one_clear_line(fake_deep_gemm, tmp_path, monkeypa
     load_all()
     dg = single_check(get("deepgemm_bf16_dense"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
     with pytest.raises(HarnessError) as exc:
-        precompile.precompile([dg], H200, tmp_path, quiet=True, device="cpu")
+        compile_now([dg], H200, tmp_path, quiet=True, device="cpu")
     message = str(exc.value)
     assert "\n" not in message and f"EP_HARNESS_PRECOMPILE_WORKERS={value!r} needs a positive integer" in message
     assert not (tmp_path / "precompile.log").exists()

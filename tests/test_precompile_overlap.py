@@ -30,7 +30,7 @@ from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
 from tests.conftest import REPO, gone, processes_with_env
 from tests.test_precompile import (  # noqa: F401  (fake_deep_gemm, ends_its_workers: fixtures)
-    H200, ends_its_workers, fake_deep_gemm, leftover_workers, small_h200_checks, worker_env, within)
+    H200, compile_now, ends_its_workers, fake_deep_gemm, leftover_workers, small_h200_checks, worker_env, within)
 
 SUITE = REPO / "tests" / "cases" / "overlap.toml"
 NEEDS = "needs-kernels"  # the case whose check "needs the kernels"; first in the plan
@@ -161,7 +161,7 @@ def test_every_check_making_a_call_still_to_compile_waits(fake_deep_gemm, tmp_pa
                                                           "tokens": 16, "gemm": "deepgemm_bf16_contiguous",
                                                           "world_size": 4})
     torch_mm = single_check(get("torch_mm"), "reference", {"dtype": "bfloat16", "n": 256, "k": 256})
-    assert precompile.precompile([first], H200, tmp_path, quiet=True, device="cpu").done > 0  # compiled before
+    assert compile_now([first], H200, tmp_path, quiet=True, device="cpu").done > 0  # compiled before
     later = [c for c in checks[1:4] if not set(precompile.planned_calls([c])[0]) <= set(
         precompile.planned_calls([first])[0])]
     assert later
