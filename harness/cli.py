@@ -50,6 +50,17 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _emulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--emulate MODE, and --emulate-hosts (its older spelling of `--emulate hosts`)."""
+    from ep_harness.emulation import MODES
+
+    parser.add_argument("--emulate", choices=MODES, default=None,
+                        help="run --gpus N NCCL ranks on fewer GPUs: 'hosts' (one emulated host per rank, NET/Socket) "
+                             "or 'single-node' (one NCCL node, P2P on the device; NCCL >= 2.30). Neither is NVLink")
+    parser.add_argument("--emulate-hosts", dest="emulate", action="store_const", const="hosts",
+                        help="the same as --emulate hosts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ep-harness", description=__doc__)
     parser.add_argument("--version", action=_Version)
@@ -60,8 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gpus", type=_gpus, default=None,
                    help="GPUs to use (default: every visible GPU; 0 or none visible: CPU with gloo)")
     v.add_argument("--cpu-ranks", type=int, default=4, help="largest gloo world size on the CPU (default 4)")
-    v.add_argument("--emulate-hosts", action="store_true",
-                   help="run --gpus N NCCL ranks on fewer GPUs, one emulated host per rank (NET/Socket; not NVLink)")
+    _emulation_arguments(v)
     v.add_argument("--check", action="append", default=[], metavar="ID",
                    help="run only these checks: a case name, an id prefix (CASE/PROPERTY) or a glob over ids "
                         "(repeatable)")
@@ -115,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("nightly", help="verify + gate + history + report with trends (make nightly)")
     n.add_argument("--suite", default="nightly")
     n.add_argument("--gpus", type=_gpus, default=None)
-    n.add_argument("--emulate-hosts", action="store_true")
+    _emulation_arguments(n)
     n.add_argument("--summary-md", type=Path, metavar="PATH", help="append a Markdown verdict with the gate's result")
     n.add_argument("--junit-xml", type=Path, metavar="PATH")
     n.add_argument("--baseline", type=Path)
@@ -139,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only these checks: a case name, an id prefix or a glob (repeatable)")
     st.add_argument("--gpus", type=_gpus, default=None)
     st.add_argument("--cpu-ranks", type=int, default=4)
-    st.add_argument("--emulate-hosts", action="store_true", help="as for verify: NCCL ranks beyond the GPUs")
+    _emulation_arguments(st)
     st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
@@ -152,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
     ls.add_argument("--gpus", type=_gpus, default=None)
     ls.add_argument("--cpu-ranks", type=int, default=4)
-    ls.add_argument("--emulate-hosts", action="store_true")
+    _emulation_arguments(ls)
     ls.add_argument("--plugin", action="append", default=[])
     return parser
 
@@ -184,13 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
-            platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
+            platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
             from ep_harness.verify import RunOptions, verify
 
             code, run_dir = verify(RunOptions(
                 args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
                 out_root=args.out, command=["ep-harness", *argv], render=not args.no_report, quiet=args.quiet,
-                launches=args.launches, emulate_hosts=args.emulate_hosts, from_record=args.from_record,
+                launches=args.launches, emulate=args.emulate, from_record=args.from_record,
                 allow_empty=args.allow_empty, seed=args.seed, junit_xml=args.junit_xml, summary_md=args.summary_md,
                 show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes))
             if args.quiet:
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
                             selection=args.check, plugins=args.plugin, out_root=args.out,
                             command=["ep-harness", *argv], render=not args.no_report,
-                            every_cell=args.every_cell, emulate_hosts=args.emulate_hosts)[0]
+                            every_cell=args.every_cell, emulate=args.emulate)[0]
         if args.command == "gate":
             from ep_harness.gate import gate, render_gate
 
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
-                           emulate_hosts=args.emulate_hosts, summary_md=args.summary_md, junit_xml=args.junit_xml,
+                           emulate=args.emulate, summary_md=args.summary_md, junit_xml=args.junit_xml,
                            command=["ep-harness", *argv])
     except NotComparable as exc:  # no baseline of this run's fingerprint: neither pass nor regression
         print(f"ep-harness: {exc}", file=sys.stderr)
@@ -287,6 +297,6 @@ def _list(args) -> int:
         return 0
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
-    for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate_hosts)):
+    for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate)):
         print(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))
     return 0

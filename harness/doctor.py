@@ -119,8 +119,13 @@ def gpu_finding(torch, cuda: str | None, count: int) -> Finding:
 
 def emulation_finding(gpus: int, nccl: bool) -> Finding:
     if gpus and nccl:
-        return Finding("emulation", OK, f"emulated hosts possible: --emulate-hosts --gpus N runs N NCCL ranks on "
-                                        f"the {gpus} GPU(s), one host each (NET/Socket over lo)")
+        from ep_harness.emulation import single_node_problem
+        from ep_harness.nccl.pins import nccl_version
+
+        single = single_node_problem(nccl_version())
+        return Finding("emulation", OK, f"--emulate hosts --gpus N runs N NCCL ranks on the {gpus} GPU(s), one host "
+                                        f"each (NET/Socket over lo); --emulate single-node: "
+                                        f"{'possible (one NCCL node, P2P on the device)' if not single else single}")
     why = "no GPU visible" if not gpus else "torch has no NCCL backend"
     return Finding("emulation", SKIP, f"emulated hosts impossible ({why}): the h200-emulated suites skip",
                    "run on a machine with an NVIDIA GPU and a CUDA build of torch")

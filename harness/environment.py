@@ -44,28 +44,34 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:
     """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU.
 
-    emulate_hosts: GPUS ranks may exceed the visible GPUs; they share them, one emulated
-    NCCL host per rank (harness/emulation.py)."""
+    emulate: GPUS ranks may exceed the visible GPUs; they share them, each as an emulated
+    NCCL host ("hosts") or all as one NCCL node ("single-node", NCCL >= 2.30;
+    harness/emulation.py)."""
+    from ep_harness.emulation import MODES, single_node_problem
+
+    if emulate is not None and emulate not in MODES:
+        raise HarnessError(f"--emulate {emulate}: unknown emulation; use one of {', '.join(MODES)}")
+    flag = f"--emulate {emulate}"
     visible = visible_gpus()
-    if emulate_hosts and visible == 0:
-        raise HarnessError("--emulate-hosts runs NCCL ranks on a GPU, but no GPU is visible; "
+    if emulate and visible == 0:
+        raise HarnessError(f"{flag} runs NCCL ranks on a GPU, but no GPU is visible; "
                            "drop the flag to run the CPU default")
     if gpus is None:
         gpus = visible
     if gpus < 0:
         raise HarnessError(f"--gpus {gpus} is negative; use --gpus 0 for the CPU or a GPU count")
-    if emulate_hosts and gpus == 0:
-        raise HarnessError("--emulate-hosts needs --gpus N ranks (N >= 1); --gpus 0 is the CPU default")
-    if gpus > visible and not emulate_hosts:
+    if emulate and gpus == 0:
+        raise HarnessError(f"{flag} needs --gpus N ranks (N >= 1); --gpus 0 is the CPU default")
+    if gpus > visible and not emulate:
         found = f"{visible} visible GPU{'s' if visible != 1 else ''}"
         raise HarnessError(
             f"--gpus {gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --gpus {visible}"
-            f"{' (the CPU)' if visible == 0 else ''}, a machine with {gpus} GPUs, or --emulate-hosts to run "
-            f"{gpus} NCCL ranks as emulated hosts on the GPUs present"
+            f"{' (the CPU)' if visible == 0 else ''}, a machine with {gpus} GPUs, or --emulate hosts "
+            f"(or single-node) to run {gpus} NCCL ranks on the GPUs present"
         )
     if gpus == 0:
         if cpu_ranks < 1:
@@ -74,27 +80,31 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
         return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
     import torch
 
+    emulation = emulate if emulate and gpus > visible else None
+    if emulation == "single-node":
+        problem = single_node_problem(nccl_version())
+        if problem:
+            raise HarnessError(problem)
     props = torch.cuda.get_device_properties(0)
-    emulated = emulate_hosts and gpus > visible
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
-                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulated_hosts=emulated)
+                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulation=emulation)
 
 
-def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:
     """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.nodes.Nodes):
     the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
     import dataclasses
 
     if not nodes.multi:
-        return detect(gpus, cpu_ranks, emulate_hosts)
+        return detect(gpus, cpu_ranks, emulate)
     total, per_node = nodes.ranks, nodes.nproc_per_node
     if gpus not in (None, 0, total):
         raise HarnessError(f"--gpus {gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
                            f"drop --gpus, or make it {total} (or 0 for gloo on the CPU)")
     visible = visible_gpus()
-    if gpus == 0 or (visible == 0 and not emulate_hosts):
+    if gpus == 0 or (visible == 0 and not emulate):
         return Platform(backend="gloo", device="cpu", ranks=total, nodes=nodes.nnodes)
-    local = detect(per_node, cpu_ranks, emulate_hosts)
+    local = detect(per_node, cpu_ranks, emulate)
     return dataclasses.replace(local, ranks=total, nodes=nodes.nnodes)
 
 

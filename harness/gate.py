@@ -45,8 +45,8 @@ def platform_key(environment: dict) -> str:
     nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
     if gpus:
         name = re.sub(r"[^A-Za-z0-9]+", "-", gpus[0]).strip("-").lower()
-        if topology.get("kind") == "emulated-hosts":
-            return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}{nodes}"
+        if topology.get("kind") in ("emulated-hosts", "single-node"):  # each emulation keeps its own baselines
+            return f"{name}-x{len(gpus)}-{topology['kind']}-{topology.get('ranks')}{nodes}"
         return f"{name}-x{len(gpus)}{nodes}"
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 

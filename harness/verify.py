@@ -36,7 +36,7 @@ def new_run_id() -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
-def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
+def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate: str | None = None,
                   from_record: bool = False, nodes: Nodes = Nodes()) -> str:
     cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal(check_id)]
     if nodes.multi:  # the head's command; the other nodes start theirs as before
@@ -45,8 +45,8 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
         cmd += ["--launcher", nodes.launcher] if nodes.launcher != "torchrun" else []
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
-    if emulate_hosts:
-        cmd += ["--emulate-hosts"]
+    if emulate:
+        cmd += ["--emulate", emulate]
     for p in plugins:
         cmd += ["--plugin", p]
     return shlex.join(cmd)
@@ -191,7 +191,7 @@ class RunOptions:
     render: bool = True
     quiet: bool = False
     launches: str = "auto"  # how checks are grouped into torchrun launches
-    emulate_hosts: bool = False
+    emulate: str | None = None  # "hosts" or "single-node" (harness/emulation.py)
     from_record: Path | None = None  # rerun these records' checks instead of a suite's
     allow_empty: bool = False  # a run whose checks were all skipped passes
     seed: int | None = None
@@ -212,14 +212,14 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     if options.from_record is not None:
         suite_path = options.from_record
         registry.load_all(plugins)
-        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
         checks = checks_from_records(options.from_record, platform, options.selection)
     else:
         suite_path = resolve_suite_path(options.suite)
         loaded = load_suite(suite_path)
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
-        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
         checks = expand(loaded, platform, options.selection, options.seed)
     run_id, run_dir = claim_run_dir(options.out_root)
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
@@ -230,7 +230,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
     def rerun(c: Check) -> str:
-        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulated_hosts,
+        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
                              options.from_record is not None, nodes)
 
     stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
@@ -280,7 +280,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                         say_line(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
                                  f"{tag.replace('-', ' ')}{later}")
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        platform.emulated_hosts, on_outcome=on_outcome, precompile_wait=wait))
+                                        platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
                 return done
 
             outcomes.update(run_all("", stream.finished))

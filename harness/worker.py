@@ -167,6 +167,9 @@ def rank_main() -> None:
         channel.put("ranks", fingerprints)
     env_error = _pinned_env_error(ctx.gather(unpinned(job.get("pinned_env") or {})))
     if job["backend"] == "nccl":
+        from ep_harness.nccl import library as nccl_library
+
+        env_error = env_error or nccl_library_error(job.get("nccl"), ctx.gather(nccl_library.loaded()))
         _read_nccl_topology(ctx, channel)
 
     checks = job["checks"]
@@ -245,6 +248,18 @@ def unpinned(pinned: dict[str, str]) -> dict[str, str | None]:
     return {k: os.environ.get(k) for k, v in pinned.items() if os.environ.get(k) != v}
 
 
+def nccl_library_error(named: str | None, per_rank: list) -> str | None:
+    """Why the ranks do not all run the NCCL the run names (each an
+    ep_harness.nccl.library.LoadedNccl), or None: a record must name the NCCL that computed it."""
+    wrong = [f"rank {r} runs {lib.text or 'no NCCL library'}" + (f" ({lib.problem()})" if lib.problem() else "")
+             for r, lib in enumerate(per_rank) if lib.text != named or lib.problem()]
+    if not wrong:
+        return None
+    return (f"the run names NCCL {named or 'none'} (read from the launcher's library), but " + "; ".join(wrong[:4]) +
+            (f"; {len(wrong) - 4} more" if len(wrong) > 4 else "") +
+            ": every rank must load one NCCL (replace torch's libnccl.so.2 on every node: docs/gpu-setup.md)")
+
+
 def _pinned_env_error(per_rank: list[dict]) -> str | None:
     wrong = [f"rank {r}: {k} {'missing' if v is None else f'is {v!r}'}"
              for r, found in enumerate(per_rank) for k, v in sorted(found.items())]
@@ -268,13 +283,13 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
 
 
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
-    """This rank's GPU; as an emulated host when the launch has more ranks than GPUs."""
-    from ep_harness.emulation import device_index, emulated_host_env
+    """This rank's GPU; ranks beyond the visible GPUs share them, emulated as the job says."""
+    from ep_harness.emulation import device_index, emulation_env
 
     os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
     visible = torch.cuda.device_count()
-    if job.get("emulate_hosts") and world_size > visible:
-        os.environ.update(emulated_host_env(rank))  # read by NCCL when the communicator is made
+    if job.get("emulate") and world_size > visible:
+        os.environ.update(emulation_env(job["emulate"], rank))  # read by NCCL when the communicator is made
         return torch.device("cuda", device_index(rank, visible))
     return torch.device("cuda", local_rank)
 

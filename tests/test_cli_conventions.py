@@ -346,7 +346,7 @@ def test_the_no_gpu_error_speaks_in_cli_options():
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "--gpus 4 but this machine has 0 visible GPUs" in line and "use --gpus 0 (the CPU)" in line
-    assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate-hosts" in line
+    assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate hosts" in line
 
 
 def test_expect_model_without_an_order_model_is_refused_at_planning(tmp_path):

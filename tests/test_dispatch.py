@@ -136,7 +136,7 @@ def test_deepep_v1_predicts_its_combine_exactly(one_rank, fake):
 def test_deepep_skips_say_why(fake):
     from ep_harness.subject import Platform
 
-    gpu = Platform("nccl", "cuda", 8, gpus=1, emulated_hosts=True)
+    gpu = Platform("nccl", "cuda", 8, gpus=1, emulation="hosts")
     assert deepep.DeepEPLowLatency().unavailable(gpu, DispatchParams(world_size=4)).startswith(
         "DeepEP's low-latency mode needs NVSHMEM with IBGDA and one GPU per rank; this run has 4 ranks on 1 GPU")
     assert "take 2, 4 or 8 ranks" in deepep.DeepEPNormal().unavailable(gpu, DispatchParams(world_size=3, hidden=256))

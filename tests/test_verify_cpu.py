@@ -85,7 +85,8 @@ def test_faulty_ranks_become_error_records(tmp_path):
     (["--suite", "tests/cases/does-not-exist.toml"], "not found"),
     (["--gpus", "4"], "--gpus 4 but this machine has 0 visible GPUs"),
     (["--suite", "smoke", "--check", "no/such/check"], "matches no check"),
-    (["--gpus", "4", "--emulate-hosts"], "--emulate-hosts runs NCCL ranks on a GPU, but no GPU"),
+    (["--gpus", "4", "--emulate-hosts"], "--emulate hosts runs NCCL ranks on a GPU, but no GPU"),
+    (["--gpus", "4", "--emulate", "single-node"], "--emulate single-node runs NCCL ranks on a GPU, but no GPU"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     proc = run_cli("verify", *args, "--out", str(tmp_path))
