@@ -14,9 +14,10 @@ bash ci/use_nccl.sh "${NCCL_BUILD:?set NCCL_BUILD to a ci/build_nccl.sh archive}
   python3 -c "from ep_harness.nccl import library; print('loaded NCCL', library.loaded().to_dict())"; } > "$OUT/machine.txt" 2>&1
 log "recording (${RECORD_CONFIGS:=pins rsring free treefree treech1})"
 python3 ci/nccl_record.py /tmp/rec --emulate single-node --configs $RECORD_CONFIGS --world-sizes 4 8 >> "$OUT/run.log" 2>&1
-tar -C /tmp -czf "$OUT/recordings.tgz" rec
+tar -C /tmp --exclude="*.pt" -czf "$OUT/recordings.tgz" rec  # logs and digests: the fixtures need no outputs
 for mode in ${MODES:-single-node hosts}; do
-  log "verify --emulate $mode"
+  mode_checks=CHECKS_${mode//-/_}; CHECKS=${!mode_checks:-}  # e.g. CHECKS_single_node="--check ar-ring-unpinned"
+  log "verify --emulate $mode $CHECKS"
   start=$(date +%s)
   timeout "${VERIFY_TIMEOUT_S:-240}" python3 -m ep_harness verify --suite cases/h200-single-node.toml --gpus "${RANKS:-8}" \
     --emulate "$mode" --out "/tmp/runs-$mode" ${CHECKS:-} > "/tmp/verify-$mode.log" 2>&1
