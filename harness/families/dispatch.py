@@ -296,7 +296,7 @@ def exact_calls_possible(p: DispatchParams) -> str | None:
     steps = CALL_MAGNITUDE * 8 * float(call_weights(p.topk).sum())
     if steps > BF16_INTEGERS:
         return (f"topk = {p.topk}: the weighted sums of corruption-rate's exact inputs ({steps:.0f} steps of 1/8) "
-                f"exceed bf16's exact integers ({BF16_INTEGERS}); use topk <= 8")
+                f"exceed bf16's exact integers ({BF16_INTEGERS}); use topk <= 15")
     return None
 
 
