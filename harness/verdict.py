@@ -27,7 +27,11 @@ def decide(check, m: Measurement) -> tuple[str, str]:
     expect = check.expect
     counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}"
     prop = properties.PROPERTIES.get(getattr(check, "property", None))
-    if prop is not None and prop.counts_runs and m.rows_differing:  # k of n: how often, not whether
+    rate = m.detail.get("corruption") if isinstance(m.detail, dict) else None
+    if rate:  # corruption-rate: k of n calls, and how rare a defect 0 of n rules out
+        counts += (f"; {rate['corrupted']} of {rate['calls']} calls corrupted, per-call rate <= "
+                   f"{rate['upper_bound']:.3%} ({rate['confidence']:.0%}, {rate['bound']})")
+    elif prop is not None and prop.counts_runs and m.rows_differing:  # k of n: how often, not whether
         counts += f"; {m.rows_differing} of {m.rows - 1} repeats differ from the first"
     if m.extra_failure:
         return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite)

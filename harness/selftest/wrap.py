@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -43,11 +44,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1]) if t.dim() else t.view(1, 1)
 
 
-def _region(out: torch.Tensor, inj: Injection) -> torch.Tensor | None:
+def rare_draw(call: int, one_in: int, world: int) -> tuple[bool, int, float]:
+    """The `rare` injection's draw for call `call`, the same on every rank: whether it fires
+    (probability 1 / one_in), on which rank, and where among the rows (a fraction)."""
+    r = random.Random(f"ep-harness rare injection, call {call}")
+    return r.random() < 1.0 / one_in, r.randrange(world), r.random()
+
+
+def _region(out: torch.Tensor, inj: Injection, row_draw: float = 0.0) -> torch.Tensor | None:
     if out.numel() == 0 or not out.is_contiguous():
         return None
     if inj.place == "all":
         return out
+    if inj.place == "row":
+        rows = _rows(out)
+        return rows[int(row_draw * rows.shape[0]) if inj.when == "rare" else inj.element % rows.shape[0]]
     if inj.place == "element":
         i = inj.element % out.numel()
         return out.view(-1)[i:i + 1]
@@ -73,6 +84,7 @@ class _Wrapped:
         self._rank = int(os.environ.get("RANK", "0"))
         self._calls = 0
         self._first: tuple[int, int] | None = None  # rows and bytes of the check's first output
+        self._row_draw = 0.0  # rare: where in [0, 1) of the rows the call's defect lands
         self._log = Path(os.environ.get("EP_HARNESS_JOB_DIR", ".")) / f"injections-rank{self._rank}.jsonl"
 
     def __getattr__(self, name):
@@ -89,6 +101,9 @@ class _Wrapped:
             return False
         if inj.when == "in-graph":
             return _capturing()
+        if inj.when == "rare":
+            fires, rank, self._row_draw = rare_draw(call, inj.threshold or 50, int(os.environ.get("WORLD_SIZE", "1")))
+            return fires and (inj.rank is not None or rank == self._rank)
         if inj.when == "rows-above":
             return rows > (self._first[0] if inj.threshold is None else inj.threshold)
         if inj.when == "bytes-above":
@@ -109,7 +124,7 @@ class _Wrapped:
             _previous[key] = out.detach().clone()  # what this call computed: the next call's stale value
         if not self._fires(call, out):
             return
-        targets = self._outside(inp, slice_rows) if inj.defect == "write-input" else [_region(out, inj)]
+        targets = self._outside(inp, slice_rows) if inj.defect == "write-input" else [_region(out, inj, self._row_draw)]
         targets = [t for t in targets if t is not None and t.numel()]
         if not targets or (inj.defect == "stale" and (previous is None or capturing)):
             return
