@@ -64,10 +64,11 @@ def test_the_log_shows_one_node_of_p2p_rings_and_one_chain_tree(config, world_si
     assert (topo.version, topo.nranks, topo.nnodes, topo.local_ranks) == ("2.30.7", world_size, 1, world_size)
     assert topo.transports == ["P2P/CUMEM"]
     assert topo.ring() == list(range(world_size))  # every channel the same ring
-    trees = topo.channel_trees()
-    assert len(trees) >= 8 and all(t == trees[0] for t in trees)  # one tree on every channel NCCL logged
+    # NCCL cuts its long `Trees` line at 64 channels: a rank's last channels may be missing
+    # there, so only the channels every rank logged are compared.
+    complete = [t for t in topo.channel_trees() if len(t) == world_size]
     chain = {r: ([r + 1] if r + 1 < world_size else [], r - 1) for r in range(world_size)}  # 0 -> 1 -> ... -> W-1
-    assert topo.trees[0] == chain
+    assert len(complete) >= 8 and all(t == chain for t in complete)  # one chain tree on every channel
     assert topo.coll_channels == {("pins", 4): 8, ("pins", 8): 8, ("free", 4): 64, ("free", 8): 56}[config, world_size]
 
 
