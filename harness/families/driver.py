@@ -141,10 +141,9 @@ def fill_sentinel(out: torch.Tensor) -> None:
     out.view(SENTINEL_INT[out.dtype]).fill_(SENTINEL_BITS[out.dtype])
 
 
-def still_sentinel(out: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Where `out` still holds the sentinel (only where `valid`: padding rows need no write)."""
-    left = out.view(SENTINEL_INT[out.dtype]) == SENTINEL_BITS[out.dtype]
-    return left if valid is None else left & valid.to(left.device)
+def still_sentinel(out: torch.Tensor) -> torch.Tensor:
+    """Where `out` still holds the sentinel."""
+    return out.view(SENTINEL_INT[out.dtype]) == SENTINEL_BITS[out.dtype]
 
 
 @contextmanager
@@ -166,8 +165,14 @@ def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | 
                 and name not in log.modified:
             log.modified.append(name)
     for out, valid in outputs:
-        log.unwritten += int(still_sentinel(out, valid).sum())
-        log.outputs += out.numel() if valid is None else int(valid.sum())
+        left = still_sentinel(out)
+        if valid is None:
+            log.unwritten, log.outputs = log.unwritten + int(left.sum()), log.outputs + out.numel()
+            continue
+        valid = valid.to(out.device)
+        log.unwritten += int((left & valid).sum())
+        log.outputs += int(valid.sum())
+        out.masked_fill_(left & ~valid, 0)  # padding no call must write: zeros, as the buffer was made
 
 
 def judge_calls(m: Measurement, logs: list[CallLog]) -> None:
