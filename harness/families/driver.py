@@ -262,7 +262,7 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)
-    log, token = CallLog(), None
+    log = CallLog()  # what the subject's calls did beside their results (subject_call)
     with kernel_trace.kernel_names(ctx.device, trace) as ran:
         token = _LOG.set(log)
         try:
