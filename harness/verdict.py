@@ -22,10 +22,32 @@ def nonfinite_text(nonfinite: dict | None) -> str:
     return f" ({text})"
 
 
+def kinds_text(m: Measurement) -> str:
+    """What kind of difference a bitwise comparison counted: ': 2,040 in value, 8 signed zeros
+    (+0.0 vs -0.0), 1 NaN payload' (non-finite ones are named by nonfinite_text), or ''."""
+    if m.comparison != "bitwise" or not m.mismatched:
+        return ""
+    bit_only, nonfinite = m.bit_only or {}, m.nonfinite or {}
+    zeros, payloads = bit_only.get("signed_zero", 0), bit_only.get("nan_payload", 0)
+    odd = sum(nonfinite.values())
+    parts = [(m.mismatched - zeros - payloads - odd, "in value"), (odd, "non-finite"),
+             (zeros, "signed zeros (+0.0 vs -0.0)"), (payloads, "NaN payloads (both NaN, other bits)")]
+    return ": " + ", ".join(f"{n:,} {what}" for n, what in parts if n > 0)
+
+
+def vacuity_estimate(m: Measurement) -> str | None:
+    """Why the check was expected to be unable to fail, when it measured a difference all the
+    same (a measured difference is never vacuous: the estimate covers reorderings only)."""
+    if not m.mismatched:
+        return None
+    return m.vacuous_reason or m.detail.get("vacuity_estimate")
+
+
 def decide(check, m: Measurement) -> tuple[str, str]:
-    """Return (status, reason) for a Check from its expectation and its measurement."""
+    """Return (status, reason) for a Check from its expectation and its measurement. A check
+    that measured a difference is never vacuous, whatever its vacuity estimate said."""
     expect = check.expect
-    counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}"
+    counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}{kinds_text(m)}"
     prop = properties.PROPERTIES.get(getattr(check, "property", None))
     rate = m.detail.get("corruption") if isinstance(m.detail, dict) else None
     if rate:  # corruption-rate: k of n calls, and how rare a defect 0 of n rules out
@@ -38,8 +60,11 @@ def decide(check, m: Measurement) -> tuple[str, str]:
     exact = bool(m.order_model_exact) and m.predicted_mismatched is not None
     if exact and m.predicted_mismatched != m.mismatched:
         return "unexpected", f"order model predicted {m.predicted_mismatched:,} mismatched, measured {m.mismatched:,}"
-    if m.vacuous_reason:
+    if m.vacuous_reason and not m.mismatched:
         return "vacuous", f"could not fail: {m.vacuous_reason}"
+    estimate = vacuity_estimate(m)
+    if estimate:  # measured anyway: not an order effect the estimate models, so say what it ruled out
+        counts += f" (measured although the vacuity estimate said none could differ: {estimate})"
     if expect == "model":  # the exact order model decides whether it holds
         if not exact:
             return "unexpected", f"expect = model needs an exact order-model prediction and none was made ({counts})"

@@ -29,7 +29,7 @@ import torch
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.contracts import DispatchConfig, Received, resolve_wire_dtype
-from ep_harness.families.driver import Family, kept
+from ep_harness.families.driver import Family, kept, require_finite, subject_call
 from ep_harness import inputs as gen
 from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
@@ -91,9 +91,11 @@ def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list
     for run in runs:
         x, idx, w = rank_tokens(p, run.spec, ctx.rank)
         x, idx, w = x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
-        received = subject.dispatch(x, idx, w, cfg, ctx.group)
+        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w}):
+            received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
-        out = subject.combine(y, received, w, ctx.group)
+        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w, "expert_out": y}):
+            out = subject.combine(y, received, w, ctx.group)
         copies.append({i: kept(out[pos]) for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "combine-reference":
             outputs.append(kept(out))
@@ -117,6 +119,7 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
                                 getattr(subject, "rounds_partials", False))
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    require_finite(m, observed, _probe_combined(p, runs[0].spec, world))
     m.sensitivity = order_sensitive(p)
     m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
     model = getattr(subject, "combine_model", None)
@@ -255,6 +258,13 @@ def _measure_combine(p: DispatchParams, run, outputs, world: int, rounds_partial
     rule = Bound(rule="|err| <= 2^-8*|exact| + (gamma(k, 2^-24) + u_partial)*sum_j w_j|y_j|",
                  terms={"u_out": u_out, "gamma": g, "u_partial": u_partial})
     return Measurement.within(got, exact, bound, rule)
+
+
+def _probe_combined(p: DispatchParams, run, world: int) -> torch.Tensor:
+    """The probe's float64 combined output [H] (its first copy in `run`)."""
+    rank, pos = run.probes[0]
+    y, w = _combine_inputs(p, run, world)[rank]
+    return (y[pos] * w[pos].unsqueeze(-1)).sum(0)
 
 
 def order_sensitive(p: DispatchParams) -> int:

@@ -27,7 +27,7 @@ import torch
 from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
-from ep_harness.families.driver import Family, kept
+from ep_harness.families.driver import Family, kept, require_finite, subject_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.moe_scenario import Placement, placement_runs, probe_copies
 from ep_harness.params import MoeParams
@@ -115,7 +115,8 @@ def _observe(subject, ctx: RankContext, p: MoeParams, prop: str, runs: list) -> 
     mine, outs = [], []
     for run in runs:
         part = partials(p, run.spec, ctx.rank, ctx.world_size).to(ctx.device)
-        out, idx = subject.forward(part, weights, p, ctx.group)
+        with subject_call({"partials": part, "weights": weights}):
+            out, idx = subject.forward(part, weights, p, ctx.group)
         mine.append({c: kept(out[pos]) for c, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "reference":
             outs.append(Routed(kept(out), kept(idx)))
@@ -245,12 +246,20 @@ def _gemm_sensitivity(p: MoeParams, x: torch.Tensor) -> int:
     return count
 
 
+def _probe_reference(p: MoeParams, probe: torch.Tensor) -> torch.Tensor:
+    """The float64 layer's output [H] for the probe token, from its TP partials [W, H]."""
+    w = layer_weights(p)
+    x = probe.double().sum(0, keepdim=True)
+    return ref.moe_layer(x, x @ w["router"].double().T, w["gate_up"], w["down"], p.topk, p.scoring)[0][0]
+
+
 def _measure_probe(p: MoeParams, prop, runs, gathered, world) -> Measurement:
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
     first = runs[0].spec
     r0, pos0 = first.probes[0]
     probe = torch.stack([partials(p, first, r, world)[sum(first.tokens[:r0]) + pos0] for r in range(world)])
+    require_finite(m, observed, _probe_reference(p, probe))
     tp_sensitive = int(order_sensitive(probe).sum()) if world > 2 else 0
     if prop == "rank-invariance":  # only the TP sum's order can depend on the rank
         m.sensitivity = tp_sensitive
