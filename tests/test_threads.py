@@ -178,3 +178,32 @@ def test_a_measured_check_is_shown_as_measured_with_its_count():
     assert "  measured  " in text and "# measured, not asserted" in text
     assert "#   m/batch-invariance: 4 / 1,792" in text
     assert text.splitlines()[-1].startswith("# OK: 1 ok") and "(1 of the ok measured, not asserted)" in text
+
+
+def test_the_fixed_order_gemm_gives_a_row_the_same_bits_in_any_batch_on_any_thread_count():
+    """fixed_order_mm, what the CPU default asserts to hold: a row's bits alone, in a batch of 300
+    and on 1 or 2 threads are one; the sum is the float64 product's to within K float64 roundings.
+    Positive control: summing the K halves apart (the planted thread-variant GEMM's one-thread
+    path) moves bits of the same rows."""
+    import torch
+
+    from ep_harness.subjects.gemm.fixed_order_mm import fixed_order_product
+    from tests.planted import split_k
+
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(300, 512, generator=gen).bfloat16()
+    b = torch.randn(96, 512, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = fixed_order_product(a, b)
+        torch.set_num_threads(1)
+        assert torch.equal(fixed_order_product(a, b), batch)
+        for m in (1, 3, 128, 299):
+            assert torch.equal(fixed_order_product(a[:m], b), batch[:m]), m
+        assert torch.equal(fixed_order_product(a[137:138], b), batch[137:138])
+    finally:
+        torch.set_num_threads(before)
+    exact = a.double() @ b.double().T
+    assert (batch - exact).abs().max() <= 512 * 2.0 ** -52 * (a.double().abs() @ b.double().abs().T).max()
+    assert (split_k(a, b) != batch.float()).any()
