@@ -9,7 +9,10 @@
     subject = "reduce_scatter_native"
     properties = ["rank-invariance", "batch-invariance"]
     expect = "violated"               # or { gloo = "violated", nccl = "holds" }, or "model":
-                                      # whatever an exact order model predicts for the inputs
+                                      # whatever an exact order model predicts for the inputs,
+                                      # or "measure": a fact about this machine's library
+                                      # (e.g. a CPU BLAS's batch-invariance), reported with its
+                                      # count and never failing the run
     timeout_s = 60                    # optional, per check
     env = { NCCL_ALGO = "..." }       # optional launch environment overrides
     [case.grid]                       # lists; every combination is one check
@@ -32,7 +35,9 @@ from ep_harness.errors import HarnessError, did_you_mean
 
 SUITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # it names the suite's baseline files: a plain file name
 
-EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
+# model: an exact order model predicts it; measure: reported, never asserted (a third-party
+# kernel's platform-dependent behaviour: ISA, library build, thread count)
+EXPECTATIONS = ("holds", "violated", "model", "measure")
 BACKENDS = ("gloo", "nccl")
 CASE_KEYS = {"name", "subject", "properties", "expect", "timeout_s", "env", "grid", "params", "description"}
 SUITE_KEYS = {"name", "description", "plugins"}

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how checks share torchrun launches (auto: one on gloo, one per world size on NCCL)")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
+    v.add_argument("--threads", default=None, metavar="N",
+                   help="CPU threads of every rank (default: a case's or record's own, else 1; OMP_NUM_THREADS in "
+                        "your environment does not change it: docs/threads.md)")
     m = v.add_argument_group("several nodes (torchrun's c10d rendezvous; world size = NNODES x NPROC_PER_NODE)")
     m.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     m.add_argument("--nproc-per-node", type=int, default=None, metavar="P", help="ranks per node")
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.cases import load_suite, resolve_suite_path
             from ep_harness.environment import platform_for
             from ep_harness.nodes import Nodes
+            from ep_harness.threads import parse_threads
 
             # Bad node options, a missing or malformed suite and more GPUs than the machine
             # has fail here, before torch loads (on a machine without a GPU driver).
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
                 raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
+            threads = None if args.threads is None else parse_threads(args.threads, "--threads")
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 out_root=args.out, command=["ep-harness", *argv], render=not args.no_report, quiet=args.quiet,
                 launches=args.launches, emulate=args.emulate, from_record=args.from_record,
                 allow_empty=args.allow_empty, seed=args.seed, junit_xml=args.junit_xml, summary_md=args.summary_md,
-                show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes))
+                show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes, threads=threads))
             if args.quiet:
                 _quiet_summary(run_dir)
             return code

@@ -95,9 +95,34 @@ def torch_findings() -> tuple[list[Finding], int, bool]:
                            "pip install --force-reinstall torch (a build with torch.distributed)"))
     else:
         out.append(Finding("gloo", OK, "torch.distributed gloo: the CPU default runs (ep-harness verify --gpus 0)"))
+    out.append(cpu_finding())
     count = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
     out.append(gpu_finding(torch, cuda, count))
     return out, count, bool(cuda and dist.is_available() and dist.is_nccl_available())
+
+
+def cpu_finding(cpu: dict | None = None) -> Finding:
+    """The CPU, its vector ISA, the thread count every rank will be pinned to, and what that
+    means for the CPU GEMM checks (a oneDNN bf16 GEMM's bits depend on all three)."""
+    from ep_harness.run_environment import cpu_fingerprint
+    from ep_harness.threads import DEFAULT_THREADS
+
+    cpu = cpu_fingerprint() if cpu is None else cpu
+    isa = cpu.get("isa") or []
+    cap = f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else ""
+    if "amx_bf16" in isa:
+        kernel = ("oneDNN's bf16 GEMM runs on AMX here, and on such a CPU it was measured batch-variant on one thread "
+                  "and invariant on two")
+    elif "avx512_bf16" in isa:
+        kernel = "oneDNN's bf16 GEMM runs on AVX512-BF16 here"
+    else:
+        kernel = "oneDNN's (or the CPU BLAS's) bf16 GEMM runs without bf16 instructions here"
+    return Finding("cpu", OK, f"{cpu.get('model') or 'unknown model'}; ISA {' '.join(isa) or 'none of note'} "
+                              f"(torch dispatch {cpu.get('torch_capability') or 'unknown'}{cap}); every rank runs on "
+                              f"{DEFAULT_THREADS} thread(s), pinned (--threads N); {kernel}: the CPU default asserts "
+                              f"the fixed-order GEMM (invariant by construction) and reports torch.mm's and "
+                              f"torch._grouped_mm's batch and position invariance as measured on this machine, "
+                              f"never failing on them")
 
 
 def gpu_finding(torch, cuda: str | None, count: int) -> Finding:

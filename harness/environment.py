@@ -11,6 +11,7 @@ from ep_harness.cases import FORCED_ENV
 from ep_harness.errors import HarnessError
 from ep_harness.nccl.pins import launch_pins, log_settings, nccl_version
 from ep_harness.subject import Platform
+from ep_harness.threads import DEFAULT_THREADS, THREADS_VAR
 
 CPU_DEFAULT_RANKS = 4
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
@@ -118,11 +119,14 @@ def deep_gemm_cache_dir() -> str:
 
 
 def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
-    """The environment every launch runs under (case overrides applied, safety keys forced)."""
+    """The environment every launch runs under (case overrides applied, safety keys forced).
+    The ranks' thread count is pinned too: the default here, a check's own (its `env`, where
+    the planner put it: harness/threads.py) in `overrides`."""
     env = {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
         "PYTHONHASHSEED": "0",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        THREADS_VAR: str(DEFAULT_THREADS),
     }
     if platform.backend == "nccl":  # NCCL's pins: harness/nccl/pins.py
         env.update(launch_pins(nccl_version()))

@@ -5,7 +5,7 @@ A baseline is a results.jsonl with the bulky detail stripped whose first line is
 bit-relevant fingerprint of the run it came from. A run is compared only with a baseline of
 the same fingerprint: the same suite, backend and topology, the same versions (torch, CUDA,
 NCCL, DeepGEMM, DeepEP), the same GPU model and driver, and, where the CPU computes what is
-measured (gloo), the same CPU model and ISA. One file per fingerprint,
+measured (gloo), the same CPU model and ISA and the same thread count per rank. One file per fingerprint,
 `ci/baselines/<platform>-<suite>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
@@ -92,6 +92,7 @@ def fingerprint(environment: dict) -> dict:
         fp["deep_ep"] = deep_ep
     if environment.get("backend") != "nccl":  # CPU GEMMs and reductions: the CPU decides the bits
         fp["cpu"] = environment.get("cpu")
+        fp["threads"] = environment.get("threads")  # and so does each rank's thread count (harness/threads.py)
     if topology.get("nodes", 1) > 1:  # ranks over several nodes: other transports, other orders
         fp["nodes"] = topology["nodes"]
     return fp
@@ -108,6 +109,7 @@ def describe(fp: dict) -> str:
     if cpu:
         parts.append(f"CPU {cpu.get('model')} ({cpu.get('torch_capability')}"
                      + (f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else "")
+                     + (f", {fp['threads']} thread(s) per rank" if fp.get("threads") is not None else "")
                      + ")")
     return ", ".join(parts)
 

@@ -14,6 +14,7 @@ from ep_harness.check import Check
 from ep_harness.errors import HarnessError, did_you_mean
 from ep_harness.params import CommonParams
 from ep_harness.subject import Platform
+from ep_harness.threads import pinned as pinned_threads
 
 
 def check_id(case: str, prop: str, point: dict) -> str:
@@ -37,13 +38,16 @@ def skip_reason(platform: Platform, subject, prop: str, params: CommonParams) ->
     return subject.unavailable(platform, params)
 
 
-def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_keys=frozenset(), **fields) -> Check:
+def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_keys=frozenset(),
+            threads: int | None = None, **fields) -> Check:
     """One check for this platform: its parameters validated and typed (the backend set), its
-    topology, and why this machine skips it, if it does. `fields`: id, suite, case, expect,
-    timeout_s, env."""
+    topology, its thread count pinned in its launch environment (`threads`, else the case's or
+    record's, else the default: harness/threads.py), and why this machine skips it, if it
+    does. `fields`: id, suite, case, expect, timeout_s, env."""
     problem = timeout_problem(fields.get("timeout_s"))
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
         raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
+    fields["env"] = pinned_threads(dict(fields.get("env") or {}), threads, where)
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     try:
         skip = skip_reason(platform, subject, prop, typed)
@@ -71,9 +75,11 @@ def selected(check_id: str, selection: list[str] | None) -> bool:
         for pat in selection)
 
 
-def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
+def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None,
+           threads: int | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
-    re-seeds every check (the records keep it)."""
+    re-seeds every check (the records keep it); `threads` pins every check's thread count
+    (None: the case's, else the harness's default)."""
     checks = []
     for case in suite.cases:
         subject = registry.get(case.subject)
@@ -98,7 +104,7 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
                 checks.append(planned(
                     platform, subject, prop, raw, where, frozenset(keys), id=check_id(case.name, prop, point),
                     suite=str(suite.path), case=case.name, expect=case.expect.get(platform.backend, "holds"),
-                    timeout_s=case.timeout_s, env=case.env))
+                    timeout_s=case.timeout_s, env=case.env, threads=threads))
     ids = [c.id for c in checks]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:

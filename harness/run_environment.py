@@ -21,6 +21,7 @@ from ep_harness.environment import git_commit, recorded_env, redacted, redacted_
 from ep_harness.nccl import library as nccl_library
 from ep_harness.nccl.statement import tp_reduction_statement
 from ep_harness.subject import Platform, plugin_distributions
+from ep_harness.threads import run_threads
 from ep_harness.version import harness_version
 
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
@@ -61,6 +62,7 @@ def rank_fingerprint() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "env": recorded_env(),
+        "threads": torch.get_num_threads(),  # intra-op threads, as pinned (harness/threads.py)
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     if torch.cuda.is_available():
@@ -181,6 +183,12 @@ class EnvironmentRecord:
             self.data["selection"] = list(selection)
         self.data["topology"] = platform.topology.to_dict()
         self.data["ranks"] = {}
+
+    def pinned_threads(self, envs) -> int | list[int]:
+        """The ranks' thread count, from the checks' launch environments (harness/threads.py):
+        recorded as `threads`, one of the bits' conditions (the gate's fingerprint on the CPU)."""
+        self.data["threads"] = run_threads(envs)
+        return self.data["threads"]
 
     def launched(self, job: str, env: dict) -> None:
         """A launch's pinned environment, secrets redacted."""

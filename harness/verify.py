@@ -27,6 +27,7 @@ from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
 from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
+from ep_harness.threads import of_env, user_setting_note
 from ep_harness.verdict import decide
 from ep_harness.reports.analysis import FAILING, nothing_shown
 
@@ -37,7 +38,9 @@ def new_run_id() -> str:
 
 
 def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate: str | None = None,
-                  from_record: bool = False, nodes: Nodes = Nodes()) -> str:
+                  from_record: bool = False, nodes: Nodes = Nodes(), threads: int | None = None) -> str:
+    """The command that runs this one check again, under the same conditions: `threads`, the
+    ranks' thread count it ran with, is spelled out (a check alone must not get another)."""
     cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal(check_id)]
     if nodes.multi:  # the head's command; the other nodes start theirs as before
         cmd += ["--nnodes", str(nodes.nnodes), "--nproc-per-node", str(nodes.nproc_per_node)]
@@ -45,6 +48,8 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
         cmd += ["--launcher", nodes.launcher] if nodes.launcher != "torchrun" else []
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     if emulate:
         cmd += ["--emulate", emulate]
     for p in plugins:
@@ -122,8 +127,9 @@ def timing_line(t: dict) -> str:
             (f", {t['precompile_wait_s']} s waiting for the DeepGEMM compile" if t.get("precompile_wait_s") else ""))
 
 
-def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
-    """The checks of a results.jsonl, rebuilt from their records (params validated again)."""
+def checks_from_records(path: Path, platform, selection: list[str] | None, threads: int | None = None) -> list[Check]:
+    """The checks of a results.jsonl, rebuilt from their records (params validated again), each
+    on the thread count its record's launch_env names (`threads`, where given, instead)."""
     try:
         records = read_jsonl(path)
     except (OSError, ValueError) as exc:
@@ -135,7 +141,8 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
                     {k: v for k, v in r["params"].items() if k != "backend"}, f"{path}: {r['check']}",
                     id=r["check"], suite=str(path), case=r["case"], expect=r["expect"],
                     timeout_s=r.get("timeout_s", 120.0),
-                    env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"))
+                    env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"),
+                    threads=threads)
             for r in chosen]
 
 
@@ -200,6 +207,7 @@ class RunOptions:
     show_skipped: bool = False
     nodes: Nodes = Nodes()
     fresh_processes: int = 1  # launches of every check, each in new processes
+    threads: int | None = None  # every rank's thread count (None: the case's or record's, else 1: harness/threads.py)
 
 
 def verify(options: RunOptions) -> tuple[int, Path]:
@@ -213,25 +221,29 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         suite_path = options.from_record
         registry.load_all(plugins)
         platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
-        checks = checks_from_records(options.from_record, platform, options.selection)
+        checks = checks_from_records(options.from_record, platform, options.selection, options.threads)
     else:
         suite_path = resolve_suite_path(options.suite)
         loaded = load_suite(suite_path)
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
         platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
-        checks = expand(loaded, platform, options.selection, options.seed)
+        checks = expand(loaded, platform, options.selection, options.seed, options.threads)
     run_id, run_dir = claim_run_dir(options.out_root)
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
                                     source_suite_name(options.from_record) if options.from_record else loaded.name)
+    threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
     if not options.quiet:
         print(f"# topology: {platform.topology.describe()}", flush=True)
+        note = user_setting_note(threads) if isinstance(threads, int) else None
+        if note:
+            print(f"# note: {note}", flush=True)
 
     suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
     def rerun(c: Check) -> str:
         return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
-                             options.from_record is not None, nodes)
+                             options.from_record is not None, nodes, of_env(c.env))
 
     stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
     outcomes: dict[str, Outcome] = {}

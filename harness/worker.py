@@ -41,6 +41,7 @@ from ep_harness.run_environment import rank_fingerprint
 from ep_harness.families import execute, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels
+from ep_harness.threads import THREADS_VAR, apply_in_rank
 
 WATCH_S = 0.2
 MARKER_POLL_S = 0.05
@@ -149,6 +150,7 @@ def rank_main() -> None:
     Watcher(rank).start()
     signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(channel, rank, state))
 
+    threads = apply_in_rank()  # before any check computes (harness/threads.py)
     use_deterministic_algorithms()
     registry.load_all(job["plugins"])
     timeout = timedelta(seconds=job["collective_timeout_s"])
@@ -165,7 +167,8 @@ def rank_main() -> None:
     fingerprints = ctx.gather(rank_fingerprint())
     if rank == 0:
         channel.put("ranks", fingerprints)
-    env_error = _pinned_env_error(ctx.gather(unpinned(job.get("pinned_env") or {})))
+    pinned = job.get("pinned_env") or {}
+    env_error = _pinned_env_error(ctx.gather({**unpinned(pinned), **threads_unlike(pinned, threads)}))
     if job["backend"] == "nccl":
         from ep_harness.nccl import library as nccl_library
 
@@ -258,6 +261,10 @@ def nccl_library_error(named: str | None, per_rank: list) -> str | None:
     return (f"the run names NCCL {named or 'none'} (read from the launcher's library), but " + "; ".join(wrong[:4]) +
             (f"; {len(wrong) - 4} more" if len(wrong) > 4 else "") +
             ": every rank must load one NCCL (replace torch's libnccl.so.2 on every node: docs/gpu-setup.md)")
+def threads_unlike(pinned: dict[str, str], threads: int) -> dict[str, str]:
+    """{"torch.get_num_threads()": what torch runs on} where that is not the pinned count."""
+    wanted = pinned.get(THREADS_VAR)
+    return {} if wanted is None or wanted == str(threads) else {"torch.get_num_threads()": str(threads)}
 
 
 def _pinned_env_error(per_rank: list[dict]) -> str | None:

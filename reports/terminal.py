@@ -79,14 +79,25 @@ def row(r: dict, keys: list[str], colour: bool = False) -> str:
     the status cell in colour (callers printing to a terminal pass colour_enabled())."""
     p, seconds = r["params"], r.get("seconds")
     line = "  " + _row([
-        r["status"], r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
+        shown_status(r), r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),
         fmt_count(r.get("mismatched"), r.get("total")), fmt_int(r.get("predicted_mismatched")),
         fmt_int(r.get("max_ulp")), fmt_float(r.get("max_abs")),
         f"{seconds:.2f}" if isinstance(seconds, (int, float)) else _one_line(seconds),
         " ".join(filter(None, [point(r, keys), cost_text(r) and f"[{cost_text(r)}]"])),
     ])
     width = COLUMNS[0][1]
-    return line[:2] + paint(line[2:2 + width], str(r["status"]), colour) + line[2 + width:]
+    return line[:2] + paint(line[2:2 + width], shown_status(r), colour) + line[2 + width:]
+
+
+def measured_only(r: dict) -> bool:
+    """A check whose expectation is `measure`, measured: a fact about this machine's library."""
+    return r.get("expect") == "measure" and r.get("status") == "ok"
+
+
+def shown_status(r: dict) -> str:
+    """The status column: `measured` for a check that is reported, never asserted (its
+    status is ok: it cannot fail the run), else the status."""
+    return "measured" if measured_only(r) else str(r["status"])
 
 
 def render(records: list[dict], environment: dict, changes: list[dict] | None = None,
@@ -122,6 +133,14 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
         lines.append(f"# vacuous (could not fail, not counted as passes): {len(vac)}")
         for r in vac[:5]:
             lines.append(f"#   {_one_line(r['check'])}: {_one_line(r['reason'])}")
+    measured = [r for r in records if measured_only(r)]
+    if measured:
+        lines.append(f"# measured, not asserted (this machine's library, CPU and thread count decide it): "
+                     f"{len(measured)}")
+        for r in measured[:8]:
+            lines.append(f"#   {_one_line(r['check'])}: {fmt_count(r.get('mismatched'), r.get('total'))}")
+        if len(measured) > 8:
+            lines.append(f"#   ... {len(measured) - 8} more in report.html")
     before_after = pairs(records)
     if before_after:
         lines.append("#")
@@ -140,6 +159,8 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
             lines.append(_one_line(f"#   {ch['kind']}: {ch['check']}: {ch['what']} ({ch['before']} -> {ch['after']})"))
     c = counts(records)
     summary = ", ".join(f"{v} {k}" for k, v in c.items())
+    if measured:
+        summary += f" ({len(measured)} of the ok measured, not asserted)"
     lines.append("#")
     lines.append(f"# {paint(verdict(records, changes), verdict(records, changes), colour)}: {summary}")
     return "\n".join(lines)

@@ -187,7 +187,7 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert record["status"] == "ok" and record["harness_version"] == VERSION, record
     # a built-in suite is named in the rerun command: it resolves in any install, a path may not
     assert record["rerun"] == ("ep-harness verify --suite smoke --check "
-                               "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0"), record["rerun"]
+                               "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0 --threads 1"), record["rerun"]
     env_json = json.loads((work / "runs" / "latest" / "environment.json").read_text())
     assert env_json["suite"] == str(target / "ep_harness" / "suites" / "smoke.toml")
     assert env_json["harness_commit"] is None and env_json["harness_version"] == VERSION
