@@ -43,7 +43,7 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     timeout_s, env."""
     problem = timeout_problem(fields.get("timeout_s"))
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
-        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
+        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds up to 86400")
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     try:
         skip = skip_reason(platform, subject, prop, typed)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_harness import subject as registry
-from ep_harness.cases import load_suite, resolve_suite_path, suite_argument
+from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite_argument
 from ep_harness.check import Check
 from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
@@ -25,7 +25,7 @@ from ep_harness.launch import Head, Outcome, run_job
 from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
-from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from ep_harness.records import append_line, base_record, numbered_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
 from ep_harness.verdict import decide
 from ep_harness.reports.analysis import FAILING, nothing_shown
@@ -122,13 +122,32 @@ def timing_line(t: dict) -> str:
             (f", {t['precompile_wait_s']} s waiting for the DeepGEMM compile" if t.get("precompile_wait_s") else ""))
 
 
+RECORD_FIX = "pass a results.jsonl that `ep-harness verify` wrote"
+
+
+def record_problem(record: dict) -> str | None:
+    """What keeps a record from being rerun (a hand-edited or damaged results file), or None."""
+    for key in ("check", "case", "subject", "property"):
+        if not isinstance(record.get(key), str) or not record[key]:
+            return f"{key} is {record.get(key)!r}, not a name"
+    if not isinstance(record.get("params"), dict):
+        return f"check {record['check'][:80]!r}: params is {'missing' if 'params' not in record else 'not an object'}"
+    if record.get("expect") not in EXPECTATIONS:
+        return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
+    return None
+
+
 def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
     """The checks of a results.jsonl, rebuilt from their records (params validated again)."""
     try:
-        records = read_jsonl(path)
-    except (OSError, ValueError) as exc:
-        raise HarnessError(f"{path}: cannot read records ({exc}); pass a run's results.jsonl") from None
-    chosen = [r for r in records if selected(r["check"], selection)]
+        records = numbered_jsonl(path, RECORD_FIX)
+    except OSError as exc:
+        raise HarnessError(f"{path}: cannot read records ({exc}); {RECORD_FIX}") from None
+    for lineno, r in records:
+        problem = record_problem(r)
+        if problem:
+            raise HarnessError(f"{path}:{lineno}: {problem}; {RECORD_FIX}")
+    chosen = [r for _, r in records if selected(r["check"], selection)]
     if not chosen:
         raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
     return [planned(platform, registry.get(r["subject"]), r["property"],
