@@ -17,6 +17,7 @@ ep_harness.contracts.DispatchConfig, read the same way.
 from __future__ import annotations
 
 import difflib
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
@@ -293,10 +294,16 @@ def _limits(name: str, value, meta: dict) -> str | None:
     return None
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """A class's resolved annotations, once: resolving them is most of planning's time."""
+    return typing.get_type_hints(cls)
+
+
 def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
     """The typed parameters of one check; `where` prefixes every error ("cases/x.toml: case 'y'")."""
     cls = family_params(family)
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name for f in fields(cls)} - {"backend"}
     for key in raw:
         if key not in known:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 import re
+from collections import Counter
 
 from dataclasses import replace
 
@@ -71,9 +73,27 @@ def selected(check_id: str, selection: list[str] | None) -> bool:
         for pat in selection)
 
 
+MAX_CHECKS = 100_000  # a plan is held in memory, a record each: a grid this large is a typo in a list
+
+
+def repeated(ids: list[str]) -> list[str]:
+    """The ids that occur more than once, in one pass (a count per id, not a scan per id)."""
+    return sorted(i for i, n in Counter(ids).items() if n > 1)
+
+
+def grid_size(suite: Suite) -> int:
+    """How many checks the suite's grids expand to, counted before any is built."""
+    return sum(len(case.properties) * math.prod(len(v) for v in case.grid.values()) for case in suite.cases)
+
+
 def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
     re-seeds every check (the records keep it)."""
+    size = grid_size(suite)
+    if size > MAX_CHECKS:
+        largest = max(suite.cases, key=lambda c: len(c.properties) * math.prod(len(v) for v in c.grid.values()))
+        raise HarnessError(f"{suite.path}: the grids expand to {size:,} checks, more than the limit of {MAX_CHECKS:,} "
+                           f"(the largest: case {largest.name!r}); split the suite or shorten its grid lists")
     checks = []
     for case in suite.cases:
         subject = registry.get(case.subject)
@@ -100,9 +120,9 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
                     suite=str(suite.path), case=case.name, expect=case.expect.get(platform.backend, "holds"),
                     timeout_s=case.timeout_s, env=case.env))
     ids = [c.id for c in checks]
-    dupes = {i for i in ids if ids.count(i) > 1}
+    dupes = repeated(ids)
     if dupes:
-        raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
+        raise HarnessError(f"{suite.path}: check ids repeat ({dupes[0]}); give the cases distinct names")
     if selection:
         checks = [c for c in checks if selected(c.id, selection)]
         if not checks:

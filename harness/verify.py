@@ -158,6 +158,22 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
             for r in chosen]
 
 
+def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
+                             interrupted: BaseException | None) -> dict:
+    """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
+    when a signal came before all of its relaunches finished (the first launch alone shows
+    nothing about fresh processes, so it never stands as the check's verdict)."""
+    later = [o.get(check.id) for o in relaunched]
+    if interrupted is None or (len(later) == launches - 1 and None not in later):
+        return compare_launches(record, later)
+    if record["status"] in ("skipped", "interrupted"):
+        return record
+    done = sum(o is not None for o in later)
+    return {**record, "status": "interrupted", "held": None,
+            "reason": f"the run was interrupted by {interrupted} before this check's relaunches in fresh processes "
+                      f"finished ({done} of {launches - 1}); its first launch was {record['status']}: {record['reason']}"}
+
+
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
                      summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
     """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
@@ -304,11 +320,15 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
             outcomes.update(run_all("", stream.finished))
             for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
-                relaunched.append(run_all(f"-fresh{k}", None))
+                relaunched.append({})  # filled when done; an interrupt leaves it holding what finished
+                relaunched[-1] = run_all(f"-fresh{k}", None)
             if background is not None:  # nothing waits for it any more (a launch that died before its checks)
                 background.finish(stop_because="every launch has ended")
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
-            outcomes.update(exc.outcomes)
+            if relaunched:  # the interrupted launch was a relaunch: its outcomes are not the first launch's
+                relaunched[-1] = exc.outcomes
+            else:
+                outcomes.update(exc.outcomes)
             interrupted = exc
             say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
         finally:
@@ -324,8 +344,9 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
-    if options.fresh_processes > 1 and interrupted is None:
-        records = [compare_launches(r, [o.get(c.id) for o in relaunched]) for r, c in zip(records, checks)]
+    if options.fresh_processes > 1:
+        records = [compared_across_launches(r, c, relaunched, options.fresh_processes, interrupted)
+                   for r, c in zip(records, checks)]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
