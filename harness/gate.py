@@ -27,7 +27,7 @@ from pathlib import Path
 from ep_harness.cases import EXPECTATIONS, SUITE_NAME
 from ep_harness.errors import HarnessError
 from ep_harness.records import append_line, numbered_jsonl, write_json, write_jsonl
-from ep_harness.reports.analysis import compare_runs, run_problem
+from ep_harness.reports.analysis import STATUS_ORDER, compare_runs, run_problem
 from ep_harness.reports.load import load_run
 
 BASELINE_DIR = Path("ci/baselines")
@@ -141,7 +141,6 @@ def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     return target
 
 
-BASELINE_STATUSES = ("ok", "unexpected", "vacuous", "error")  # skipped checks are never kept
 RESTORE = "restore the baseline from git or record it again with `ep-harness baseline update RUN_DIR`"
 
 
@@ -149,8 +148,8 @@ def _baseline_problem(record: dict) -> str | None:
     """What keeps one baseline line from being compared (a hand-edited or damaged file)."""
     if not isinstance(record.get("check"), str) or not record["check"]:
         return "has no check id"
-    if record.get("status") not in BASELINE_STATUSES:
-        return f"check {record['check'][:80]!r}: status {record.get('status')!r} is not one of {', '.join(BASELINE_STATUSES)}"
+    if record.get("status") not in STATUS_ORDER:
+        return f"check {record['check'][:80]!r}: status {record.get('status')!r} is not one of {', '.join(STATUS_ORDER)}"
     if record.get("expect") not in EXPECTATIONS:
         return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
     if not isinstance(record.get("params"), dict):

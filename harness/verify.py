@@ -158,6 +158,25 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
             for r in chosen]
 
 
+def unmeasured_cases(records: list[dict]) -> list[str]:
+    """One line per case of which no check ran, beside cases that did: a run that passes
+    measured nothing of it (a subject's library missing here, a GPU-only case on the CPU),
+    which its OK must not hide. A run where nothing ran at all says so itself."""
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    if all(r["status"] == "skipped" for r in records):
+        return []
+    lines = []
+    for case, rs in by_case.items():
+        if all(r["status"] == "skipped" for r in rs):
+            reasons = list(dict.fromkeys(r["reason"] for r in rs))
+            more = f" (and {len(reasons) - 1} other reason(s))" if len(reasons) > 1 else ""
+            lines.append(f"case {case!r} was not measured: all {len(rs)} of its check(s) were skipped "
+                         f"(subject {rs[0]['subject']!r}: {reasons[0]}{more})")
+    return lines
+
+
 def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
                              interrupted: BaseException | None) -> dict:
     """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
@@ -359,6 +378,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
+    for line in unmeasured_cases(records) if not options.quiet else ():
+        print(f"# WARNING: {line}", flush=True)
     failing = sum(r["status"] in FAILING for r in records)
     if all(r["status"] == "skipped" for r in records) and not options.allow_empty:
         if not options.quiet:  # a run that measured nothing is not a pass
