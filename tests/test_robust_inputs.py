@@ -301,10 +301,10 @@ def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relau
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "EP_TEST_CHILD_PIDS": str(pids)})
     deadline = time.time() + 300
-    while len(list(pids.iterdir())) < 2 and time.time() < deadline and proc.poll() is None:
+    while len(list(pids.iterdir())) < 3 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     ranks = [int(p.read_text()) for p in pids.iterdir()]
-    assert len(ranks) == 2, proc.communicate()[0][-3000:] if proc.poll() is not None else "the relaunch never hung"
+    assert len(ranks) == 3, proc.communicate()[0][-3000:] if proc.poll() is not None else "the relaunch never hung"
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output[-3000:]
