@@ -234,8 +234,13 @@ def pytest_configure(config):
             config.stash[SUITE_DIR] = (Path(worker["ep_suite_dir"]), worker["ep_suite_nonce"])
         else:  # the controller, or a session without xdist: mode 0700, an unguessable name
             config.stash[SUITE_DIR] = (Path(tempfile.mkdtemp(prefix="ep-harness-suite-")), secrets.token_hex(16))
-            if not config.getoption("--ep-allow-empty"):
-                config.pluginmanager.register(NothingRan(), "ep-harness-nothing-ran")
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if config.getoption("--ep-suite", None) and getattr(config, "workerinput", None) is None \
+            and not config.getoption("--ep-allow-empty", False):  # the controller counts every worker's reports
+        config.pluginmanager.register(NothingRan(), "ep-harness-nothing-ran")
 
 
 class NothingRan:
