@@ -31,6 +31,12 @@ PATH_MARKERS = ("PLUGIN", "FILE", "PATH", "DIR", "LIB", "PRELOAD", "COMPILER", "
 APPLIED_PREFIXES = tuple(p for p in RECORDED_PREFIXES if not p.startswith("EP_HARNESS_"))  # provenance is measured
 
 
+def named_by(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether one of `patterns` names the variable: one ending in `_` is a prefix (NCCL_),
+    any other is a whole name (OMP_NUM_THREADS admits neither OMP_NUM_THREADSX nor OMP_NUM_THREADS_X)."""
+    return any(name.startswith(p) if p.endswith("_") else name == p for p in patterns)
+
+
 # What a GPU driver leaves on a machine (NVIDIA's, in containers too; ROCm's; WSL's).
 GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
@@ -152,7 +158,7 @@ def redacted(env: dict) -> dict:
 def recorded_env(environ=None) -> dict[str, str]:
     """The allowlisted variables; the value of any name that looks like a credential is redacted."""
     environ = os.environ if environ is None else environ
-    return redacted({k: v for k, v in sorted(environ.items()) if k.startswith(RECORDED_PREFIXES)})
+    return redacted({k: v for k, v in sorted(environ.items()) if named_by(k, RECORDED_PREFIXES)})
 
 
 def redacted_command(argv: list[str]) -> list[str]:
@@ -186,7 +192,7 @@ def applicable_env(env, where: str) -> dict[str, str]:
             raise HarnessError(f"{where}: launch variable {name!r} = {value!r} is not a string; refusing it")
         if value == REDACTED:
             continue
-        if not name.startswith(APPLIED_PREFIXES) or any(m in name.upper() for m in PATH_MARKERS):
+        if not named_by(name, APPLIED_PREFIXES) or any(m in name.upper() for m in PATH_MARKERS):
             raise HarnessError(f"{where}: refusing launch variable {name[:80]!r}: only the variables the harness "
                                f"records and pins (NCCL_ALGO, NCCL_PROTO, ...; none naming code or a file) may "
                                f"come from there; set it in your own environment if you mean it")

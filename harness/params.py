@@ -17,6 +17,7 @@ ep_harness.contracts.DispatchConfig, read the same way.
 from __future__ import annotations
 
 import difflib
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
@@ -26,11 +27,12 @@ from ep_harness.errors import HarnessError
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
 DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
+SEED_MAX = 2**31 - 1
 
 
-def _opt(default, *, minimum=None, choices=None, nonempty=False):
+def _opt(default, *, minimum=None, maximum=None, choices=None, nonempty=False):
     """A field with a default (lists are copied per instance) and its limits."""
-    meta = {"min": minimum, "choices": choices, "nonempty": nonempty}
+    meta = {"min": minimum, "max": maximum, "choices": choices, "nonempty": nonempty}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,7 +48,9 @@ class CommonParams:
 
     world_size: int = _opt(1, minimum=1)
     backend: str = _opt("gloo", choices=("gloo", "nccl"))
-    seed: int = _opt(0, minimum=0)
+    # inputs.generator shifts the seed 32 bits into torch's 64-bit seed (and scenarios add
+    # small offsets): a larger one overflows in the worker, so it is refused at plan time
+    seed: int = _opt(0, minimum=0, maximum=SEED_MAX)
     mode: str = _opt("eager", choices=("eager", "graph"))
     gpu_only: bool = _opt(False)
 
@@ -285,15 +289,25 @@ def _limits(name: str, value, meta: dict) -> str | None:
         low = [v for v in items if v is not None and v < meta["min"]]
         if low:
             return f"{name} = {value!r}: values below {meta['min']} are impossible"
+    if meta.get("max") is not None:
+        high = [v for v in items if v is not None and v > meta["max"]]
+        if high:
+            return f"{name} = {value!r}: values above {meta['max']} are not supported; use 0 to {meta['max']}"
     if meta.get("choices") is not None and value is not None and value not in meta["choices"]:
         return f"{name} = {value!r}; choose one of {', '.join(map(str, meta['choices']))}"
     return None
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """A class's resolved annotations, once: resolving them is most of planning's time."""
+    return typing.get_type_hints(cls)
+
+
 def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
     """The typed parameters of one check; `where` prefixes every error ("cases/x.toml: case 'y'")."""
     cls = family_params(family)
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name for f in fields(cls)} - {"backend"}
     for key in raw:
         if key not in known:

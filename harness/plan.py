@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 import re
+from collections import Counter
 
 from dataclasses import replace
 
@@ -46,7 +48,7 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     does. `fields`: id, suite, case, expect, timeout_s, env."""
     problem = timeout_problem(fields.get("timeout_s"))
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
-        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
+        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds up to 86400")
     fields["env"] = pinned_threads(dict(fields.get("env") or {}), threads, where)
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     try:
@@ -75,11 +77,29 @@ def selected(check_id: str, selection: list[str] | None) -> bool:
         for pat in selection)
 
 
+MAX_CHECKS = 100_000  # a plan is held in memory, a record each: a grid this large is a typo in a list
+
+
+def repeated(ids: list[str]) -> list[str]:
+    """The ids that occur more than once, in one pass (a count per id, not a scan per id)."""
+    return sorted(i for i, n in Counter(ids).items() if n > 1)
+
+
+def grid_size(suite: Suite) -> int:
+    """How many checks the suite's grids expand to, counted before any is built."""
+    return sum(len(case.properties) * math.prod(len(v) for v in case.grid.values()) for case in suite.cases)
+
+
 def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None,
            threads: int | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
     re-seeds every check (the records keep it); `threads` pins every check's thread count
     (None: the case's, else the harness's default)."""
+    size = grid_size(suite)
+    if size > MAX_CHECKS:
+        largest = max(suite.cases, key=lambda c: len(c.properties) * math.prod(len(v) for v in c.grid.values()))
+        raise HarnessError(f"{suite.path}: the grids expand to {size:,} checks, more than the limit of {MAX_CHECKS:,} "
+                           f"(the largest: case {largest.name!r}); split the suite or shorten its grid lists")
     checks = []
     for case in suite.cases:
         subject = registry.get(case.subject)
@@ -106,9 +126,9 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
                     suite=str(suite.path), case=case.name, expect=case.expect.get(platform.backend, "holds"),
                     timeout_s=case.timeout_s, env=case.env, threads=threads))
     ids = [c.id for c in checks]
-    dupes = {i for i in ids if ids.count(i) > 1}
+    dupes = repeated(ids)
     if dupes:
-        raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
+        raise HarnessError(f"{suite.path}: check ids repeat ({dupes[0]}); give the cases distinct names")
     if selection:
         checks = [c for c in checks if selected(c.id, selection)]
         if not checks:

@@ -6,19 +6,20 @@ from ep_harness import properties
 from ep_harness.measurement import Measurement
 
 
-def nonfinite_text(nonfinite: dict | None) -> str:
-    """' (1 NaN, 2 +Inf where the reference is finite)' or ''."""
+def nonfinite_text(nonfinite: dict | None, against: str = "the reference") -> str:
+    """' (1 NaN, 2 +Inf where the reference is finite)' or ''. `against`: what the copies
+    were compared with (an invariance check's is its first copy, not a reference)."""
     if not nonfinite:
         return ""
     names = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
     parts = [f"{n:,} {names[k]}" for k, n in nonfinite.items() if k in names]
-    text = ", ".join(parts) + " where the reference is finite" if parts else ""
+    text = ", ".join(parts) + f" where {against} is finite" if parts else ""
     lost = nonfinite.get("reference_nonfinite")
     if lost:
-        text += ("; " if text else "") + f"{lost:,} finite where the reference is not"
+        text += ("; " if text else "") + f"{lost:,} finite where {against} is not"
     other = nonfinite.get("other_nonfinite")
     if other:
-        text += ("; " if text else "") + f"{other:,} another NaN or Inf than the reference's"
+        text += ("; " if text else "") + f"{other:,} another NaN or Inf than {against}'s"
     return f" ({text})"
 
 
@@ -43,20 +44,35 @@ def vacuity_estimate(m: Measurement) -> str | None:
     return m.vacuous_reason or m.detail.get("vacuity_estimate")
 
 
+def runs_text(check, m: Measurement) -> str:
+    """How many of a repeating check's compared copies differ from the first: in repeats
+    where each repeat is one copy, else in copies (rows are repeats x copies per repeat)."""
+    repeats = getattr(getattr(check, "params", None), "repeats", None)
+    if isinstance(repeats, int) and repeats > 1 and m.rows == repeats:
+        return f"; {m.rows_differing} of {repeats - 1} repeats differ from the first"
+    per = f" ({repeats} repeats x {m.rows // repeats} copies)" if isinstance(repeats, int) and repeats > 1 \
+        and m.rows % repeats == 0 else ""
+    return f"; {m.rows_differing} of {m.rows - 1} compared copies{per} differ from the first"
+
+
+def compared_with(prop) -> str:
+    return "the reference" if prop is None or prop.needs_reference else "the first copy"
+
+
 def decide(check, m: Measurement) -> tuple[str, str]:
     """Return (status, reason) for a Check from its expectation and its measurement. A check
     that measured a difference is never vacuous, whatever its vacuity estimate said."""
     expect = check.expect
-    counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite)}{kinds_text(m)}"
     prop = properties.PROPERTIES.get(getattr(check, "property", None))
+    counts = f"{m.mismatched:,} / {m.total:,} differ{nonfinite_text(m.nonfinite, compared_with(prop))}{kinds_text(m)}"
     rate = m.detail.get("corruption") if isinstance(m.detail, dict) else None
     if rate:  # corruption-rate: k of n calls, and how rare a defect 0 of n rules out
         counts += (f"; {rate['corrupted']} of {rate['calls']} calls corrupted, per-call rate <= "
                    f"{rate['upper_bound']:.3%} ({rate['confidence']:.0%}, {rate['bound']})")
     elif prop is not None and prop.counts_runs and m.rows_differing:  # k of n: how often, not whether
-        counts += f"; {m.rows_differing} of {m.rows - 1} repeats differ from the first"
+        counts += runs_text(check, m)
     if m.extra_failure:
-        return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite)
+        return "unexpected", m.extra_failure + nonfinite_text(m.nonfinite, compared_with(prop))
     exact = bool(m.order_model_exact) and m.predicted_mismatched is not None
     if exact and m.predicted_mismatched != m.mismatched:
         return "unexpected", f"order model predicted {m.predicted_mismatched:,} mismatched, measured {m.mismatched:,}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_harness import subject as registry
-from ep_harness.cases import load_suite, resolve_suite_path, suite_argument
+from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite_argument
 from ep_harness.check import Check
 from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
@@ -25,7 +25,7 @@ from ep_harness.launch import Head, Outcome, run_job
 from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
-from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from ep_harness.records import append_line, base_record, numbered_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
 from ep_harness.threads import of_env, user_setting_note
 from ep_harness.verdict import decide
@@ -127,14 +127,33 @@ def timing_line(t: dict) -> str:
             (f", {t['precompile_wait_s']} s waiting for the DeepGEMM compile" if t.get("precompile_wait_s") else ""))
 
 
+RECORD_FIX = "pass a results.jsonl that `ep-harness verify` wrote"
+
+
+def record_problem(record: dict) -> str | None:
+    """What keeps a record from being rerun (a hand-edited or damaged results file), or None."""
+    for key in ("check", "case", "subject", "property"):
+        if not isinstance(record.get(key), str) or not record[key]:
+            return f"{key} is {record.get(key)!r}, not a name"
+    if not isinstance(record.get("params"), dict):
+        return f"check {record['check'][:80]!r}: params is {'missing' if 'params' not in record else 'not an object'}"
+    if record.get("expect") not in EXPECTATIONS:
+        return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
+    return None
+
+
 def checks_from_records(path: Path, platform, selection: list[str] | None, threads: int | None = None) -> list[Check]:
     """The checks of a results.jsonl, rebuilt from their records (params validated again), each
     on the thread count its record's launch_env names (`threads`, where given, instead)."""
     try:
-        records = read_jsonl(path)
-    except (OSError, ValueError) as exc:
-        raise HarnessError(f"{path}: cannot read records ({exc}); pass a run's results.jsonl") from None
-    chosen = [r for r in records if selected(r["check"], selection)]
+        records = numbered_jsonl(path, RECORD_FIX)
+    except OSError as exc:
+        raise HarnessError(f"{path}: cannot read records ({exc}); {RECORD_FIX}") from None
+    for lineno, r in records:
+        problem = record_problem(r)
+        if problem:
+            raise HarnessError(f"{path}:{lineno}: {problem}; {RECORD_FIX}")
+    chosen = [r for _, r in records if selected(r["check"], selection)]
     if not chosen:
         raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
     return [planned(platform, registry.get(r["subject"]), r["property"],
@@ -144,6 +163,41 @@ def checks_from_records(path: Path, platform, selection: list[str] | None, threa
                     env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"),
                     threads=threads)
             for r in chosen]
+
+
+def unmeasured_cases(records: list[dict]) -> list[str]:
+    """One line per case of which no check ran, beside cases that did: a run that passes
+    measured nothing of it (a subject's library missing here, a GPU-only case on the CPU),
+    which its OK must not hide. A run where nothing ran at all says so itself."""
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    if all(r["status"] == "skipped" for r in records):
+        return []
+    lines = []
+    for case, rs in by_case.items():
+        if all(r["status"] == "skipped" for r in rs):
+            reasons = list(dict.fromkeys(r["reason"] for r in rs))
+            more = f" (and {len(reasons) - 1} other reason(s))" if len(reasons) > 1 else ""
+            lines.append(f"case {case!r} was not measured: all {len(rs)} of its check(s) were skipped "
+                         f"(subject {rs[0]['subject']!r}: {reasons[0]}{more})")
+    return lines
+
+
+def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
+                             interrupted: BaseException | None) -> dict:
+    """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
+    when a signal came before all of its relaunches finished (the first launch alone shows
+    nothing about fresh processes, so it never stands as the check's verdict)."""
+    later = [o.get(check.id) for o in relaunched]
+    if interrupted is None or (len(later) == launches - 1 and None not in later):
+        return compare_launches(record, later)
+    if record["status"] in ("skipped", "interrupted"):
+        return record
+    done = sum(o is not None for o in later)
+    return {**record, "status": "interrupted", "held": None,
+            "reason": f"the run was interrupted by {interrupted} before this check's relaunches in fresh processes "
+                      f"finished ({done} of {launches - 1}); its first launch was {record['status']}: {record['reason']}"}
 
 
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
@@ -297,11 +351,15 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
             outcomes.update(run_all("", stream.finished))
             for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
-                relaunched.append(run_all(f"-fresh{k}", None))
+                relaunched.append({})  # filled when done; an interrupt leaves it holding what finished
+                relaunched[-1] = run_all(f"-fresh{k}", None)
             if background is not None:  # nothing waits for it any more (a launch that died before its checks)
                 background.finish(stop_because="every launch has ended")
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
-            outcomes.update(exc.outcomes)
+            if relaunched:  # the interrupted launch was a relaunch: its outcomes are not the first launch's
+                relaunched[-1] = exc.outcomes
+            else:
+                outcomes.update(exc.outcomes)
             interrupted = exc
             say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
         finally:
@@ -317,8 +375,9 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
-    if options.fresh_processes > 1 and interrupted is None:
-        records = [compare_launches(r, [o.get(c.id) for o in relaunched]) for r, c in zip(records, checks)]
+    if options.fresh_processes > 1:
+        records = [compared_across_launches(r, c, relaunched, options.fresh_processes, interrupted)
+                   for r, c in zip(records, checks)]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
@@ -331,6 +390,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
+    for line in unmeasured_cases(records) if not options.quiet else ():
+        print(f"# WARNING: {line}", flush=True)
     failing = sum(r["status"] in FAILING for r in records)
     if all(r["status"] == "skipped" for r in records) and not options.allow_empty:
         if not options.quiet:  # a run that measured nothing is not a pass
