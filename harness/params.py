@@ -60,7 +60,29 @@ class CommonParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveParams(CommonParams):
+class LayoutParams(CommonParams):
+    """What the layout-size properties (tp-size-invariance, ep-size-invariance) read:
+    the world sizes they run the same logical inputs through (subgroups of ranks 0..w-1 of
+    the check's ranks; [] is every power of two up to min(world_size, virtual_shards)), and
+    how many fixed TP shards the logical input is cut into, V / w of them on each rank
+    (harness/families/layout.py)."""
+
+    layout_sizes: list[int] = _opt([], minimum=1)
+    virtual_shards: int = _opt(8, minimum=1)
+
+    def validate(self, subject):
+        for size in self.layout_sizes:
+            if size > self.world_size:
+                return (f"layout_sizes = {self.layout_sizes}: {size} exceeds world_size = {self.world_size}; "
+                        f"run the check at world_size = {max(self.layout_sizes)}")
+            if self.virtual_shards % size:
+                return (f"layout_sizes = {self.layout_sizes}: virtual_shards = {self.virtual_shards} does not split "
+                        f"over {size} ranks; use a multiple of every size")
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(LayoutParams):
     dtype: str = _required(choices=DTYPES_WIRE)
     hidden: int = _opt(2048, minimum=1)
     rows_per_rank: int = _opt(2, minimum=1)
@@ -121,7 +143,7 @@ class QuantParams(CommonParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenParams(CommonParams):
+class TokenParams(LayoutParams):
     """What dispatch and the MoE layer share: tokens, experts and routing."""
 
     tokens: int = _opt(16, minimum=1)
@@ -139,7 +161,10 @@ class TokenParams(CommonParams):
             return f"num_experts = {self.num_experts} does not split over world_size = {self.world_size} ranks"
         if self.topk > self.num_experts:
             return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
-        return None
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,5 +96,10 @@ for _prop in (
     Property("rank-invariance", "destination", {"one-rank"}, searchable=True),
     Property("graph-invariance", "repeat", {"ulp", "in-graph"}, gpu="CUDA graphs need a GPU"),
     Property("order-invariance", "placement"),  # the model family's; no selftest wrapper
+    # Layout size (docs/layout-invariance.md): the same logical inputs through world sizes
+    # 1, 2, 4 (8) on subgroups of one launch; a placement is a world size, so one size is
+    # "only one run" and a repeated size "one and the same placement" (driver vacuity).
+    Property("tp-size-invariance", "placement"),
+    Property("ep-size-invariance", "placement"),
 ):
     register(_prop)
