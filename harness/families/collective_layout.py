@@ -9,9 +9,9 @@ at the sizes' common multiple); at size w rank r holds its V / w shards and rece
 Prediction (from the inputs alone, never by running a collective): a subject's
 `shards_order_model` where it has one; otherwise the ranks' partials (reference/orders.py
 block_partials) through the subject's own order model. Two partials add in one order only
-(a + b == b + a), so sizes 1 and 2 need no log; on NCCL a larger size is predicted from
-the launch's communicator when it is the check's whole world (a subgroup's rings are not
-read).
+(a + b == b + a), so sizes 1 and 2 need no log; on NCCL a larger size is predicted only
+where it is the launch's whole communicator (a subgroup's rings and trees are not read):
+put the largest size in a launch of its own size (cases/h200-layout.toml).
 """
 from __future__ import annotations
 
@@ -99,10 +99,10 @@ def predict(subject, ctx: RankContext, p: CollectiveParams, runs: list[Run], cal
             outs = per_destination(orders.chain_fold(partials, list(range(w))), dests)
         elif ctx.backend != "nccl":
             outs = model.predict(partials, dests, None)
-        elif w == ctx.world_size:
+        elif ctx.nccl_topology is not None and ctx.nccl_topology.nranks == w:  # the communicator logged
             outs = model.predict(partials, dests, NcclContext(ctx.nccl_topology, logged))
         else:
-            raise NoPrediction(f"size {w} ran on a subgroup whose NCCL rings are not read")
+            raise NoPrediction(f"size {w} ran on a subgroup communicator, whose NCCL rings and trees are not read")
         rows.append(torch.cat(outs))
     return torch.stack(rows), f"ranks' fp32 partials of their shards, then {model.name}"
 
