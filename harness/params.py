@@ -216,7 +216,7 @@ class MoeParams(TokenParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelParams(CommonParams):
+class ModelParams(LayoutParams):
     """A small random-weight MoE decoder (harness/families/model.py): its shape, its
     prompts, and the stage subjects it is composed of (by registered name)."""
 
@@ -240,9 +240,16 @@ class ModelParams(CommonParams):
     dispatch: str = _opt("torch_a2a_dispatch")
     gemm: str = _opt("torch_mm")
     dense_gemm: str = _opt("torch_mm")
+    # every TP product per virtual shard (harness/subjects/model/composed.py); the layout-size
+    # properties run with it set, whatever the case says
+    virtual_tp: bool = _opt(False)
+    virtual_shards: int = _opt(4, minimum=1)  # one head per shard at the default 4 heads
 
     def validate(self, subject):
         w = self.world_size
+        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
+            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
+                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
         if self.num_experts % w:
             return f"num_experts = {self.num_experts} does not split over world_size = {w} ranks"
         if self.topk > self.num_experts:
@@ -255,7 +262,10 @@ class ModelParams(CommonParams):
             return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
         if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
             return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
-        return None
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 def unknown_field(exc: AttributeError, who: str) -> str | None:
