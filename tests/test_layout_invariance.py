@@ -168,3 +168,15 @@ def test_smoke_layout_records(smoke_run):
             assert r["mismatched"] > 0
         if r["family"] == "collective":
             assert r["predicted_mismatched"] == r["mismatched"]
+
+
+@pytest.mark.slow
+def test_the_models_logprobs_hold_across_tp_sizes_with_the_fixes_and_name_the_native_tp_reduction(layout_run):
+    (fixed,) = _case(layout_run, "model-fixed")
+    assert fixed["status"] == "ok" and fixed["mismatched"] == 0 and fixed["total"] > 0
+    assert fixed["detail"]["order_sensitive"] > 0
+    (native,) = _case(layout_run, "model-native")
+    assert native["status"] == "ok" and native["mismatched"] > 0
+    found = native["detail"]["first_divergence"]
+    assert (found["layer"], found["stage"], found["subject"]) == (0, "attention.tp_reduce", "reduce_scatter_native")
+    assert found["same_inputs"] > 0 and native["detail"]["between"][0] == "TP 1"
