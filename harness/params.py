@@ -247,9 +247,6 @@ class ModelParams(LayoutParams):
 
     def validate(self, subject):
         w = self.world_size
-        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
-            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
-                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
         if self.num_experts % w:
             return f"num_experts = {self.num_experts} does not split over world_size = {w} ranks"
         if self.topk > self.num_experts:
@@ -262,6 +259,9 @@ class ModelParams(LayoutParams):
             return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
         if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
             return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
+        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
+            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
+                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
         for size in self.layout_sizes:
             if self.num_experts % size:
                 return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
