@@ -64,7 +64,29 @@ class CommonParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveParams(CommonParams):
+class LayoutParams(CommonParams):
+    """What the layout-size properties (tp-size-invariance, ep-size-invariance) read:
+    the world sizes they run the same logical inputs through (subgroups of ranks 0..w-1 of
+    the check's ranks; [] is every power of two up to min(world_size, virtual_shards)), and
+    how many fixed TP shards the logical input is cut into, V / w of them on each rank
+    (harness/families/layout.py)."""
+
+    layout_sizes: list[int] = _opt([], minimum=1)
+    virtual_shards: int = _opt(8, minimum=1)
+
+    def validate(self, subject):
+        for size in self.layout_sizes:
+            if size > self.world_size:
+                return (f"layout_sizes = {self.layout_sizes}: {size} exceeds world_size = {self.world_size}; "
+                        f"run the check at world_size = {max(self.layout_sizes)}")
+            if self.virtual_shards % size:
+                return (f"layout_sizes = {self.layout_sizes}: virtual_shards = {self.virtual_shards} does not split "
+                        f"over {size} ranks; use a multiple of every size")
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(LayoutParams):
     dtype: str = _required(choices=DTYPES_WIRE)
     hidden: int = _opt(2048, minimum=1)
     rows_per_rank: int = _opt(2, minimum=1)
@@ -125,7 +147,7 @@ class QuantParams(CommonParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenParams(CommonParams):
+class TokenParams(LayoutParams):
     """What dispatch and the MoE layer share: tokens, experts and routing."""
 
     tokens: int = _opt(16, minimum=1)
@@ -143,7 +165,10 @@ class TokenParams(CommonParams):
             return f"num_experts = {self.num_experts} does not split over world_size = {self.world_size} ranks"
         if self.topk > self.num_experts:
             return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
-        return None
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +224,7 @@ class MoeParams(TokenParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelParams(CommonParams):
+class ModelParams(LayoutParams):
     """A small random-weight MoE decoder (harness/families/model.py): its shape, its
     prompts, and the stage subjects it is composed of (by registered name)."""
 
@@ -223,6 +248,10 @@ class ModelParams(CommonParams):
     dispatch: str = _opt("torch_a2a_dispatch")
     gemm: str = _opt("torch_mm")
     dense_gemm: str = _opt("torch_mm")
+    # every TP product per virtual shard (harness/subjects/model/composed.py); the layout-size
+    # properties run with it set, whatever the case says
+    virtual_tp: bool = _opt(False)
+    virtual_shards: int = _opt(4, minimum=1)  # one head per shard at the default 4 heads
 
     def validate(self, subject):
         w = self.world_size
@@ -238,7 +267,13 @@ class ModelParams(CommonParams):
             return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
         if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
             return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
-        return None
+        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
+            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
+                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 def unknown_field(exc: AttributeError, who: str) -> str | None:

@@ -100,5 +100,10 @@ for _prop in (
     # Many calls, each against its exact expectation: a rare defect (one row on 1 call in 50)
     # as well as every defect a reference must catch; its record says k of n calls.
     Property("corruption-rate", "reference", {"nan", "inf", "stale", "rare"}, counts_runs=True),
+    # Layout size (docs/layout-invariance.md): the same logical inputs through world sizes
+    # 1, 2, 4 (8) on subgroups of one launch; a placement is a world size, so one size is
+    # "only one run" and a repeated size "one and the same placement" (driver vacuity).
+    Property("tp-size-invariance", "placement"),
+    Property("ep-size-invariance", "placement"),
 ):
     register(_prop)

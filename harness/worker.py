@@ -176,7 +176,7 @@ def rank_main() -> None:
         _read_nccl_topology(ctx, channel)
 
     checks = job["checks"]
-    contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
+    contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks} | layout_sizes(checks))
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     precompile = job.get("precompile")  # None once the compile has ended (or when there is none)
     waits_for = set(precompile["checks"]) if precompile else set()
@@ -286,7 +286,18 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     for size in sorted(w for w in world_sizes if w < ctx.world_size):
         group = dist.new_group(list(range(size)))
         contexts[size] = dataclasses.replace(ctx, world_size=size, group=group) if ctx.rank < size else None
+    for c in contexts.values():  # a layout-size check runs on the subgroups up to its own size
+        if c is not None:
+            c.subgroups = {w: contexts[w] for w in contexts if w < c.world_size}
     return contexts
+
+
+def layout_sizes(checks: list[dict]) -> set[int]:
+    """The world sizes the launch's layout-size checks run through (params `layout_sizes`,
+    harness/families/layout.py), beside the checks' own world sizes."""
+    from ep_harness.families.layout import sizes_of
+
+    return {w for c in checks for w in sizes_of(c)}
 
 
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):

@@ -19,6 +19,8 @@ the probe. The compared copies of the probe are gathered from the ranks that own
   split holds a copy. Each copy records the channel and tree (or ring chunk) it went
   through, from NCCL's log; on gloo, its ring chunk.
 * reference: every output element against the float64 sum, within the summation bound.
+* tp-size-invariance: one logical tensor's reduction at world sizes 1, 2, 4 (8)
+  (harness/families/collective_layout.py).
 
 As in SGLang's test, the first copy is counted in `total` (it always matches itself).
 """
@@ -35,6 +37,8 @@ from ep_harness import properties
 from ep_harness.bits import int_view, unit_roundoff
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
+from ep_harness.families import collective_layout
+from ep_harness.families import layout as layout_size
 from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
@@ -50,7 +54,7 @@ from ep_harness.reference.collectives import shard_offsets
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
-    "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance",
+    "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance", "tp-size-invariance",
 )
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
 
 def _layout_runs(prop: str, p: CollectiveParams, world_size: int) -> list[Run]:
     """The layouts as driver runs; graph-invariance runs each layout eager, then in a graph."""
+    if prop in layout_size.LAYOUT_PROPERTIES:  # world sizes, not placements within one
+        return layout_size.runs(prop, p, world_size)
     base = layouts(prop, p, world_size)
     graph = p.mode == "graph" or prop == "graph-invariance"
     plan = [(layout, graph and prop != "graph-invariance") for layout in base]
@@ -164,6 +170,8 @@ def _observe(subject, ctx: RankContext, p: CollectiveParams, prop: str, runs: li
     """On every rank: the probe copies it owns per run, its outputs for the reference, the
     NCCL calls it logged per run (the driver's subject_call checks that the input is left
     alone and the output written)."""
+    if prop in layout_size.LAYOUT_PROPERTIES:
+        return collective_layout.observe(subject, ctx, p, prop, runs)
     dtype = gen.dtype_of(p.dtype)
     copies, outputs, calls = [], [], []
     for run in runs:
@@ -223,6 +231,8 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: Collect
 
 def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[Run], gathered) -> Measurement:
     world_size, prop = ctx.world_size, check.property
+    if prop in layout_size.LAYOUT_PROPERTIES:
+        return collective_layout.measure(check, subject, ctx, p, runs, gathered)
     dtype = gen.dtype_of(p.dtype)
     layouts_ = [r.spec[0] for r in runs]
     calls = gathered[0].calls  # rank 0 reads its own NCCL log
