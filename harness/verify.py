@@ -140,8 +140,11 @@ def checks_from_records(path: Path, platform, selection: list[str] | None) -> li
 
 
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
-                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
-    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
+                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = (),
+                     annotate: bool = True) -> None:
+    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions
+    (with -q too: they are how a failure reaches the pull request; `annotate=False` where the
+    run's own verify printed them)."""
     from ep_harness.reports import ci_outputs
 
     if junit_xml is not None:
@@ -149,8 +152,8 @@ def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, juni
     if summary_md is not None:
         with open(summary_md, "a", encoding="utf-8") as f:  # $GITHUB_STEP_SUMMARY is appended to
             f.write(ci_outputs.summary_markdown(records, environment, list(regressions)))
-    if os.environ.get("GITHUB_ACTIONS") == "true" and not quiet:
-        for line in ci_outputs.github_annotations(records):
+    if os.environ.get("GITHUB_ACTIONS") == "true" and annotate:
+        for line in ci_outputs.github_annotations(records, environment):
             print(line, flush=True)
 
 
@@ -202,6 +205,16 @@ class RunOptions:
     fresh_processes: int = 1  # launches of every check, each in new processes
 
 
+def launch_grouping(options: RunOptions, platform, nodes: Nodes) -> str:
+    """How checks share launches: one on gloo (or over several nodes, where every rank takes
+    part in every launch), one per world size on NCCL, unless --launches says."""
+    if nodes.multi:
+        return "one"
+    if options.launches != "auto":
+        return options.launches
+    return "one" if platform.backend == "gloo" else "per-world-size"
+
+
 def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
@@ -224,8 +237,13 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     run_id, run_dir = claim_run_dir(options.out_root)
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
                                     source_suite_name(options.from_record) if options.from_record else loaded.name)
-    if not options.quiet:
-        print(f"# topology: {platform.topology.describe()}", flush=True)
+    if not options.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
+        from ep_harness.reports.terminal import run_header
+
+        plan = [(nodes.ranks or ws, len(cs))
+                for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
+        for line in run_header(environment.data, plan, sum(c.skip_reason is not None for c in checks), run_id=run_id):
+            print(line, flush=True)
 
     suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
@@ -254,12 +272,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
             head.wait_for_nodes()
             from ep_harness.precompile import compiled_last, start
 
-            if nodes.multi:  # ranks spread over nodes all take part in every launch
-                grouping = "one"
-            elif options.launches != "auto":
-                grouping = options.launches
-            else:
-                grouping = "one" if platform.backend == "gloo" else "per-world-size"
+            grouping = launch_grouping(options, platform, nodes)
             local_ranks = max((nodes.ranks or ws for ws, _, _ in jobs(checks, grouping)), default=1)
             background = start(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins,
                                ranks=local_ranks)
@@ -277,8 +290,10 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                         later = (f"; the {sum(c.id in background.waits_for for c in job_checks)} needing the "
                                  f"DeepGEMM kernels last, once they are compiled")
                     if not options.quiet:
-                        say_line(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
-                                 f"{tag.replace('-', ' ')}{later}")
+                        from ep_harness.reports.terminal import launch_line
+
+                        say_line(launch_line(len(job_checks), world_size, platform.backend,
+                                             f"{tag.replace('-', ' ')}{later}"))
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
                                         platform.emulated_hosts, on_outcome=on_outcome, precompile_wait=wait))
                 return done
