@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plugin", action="append", default=[])
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
+    e.add_argument("--out", type=Path, default=None,
+                   help="where the search's launch directory goes (default: explore/ beside --store)")
 
     st = sub.add_parser("selftest", help="plant defects in each subject of a suite and show which checks catch them")
     st.add_argument("--suite", default="smoke", help="suite name under cases/ or a path to a TOML file")
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
-                           store=args.store, gpus=args.gpus)
+                           store=args.store, gpus=args.gpus, out=args.out)
         if args.command == "nightly":
             from ep_harness.nightly import nightly
 
