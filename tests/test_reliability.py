@@ -156,9 +156,9 @@ def test_an_interrupted_exploration_leaves_no_process(tmp_path):
                              "--store", str(tmp_path / "store.jsonl")], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while len(list(tmp_path.glob("reports/out/explore/*/pid-rank*"))) < 3 and time.time() < deadline:
+    while len(list(tmp_path.glob("explore/*/pid-rank*"))) < 3 and time.time() < deadline:
         time.sleep(0.2)
-    ranks = [int(p.read_text()) for p in tmp_path.glob("reports/out/explore/*/pid-rank*")]
+    ranks = [int(p.read_text()) for p in tmp_path.glob("explore/*/pid-rank*")]
     assert len(ranks) == 3, proc.communicate(timeout=60)[0][-2000:]
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
