@@ -78,8 +78,8 @@ def mark(r: dict) -> str:
     return MARKS.get(outcome(r), str(r["status"]))
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
+def _plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
 def launch_line(n_checks: int, ranks: int, backend: str, tail: str = "") -> str:
@@ -108,7 +108,7 @@ def run_header(env: dict, launches: list[tuple[int, int]] | None = None, skipped
     if launches is not None:
         backend = env.get("backend", DASH)
         plan = ", ".join(f"{_plural(n, 'check')} on {ws} {backend} rank{'' if ws == 1 else 's'}" for ws, n in launches)
-        lines.append(f"# launch plan: {_plural(len(launches), 'launch')}: {plan or 'none'}"
+        lines.append(f"# launch plan: {_plural(len(launches), 'launch', 'launches')}: {plan or 'none'}"
                      + (f"; {skipped:,} skipped" if skipped else ""))
     lines.append(f"# command: {_one_line(env.get('command', DASH))}")
     return lines
