@@ -1,6 +1,6 @@
 """Refresh docs/report.png (`make screenshot`): a real CPU run of the smoke suite with one
 planted failure added (docs/screenshot/planted.toml: a GEMM that switches to split-K with
-the batch, from tests/planted.py), its report.html photographed at 1400 x 1800 in headless
+the batch, from tests/planted.py), its report.html photographed at 1400 x 2100 in headless
 Chromium: the failure first, then controls beside their fixes and the summary plot."""
 import shutil
 import subprocess
@@ -30,7 +30,7 @@ def main(target: Path) -> int:
                        stdout=subprocess.DEVNULL, cwd=ROOT)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page = browser.new_page(viewport={"width": 1400, "height": 2100})
             page.goto(page_path.as_uri())
             page.screenshot(path=str(target))
             browser.close()
