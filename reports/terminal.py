@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ep_harness.reports.analysis import FAILING, counts, outcome, pairs, verdict
+from ep_harness.reports.analysis import FAILING, STAGE_PARAMS, counts, outcome, pairs, verdict
 from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int
 
 COLUMNS = (
@@ -130,6 +130,12 @@ def comparison_summary(records: list[dict], changes: list[dict]) -> str:
             f"{other:,} other change{'' if other == 1 else 's'}; {_plural(len(records), 'check')} in this run")
 
 
+def _named(r: dict) -> str:
+    """A pair's member by its subject, and its case where the subject alone does not tell it
+    (a composed subject is on both sides of its pair, with another stage subject)."""
+    return f"{r['case']} ({r['subject']})" if any(k in r["params"] for k in STAGE_PARAMS) else r["subject"]
+
+
 def header() -> str:
     return "# " + _row([name for name, _ in COLUMNS])
 
@@ -188,9 +194,9 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
         lines.append("#")
         lines.append("# before -> after (control -> fix, same inputs):")
         for control, fixes in before_after[:12]:
-            fix_txt = "; ".join(f"{f['subject']}: {fmt_count(f['mismatched'], f['total'])}" for f in fixes)
+            fix_txt = "; ".join(f"{_named(f)}: {fmt_count(f['mismatched'], f['total'])}" for f in fixes)
             lines.append(_one_line(f"#   {control['property']} {control['params'].get('dtype', '')} "
-                                   f"ws={control['params'].get('world_size', '')}: {control['subject']}: "
+                                   f"ws={control['params'].get('world_size', '')}: {_named(control)}: "
                                    f"{fmt_count(control['mismatched'], control['total'])} -> {fix_txt}"))
         if len(before_after) > 12:
             lines.append(f"#   ... {len(before_after) - 12} more pairs in report.html")

@@ -43,6 +43,8 @@ def test_a_composed_control_sits_beside_its_fix_and_every_bar_has_its_own_label(
     fold = moe("moe", "holds", True, 0, "all_gather_fold")
     [(c, fixes)] = pairs([native, fold])  # they differ only in the stage subject that is under test
     assert c is native and fixes == [fold]
+    assert "moe-native-tp (composed_moe): 4,612 / 8,192 (56.3%) -> moe (composed_moe): 0 / 8,192 (0.0%)" in \
+        terminal.render([native, fold], {})
     labels = [b["label"] for b in plots.summary_bars([fold, native])]
     assert len(set(labels)) == 2 and "moe-native-tp  batch-invariance" in labels
 
