@@ -27,6 +27,21 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """One line, not the usage: what was wrong, the closest name where one was mistyped,
+        and where the usage is (exit 2, as argparse's own errors)."""
+        import re
+
+        from ep_harness.errors import did_you_mean
+
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            known = re.findall(r"'([^']*)'", choice.group(3))
+            what = "command" if choice.group(1) == "command" else choice.group(1)
+            message = f"unknown {what} {choice.group(2)!r}{did_you_mean(choice.group(2), known)}; choose from " \
+                      f"{', '.join(known)}"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
     def options(self) -> list[str]:
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
 
@@ -142,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plugin", action="append", default=[])
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
+    e.add_argument("--out", type=Path, default=None,
+                   help="where the search's launch directory goes (default: explore/ beside --store)")
 
     st = sub.add_parser("selftest", help="plant defects in each subject of a suite and show which checks catch them")
     st.add_argument("--suite", default="smoke", help="suite name under cases/ or a path to a TOML file")
@@ -214,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from ep_harness.reports.render import render_run
 
-            return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
+            # 1 for a run that failed, as for the verify that made it, and for a regression --against
+            return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped,
+                              failed_run_fails=True)
         if args.command == "list":
             return _list(args)
         if args.command == "doctor":
@@ -248,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
-                           store=args.store, gpus=args.gpus)
+                           store=args.store, gpus=args.gpus, out=args.out)
         if args.command == "nightly":
             from ep_harness.nightly import nightly
 
@@ -268,12 +287,12 @@ def _quiet_summary(run_dir: Path) -> None:
     """verify -q: each failure with its rerun command, then the verdict and the counts."""
     from ep_harness.reports.analysis import FAILING, counts, verdict
     from ep_harness.reports.load import load_run
-    from ep_harness.reports.terminal import _one_line
+    from ep_harness.reports.terminal import _one_line, divergence, mark
 
     records = load_run(run_dir).records
     for r in records:
         if r["status"] in FAILING:
-            print(_one_line(f"{r['status']}: {r['check']}: {r['reason']}"))
+            print(_one_line(f"{mark(r)}: {r['check']}: {r['reason']}{divergence(r)}"))
             print(_one_line(f"  rerun: {r['rerun']}"))
     summary = ", ".join(f"{n} {status}" for status, n in counts(records).items() if n)
     print(f"# {verdict(records)}: {summary} ({run_dir})")

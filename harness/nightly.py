@@ -27,7 +27,7 @@ def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | No
         result, message = None, f"# gate: {exc}"
     render_run(run_dir, history=history)
     run = load_run(run_dir)
-    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, quiet=True,
+    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, quiet=True, annotate=False,
                      regressions=result["regressions"] if result else ())
     print(f"# history: {added} rows appended to {history}")
     print(render_gate(result) if result else message)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ep_harness import families, params, properties
 from ep_harness import subject as registry
-from ep_harness.cases import Suite, timeout_problem
+from ep_harness.cases import Suite, suite_argument, timeout_problem
 from ep_harness.check import Check
 from ep_harness.errors import HarnessError, did_you_mean
 from ep_harness.params import CommonParams
@@ -133,9 +133,10 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
         checks = [c for c in checks if selected(c.id, selection)]
         if not checks:
             names = [*(c.name for c in suite.cases), *ids]
-            raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}"
+            named = suite_argument(suite.name, suite.path)  # a built-in suite by its name, else its path
+            raise HarnessError(f"--check {' '.join(selection)} matches no check of suite {named}"
                                f"{did_you_mean(selection[0], names)}; list them with "
-                               f"`ep-harness list --suite {suite.path}`")
+                               f"`ep-harness list --suite {named}`")
     return checks
 
 

@@ -201,8 +201,11 @@ def compared_across_launches(record: dict, check: Check, relaunched: list[dict[s
 
 
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
-                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
-    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
+                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = (),
+                     annotate: bool = True) -> None:
+    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions
+    (with -q too: they are how a failure reaches the pull request; `annotate=False` where the
+    run's own verify printed them)."""
     from ep_harness.reports import ci_outputs
 
     if junit_xml is not None:
@@ -210,8 +213,8 @@ def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, juni
     if summary_md is not None:
         with open(summary_md, "a", encoding="utf-8") as f:  # $GITHUB_STEP_SUMMARY is appended to
             f.write(ci_outputs.summary_markdown(records, environment, list(regressions)))
-    if os.environ.get("GITHUB_ACTIONS") == "true" and not quiet:
-        for line in ci_outputs.github_annotations(records):
+    if os.environ.get("GITHUB_ACTIONS") == "true" and annotate:
+        for line in ci_outputs.github_annotations(records, environment):
             print(line, flush=True)
 
 
@@ -264,6 +267,16 @@ class RunOptions:
     threads: int | None = None  # every rank's thread count (None: the case's or record's, else 1: harness/threads.py)
 
 
+def launch_grouping(options: RunOptions, platform, nodes: Nodes) -> str:
+    """How checks share launches: one on gloo (or over several nodes, where every rank takes
+    part in every launch), one per world size on NCCL, unless --launches says."""
+    if nodes.multi:
+        return "one"
+    if options.launches != "auto":
+        return options.launches
+    return "one" if platform.backend == "gloo" else "per-world-size"
+
+
 def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
@@ -287,8 +300,13 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
                                     source_suite_name(options.from_record) if options.from_record else loaded.name)
     threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
-    if not options.quiet:
-        print(f"# topology: {platform.topology.describe()}", flush=True)
+    if not options.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
+        from ep_harness.reports.terminal import run_header
+
+        plan = [(nodes.ranks or ws, len(cs))
+                for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
+        for line in run_header(environment.data, plan, sum(c.skip_reason is not None for c in checks), run_id=run_id):
+            print(line, flush=True)
         note = user_setting_note(threads) if isinstance(threads, int) else None
         if note:
             print(f"# note: {note}", flush=True)
@@ -320,12 +338,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
             head.wait_for_nodes()
             from ep_harness.precompile import compiled_last, start
 
-            if nodes.multi:  # ranks spread over nodes all take part in every launch
-                grouping = "one"
-            elif options.launches != "auto":
-                grouping = options.launches
-            else:
-                grouping = "one" if platform.backend == "gloo" else "per-world-size"
+            grouping = launch_grouping(options, platform, nodes)
             local_ranks = max((nodes.ranks or ws for ws, _, _ in jobs(checks, grouping)), default=1)
             background = start(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins,
                                ranks=local_ranks)
@@ -343,8 +356,10 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                         later = (f"; the {sum(c.id in background.waits_for for c in job_checks)} needing the "
                                  f"DeepGEMM kernels last, once they are compiled")
                     if not options.quiet:
-                        say_line(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
-                                 f"{tag.replace('-', ' ')}{later}")
+                        from ep_harness.reports.terminal import launch_line
+
+                        say_line(launch_line(len(job_checks), world_size, platform.backend,
+                                             f"{tag.replace('-', ' ')}{later}"))
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
                                         platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
                 return done

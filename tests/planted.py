@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ep_harness.subject import register
 from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
-from ep_harness.subjects.collective.common import fold_in_order, offsets
+from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from ep_harness.subjects.moe.composed import ComposedMoE
 
@@ -245,7 +245,7 @@ class ReverseFold(AllGatherFold):
     def reduce_scatter(self, out, inp, sizes, group):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        all_gather_single(gathered, inp.contiguous(), group=group)
         start = offsets(sizes)[rank]
         out.copy_(fold_in_order(gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]], range(world_size)))
 

@@ -96,6 +96,7 @@ def test_explore_finds_and_shrinks_the_planted_combine(tmp_path):
             "--store", str(store)]
     proc = run_cli(*args)
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [p.name.split("-")[0] for p in (tmp_path / "explore").iterdir()] == ["planted_arrival_order_combine"]
     example = json.loads(store.read_text().splitlines()[0])["example"]
     assert example["property"] == "rank-invariance"
     assert example["params"]["tokens"] * 4 <= 4  # one token per rank: at most 4 in the system

@@ -158,7 +158,7 @@ def test_a_record_alone_reruns_its_check_bit_for_bit(smoke_run, tmp_path):
     control = find(records(run_dir), "rs-native", "batch-invariance", "float16", 3)
     proc = run_cli("verify", "--from-record", str(run_dir / "results.jsonl"), "--check", control["check"],
                    "--gpus", "0", "--no-report", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [again] = records(tmp_path / "latest")
     for key in ("status", "held", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "params"):
         assert again[key] == control[key], key

@@ -150,7 +150,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
                 say(f"# {inj.name}: {len(due)} check(s) must catch it" if due else f"# {inj.name}: no check must catch it")
                 pairs += [(c, inj) for c in due]  # by injection, then in plan order
             if pairs:
-                say(f"# launching {len(pairs)} injected checks")
+                say(f"# launching {len(pairs)} injected check{'' if len(pairs) == 1 else 's'}")
                 t = time.time()
                 records, fired_pairs = launcher.run("injected", pairs)
                 seconds["injected"] = round(time.time() - t, 2)

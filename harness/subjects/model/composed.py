@@ -33,6 +33,7 @@ from ep_harness.subject import register
 from ep_harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from ep_harness.subjects.moe.composed import STAGES as MOE_STAGES
 from ep_harness.subjects.moe.composed import Composed, ComposedMoE, route
+from ep_harness.subjects.collective.common import all_gather_single
 
 STAGES = (*MOE_STAGES, "dense_gemm")
 BF16 = torch.bfloat16
@@ -188,7 +189,7 @@ class _Forward:
         self.rec(ops["moe.norm"], mine, "out", "x", x_mine)
         routed = self.moe(l, L, x_mine, tokens, items, lo, local, ops)
         x_all = torch.empty((padded, h.shape[1]), dtype=BF16, device=h.device)
-        dist.all_gather_into_tensor(x_all, x_mine.contiguous(), group=self.group)
+        all_gather_single(x_all, x_mine.contiguous(), group=self.group)
         self.rec(ops["moe.gather"], mine, "in", "x", x_mine)
         self.rec(ops["moe.gather"], items, "out", f"rank {r}", x_all)
         if self.virtual:
@@ -213,7 +214,7 @@ class _Forward:
         self.rec(ops["moe.residual"], mine, "out", "h", h_mine)
 
         out = torch.empty_like(h)
-        dist.all_gather_into_tensor(out, h_mine.contiguous(), group=self.group)
+        all_gather_single(out, h_mine.contiguous(), group=self.group)
         self.rec(ops["gather"], mine, "in", "h", h_mine)
         self.rec(ops["gather"], items, "out", f"rank {r}", out)
         if r == 0:
