@@ -56,7 +56,7 @@ nightly: install
 # For the nightly workflow: prints skip=false where DeepEP imports and EP_HARNESS_DEEPEP_VERSION
 # names it, else skip=true, and the reason on stderr and in the job's summary (a night without
 # DeepEP must not look like a night DeepEP passed).
-DEEPEP_MISSING := h200-deepep not run: DeepEP does not import here or EP_HARNESS_DEEPEP_VERSION is unset; build DeepEP from source (README, GPU set-up), put its build directory in the repository variable DEEPEP_BUILD_DIR and name it in EP_HARNESS_DEEPEP_VERSION
+DEEPEP_MISSING := h200-deepep not run: DeepEP does not import here or EP_HARNESS_DEEPEP_VERSION is unset; build DeepEP from source (docs/gpu.md), put its build directory in the repository variable DEEPEP_BUILD_DIR and name it in EP_HARNESS_DEEPEP_VERSION
 deepep-ready: install
 	@if $(PY) -c "import deep_ep" >/dev/null 2>&1 && [ -n "$$EP_HARNESS_DEEPEP_VERSION" ]; then echo skip=false; \
 	else echo "::warning::$(DEEPEP_MISSING)" >&2; [ -z "$$GITHUB_STEP_SUMMARY" ] || echo "$(DEEPEP_MISSING)" >> "$$GITHUB_STEP_SUMMARY"; \
