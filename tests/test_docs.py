@@ -143,3 +143,18 @@ def test_the_sample_check_sees_a_stale_line():
     sample = "[2/164]       2.5s ok          rs-native               rank-invariance      bfloat16    4     1,439 / 8,192 (17.6%)      1,439   15,360          4    0.05  -"
     moved = sample.replace("1,439 / 8,192", "1,438 / 8,192")
     assert _row_key(sample) != _row_key(moved) and _row_key(sample) == _row_key(sample.replace("2.5s", "9.9s"))
+
+
+@pytest.mark.slow
+def test_the_readme_install_line_takes_a_cpu_torch_here(tmp_path):
+    """The README's first install line, resolved by pip as this machine would install it
+    (nothing installed): a torch without CUDA's libraries, which a CPU box needs."""
+    [line] = [line for line in doc_block(README, "install").splitlines() if line.startswith("pip install torch")]
+    args = shlex.split(line, comments=True)[2:]
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "-q",
+                    "--report", str(report), *args], check=True, capture_output=True, timeout=300)
+    [torch] = json.loads(report.read_text())["install"]
+    requires = torch["metadata"].get("requires_dist") or []
+    assert torch["metadata"]["name"] == "torch" and torch["metadata"]["version"].startswith("2.13.0"), torch["metadata"]
+    assert [r for r in requires if r.lower().startswith("nvidia-")] == [], (torch["download_info"]["url"], requires)
