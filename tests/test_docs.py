@@ -18,7 +18,7 @@ from tests.conftest import REPO, run_cli
 from tests.doc_blocks import doc_block, unmarked_code
 
 README = REPO / "README.md"
-PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [README, REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def test_the_readme_is_a_page_of_at_most_300_lines():

@@ -149,6 +149,13 @@ def test_the_wheel_holds_one_import_package_and_its_metadata(wheel):
     assert "ep-harness = ep_harness.cli:main" in text and "ep_harness = ep_harness.pytest_plugin" in text, text
 
 
+def test_the_testing_extra_brings_pytest_for_the_helpers(wheel):
+    [metadata] = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA")]
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "Provides-Extra: testing" in text and 'Requires-Dist: pytest>=8; extra == "testing"' in text, text[:2000]
+    assert "ep_harness/testing.py" in zipfile.ZipFile(wheel).namelist()
+
+
 def test_the_wheel_names_the_commit_it_was_built_from(wheel):
     baked = zipfile.ZipFile(wheel).read("ep_harness/_commit.py").decode()
     assert len(HEAD) == 40 and f"COMMIT = '{HEAD}" in baked, baked
