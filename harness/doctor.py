@@ -172,7 +172,7 @@ def deepgemm_finding(gpus: int) -> Finding:
 
 def deepep_finding(gpus: int) -> Finding:
     problem = _import_error("deep_ep")
-    build = ("build DeepEP from source for this torch (README, GPU set-up), put it on PYTHONPATH and "
+    build = ("build DeepEP from source for this torch (docs/gpu.md), put it on PYTHONPATH and "
              f"export {DEEPEP_VERSION_ENV}='<tag> (<commit>)'")
     if problem:
         return Finding("deepep", SKIP, f"deep_ep does not import ({problem}): DeepEP checks are skipped", build)

@@ -205,9 +205,16 @@ def applicable_env(env, where: str) -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """The harness's commit (+dirty); EP_HARNESS_COMMIT names it where the tree has no .git."""
+    """The harness's commit (+dirty): EP_HARNESS_COMMIT if set, else its checkout's, else the
+    one baked into an installed copy when its wheel was built (setup.py)."""
     if os.environ.get("EP_HARNESS_COMMIT"):
         return os.environ["EP_HARNESS_COMMIT"]
+    from ep_harness.version import built_commit
+
+    return _checkout_commit() or built_commit()
+
+
+def _checkout_commit() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,

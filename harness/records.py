@@ -1,4 +1,4 @@
-"""The record: one JSON object per check in `results.jsonl` (DESIGN.md lists the keys).
+"""The record: one JSON object per check in `results.jsonl` (docs/records.md lists the keys).
 
 Files are written to a temporary name and renamed, so a reader never sees half a run.
 """

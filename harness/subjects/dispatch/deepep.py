@@ -107,7 +107,7 @@ class _DeepEP:
         try:
             self.module()
         except ImportError as exc:
-            return (f"deep_ep cannot be imported ({exc}); build DeepEP for this torch (README, GPU set-up) "
+            return (f"deep_ep cannot be imported ({exc}); build DeepEP for this torch (docs/gpu.md) "
                     f"and put it on PYTHONPATH")
         return None
 
