@@ -23,6 +23,7 @@ class Check:
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)  # launch environment overrides
     topology: str = ""
+    nccl: str | None = None  # the NCCL that runs (from the library: harness/nccl/library.py), on NCCL runs
     skip_reason: str | None = None
 
     @property

@@ -88,13 +88,13 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | 
     import torch
 
     emulation = emulate if emulate and gpus > visible else None
-    if emulation == "single-node":
-        problem = single_node_problem(nccl_version())
-        if problem:
-            raise HarnessError(problem)
+    version = nccl_version()
+    if emulation == "single-node" and single_node_problem(version):
+        raise HarnessError(single_node_problem(version))
     props = torch.cuda.get_device_properties(0)
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
-                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulation=emulation)
+                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulation=emulation,
+                    nccl=".".join(map(str, version)) if version else None)
 
 
 def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:

@@ -59,7 +59,7 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
             raise
         raise HarnessError(f"{where}: {problem}") from None
     return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
-                 topology=platform.topology.describe(), skip_reason=skip, **fields)
+                 topology=platform.topology.describe(), nccl=platform.nccl, skip_reason=skip, **fields)
 
 
 def literal(check_id: str) -> str:

@@ -96,6 +96,7 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "property": check.property,
         "params": check.params_record,
         "topology": check.topology,
+        **({"nccl": check.nccl} if check.nccl else {}),  # what ran, read from NCCL (every rank checks it)
         "expect": check.expect,
         "timeout_s": check.timeout_s,
         "launch_env": redacted(check.env),  # a credential's value never reaches a results file

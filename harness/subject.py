@@ -39,6 +39,7 @@ class Platform:
     capability: tuple[int, int] | None = None
     gpus: int = 0  # GPUs the ranks use
     emulation: str | None = None  # several NCCL ranks per GPU: "hosts" or "single-node" (harness/emulation.py)
+    nccl: str | None = None  # the NCCL library's own version (not torch's compile-time one), NCCL runs only
     nodes: int = 1  # machines (or torchrun agents) the ranks are spread over
 
     @property
