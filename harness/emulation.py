@@ -51,7 +51,7 @@ def single_node_problem(version: tuple[int, int, int] | None) -> str | None:
     have = ".".join(map(str, version)) if version else "no NCCL library"
     need = ".".join(map(str, SINGLE_NODE_MIN_NCCL))
     return (f"--emulate single-node needs NCCL >= {need} (NCCL_MULTI_RANK_GPU_ENABLE), but this process runs {have}: "
-            f"build NCCL >= {need} with ci/build_nccl.sh and install it with ci/use_nccl.sh (docs/gpu-setup.md), "
+            f"build NCCL >= {need} with ci/build_nccl.sh and install it with ci/use_nccl.sh (docs/gpu.md), "
             f"or use --emulate hosts")
 
 

@@ -1,7 +1,7 @@
 """How many CPU threads every rank computes with: one policy, pinned by the harness.
 
 A CPU kernel's bits may depend on its thread count: on an Intel Xeon with AMX-BF16, oneDNN's
-bf16 torch.mm is batch-variant on one thread and invariant on two (DESIGN.md, Round 4). So
+bf16 torch.mm is batch-variant on one thread and invariant on two (docs/threads.md). So
 the count is never left to the launch: torchrun sets OMP_NUM_THREADS=1 only for launches of
 several ranks (a check grouped with 4-rank checks got one thread, the same check rerun alone
 got every core), and a user's OMP_NUM_THREADS would make a verdict depend on the shell.

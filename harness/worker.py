@@ -260,7 +260,7 @@ def nccl_library_error(named: str | None, per_rank: list) -> str | None:
         return None
     return (f"the run names NCCL {named or 'none'} (read from the launcher's library), but " + "; ".join(wrong[:4]) +
             (f"; {len(wrong) - 4} more" if len(wrong) > 4 else "") +
-            ": every rank must load one NCCL (replace torch's libnccl.so.2 on every node: docs/gpu-setup.md)")
+            ": every rank must load one NCCL (replace torch's libnccl.so.2 on every node: docs/gpu.md)")
 def threads_unlike(pinned: dict[str, str], threads: int) -> dict[str, str]:
     """{"torch.get_num_threads()": what torch runs on} where that is not the pinned count."""
     wanted = pinned.get(THREADS_VAR)

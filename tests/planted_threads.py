@@ -1,5 +1,5 @@
 """A test-only GEMM whose bits depend on its thread count, as oneDNN's bf16 torch.mm does on
-an Intel Xeon with AMX (batch-variant on one thread, invariant on two: DESIGN.md, Round 4),
+an Intel Xeon with AMX (batch-variant on one thread, invariant on two: docs/threads.md),
 which this AMD machine cannot show. Registered through `--plugin tests.planted_threads`."""
 import torch
 

@@ -1,7 +1,7 @@
 """The NCCL library this process runs, read from NCCL itself.
 
 `torch.cuda.nccl.version()` is the version torch was compiled against: with torch's
-`libnccl.so.2` replaced by another build (NCCL 2.30 under torch 2.11, docs/gpu-setup.md) it
+`libnccl.so.2` replaced by another build (NCCL 2.30 under torch 2.11, docs/gpu.md) it
 still names the old one. What ran is what the loaded library says through `ncclGetVersion`,
 and which files are mapped into the process (two different copies mapped at once is how an
 `LD_PRELOAD` of another NCCL looks: calls go to one, torch's copy stays loaded).
@@ -33,7 +33,7 @@ class LoadedNccl:
         """Why this process's NCCL is ambiguous, or None."""
         if len(self.paths) > 1:
             return (f"{len(self.paths)} NCCL libraries are mapped into one process ({', '.join(self.paths)}): replace "
-                    f"torch's nvidia/nccl/lib/libnccl.so.2 instead of preloading another (docs/gpu-setup.md)")
+                    f"torch's nvidia/nccl/lib/libnccl.so.2 instead of preloading another (docs/gpu.md)")
         return None
 
     def to_dict(self) -> dict:

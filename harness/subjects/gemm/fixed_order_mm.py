@@ -7,7 +7,7 @@ two bf16 or float32 values is exact in float64, so a fused multiply-add and a mu
 an add round alike, and each element is one sequence of IEEE operations on its own values,
 whichever vector or scalar path computes it: no other row, no batch size and no thread count
 enters its bits. torch.mm gives no such promise: oneDNN's bf16 GEMM on an Intel Xeon with AMX
-is batch-variant on one thread and invariant on two (DESIGN.md, Round 4).
+is batch-variant on one thread and invariant on two (docs/threads.md).
 
 What the CPU default asserts to hold for GEMMs uses this subject; torch.mm and
 torch._grouped_mm are measured there (`expect = "measure"`), a fact about this machine's
