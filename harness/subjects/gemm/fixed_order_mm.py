@@ -16,7 +16,7 @@ library. K passes of elementwise work: for the CPU suites' small shapes, not for
 import torch
 
 from ep_harness.subject import register
-from ep_harness.subjects.gemm.common import unsupported
+from ep_harness.subjects.gemm.common import each_expert, unsupported
 
 
 def fixed_order_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -40,14 +40,4 @@ class FixedOrderMm:
         return unsupported(self, params)
 
     def run(self, problem, out):
-        if problem.layout == "dense":
-            out.copy_(fixed_order_product(problem.a, problem.b))
-            return
-        for g, count in enumerate(problem.counts):
-            if count == 0:
-                continue
-            if problem.layout == "contiguous":
-                s = problem.starts[g]
-                out[s:s + count].copy_(fixed_order_product(problem.a[s:s + count], problem.b[g]))
-            else:
-                out[g, :count].copy_(fixed_order_product(problem.a[g, :count], problem.b[g]))
+        each_expert(problem, out, lambda a, b, o: o.copy_(fixed_order_product(a, b)))
