@@ -14,7 +14,7 @@ SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 EMULATE_HOSTS ?=
 EMULATE ?=
 # EMULATE=hosts (or EMULATE_HOSTS=1): GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank;
-# EMULATE=single-node: they form one NCCL node (NCCL >= 2.30, docs/gpu-setup.md).
+# EMULATE=single-node: they form one NCCL node (NCCL >= 2.30, docs/gpu.md).
 GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate hosts,) \
 	$(if $(EMULATE),--emulate $(EMULATE),)
 # Several nodes: NNODES=2 NPROC_PER_NODE=8 RDZV=head:29400 NODE_RANK=0 (1 on the other node), or LAUNCHER=slurm.

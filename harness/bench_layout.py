@@ -1,6 +1,6 @@
 """The cost of the layout-size fixes (docs/layout-invariance.md): the TP reduction of one
 logical bf16 tensor of V = 8 virtual shards at the launch's world size, each rank reducing
-its V / W shards (harness/families/layout.py reduce_shards), native reduce-scatter against
+its V / W shards (harness/shards.py reduce_shards), native reduce-scatter against
 the tree over the shards; medians over repeats, the slowest rank's. Under torchrun:
 
     torchrun --nproc-per-node 4 -m ep_harness.bench_layout OUT.json [MIN_KIB MAX_MIB REPEATS]
@@ -24,7 +24,7 @@ def main(out_path: str, min_kib: int = 64, max_mib: int = 16, repeats: int = 9) 
 
     import ep_harness.subjects  # noqa: F401
     from ep_harness import subject as registry
-    from ep_harness.families.layout import reduce_shards
+    from ep_harness.shards import reduce_shards
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

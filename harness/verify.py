@@ -398,6 +398,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     point_latest(options.out_root, run_dir)
     if not options.quiet:
         print(timing_line(fingerprint["timing"]), flush=True)
+        for line in unmeasured_cases(records):  # before the verdict, which stays the last lines
+            print(f"# WARNING: {line}", flush=True)
     if options.render:
         from ep_harness.reports.render import render_run
 
@@ -405,8 +407,6 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
-    for line in unmeasured_cases(records) if not options.quiet else ():
-        print(f"# WARNING: {line}", flush=True)
     failing = sum(r["status"] in FAILING for r in records)
     if all(r["status"] == "skipped" for r in records) and not options.allow_empty:
         if not options.quiet:  # a run that measured nothing is not a pass

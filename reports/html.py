@@ -17,7 +17,7 @@ from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_i
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
            ("ws", "world size"), ("outcome", "outcome"))
-# The words on the page for each outcome (reports.analysis.OUTCOMES), pytest's where it has them.
+# The words on the page for each outcome (ep_harness.reports.analysis.OUTCOMES), pytest's where it has them.
 OUTCOME_WORDS = {"failed": "FAILED", "xpass": "XPASS", "error": "ERROR", "interrupted": "INTERRUPTED",
                  "vacuous": "vacuous", "xfail": "xfail", "held": "held", "skipped": "skipped"}
 OUTCOME_MEANING = {"failed": "expected to hold, did not (or the order model's prediction missed)",

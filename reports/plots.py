@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.image  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-# One colour per outcome (reports.analysis.OUTCOMES), the same in the plot and on the page.
+# One colour per outcome (ep_harness.reports.analysis.OUTCOMES), the same in the plot and on the page.
 COLOURS = {"failed": "#c0392b", "xpass": "#c0392b", "error": "#7b241c", "interrupted": "#7b241c",
            "vacuous": "#d4ac0d", "xfail": "#95a5a6", "held": "#2e86c1", "skipped": "#d5d8dc"}
 WORDS = {"failed": "FAILED", "xpass": "XPASS (control did not violate)", "error": "ERROR",

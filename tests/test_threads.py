@@ -62,7 +62,7 @@ def test_a_thread_dependent_failure_in_one_launch_reruns_with_the_same_bits(tmp_
     for omp, out in (("2", "rerun"), (None, "rerun-unset")):
         again = harness(*argv[1:], "--no-report", "--out", str(tmp_path / out), omp=omp)
         assert again.returncode == 1, again.stdout[-3000:]
-        assert "# launching 1 checks on 1 gloo" in again.stdout
+        assert "# launching 1 check on 1 gloo rank" in again.stdout
         alone = records(tmp_path / out / "latest")[PLANTED]
         assert [alone.get(k) for k in BITS] == [failed.get(k) for k in BITS], out
     # --from-record: the record alone says how many threads
@@ -150,7 +150,7 @@ def test_measure_reports_the_count_and_never_fails():
     differs = Measurement(comparison="bitwise", mismatched=4, total=1792, held=False)
     same = Measurement(comparison="bitwise", mismatched=0, total=1792, held=True)
     assert decide(_check("measure"), differs) == ("ok", "measured, not asserted: does not hold on this machine "
-                                                        "(4 / 1,792 differ)")
+                                                        "(4 / 1,792 differ: 4 in value)")
     assert decide(_check("measure"), same) == ("ok", "measured, not asserted: holds on this machine "
                                                      "(0 / 1,792 differ)")
     assert decide(_check("holds"), differs)[0] == "unexpected"  # the same measurement, asserted

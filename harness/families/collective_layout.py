@@ -30,6 +30,7 @@ from ep_harness.params import CollectiveParams
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import shard_offsets
 from ep_harness.subject import order_model_of
+from ep_harness.shards import reduce_shards
 
 
 def per_destination(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -65,7 +66,7 @@ def observe(subject, ctx: RankContext, p: CollectiveParams, prop: str, runs: lis
         pristine = mine.clone()
         out = mine.new_empty((rows // size, p.hidden))
         mark = ctx.nccl_mark()
-        seconds.append(layout.timed(lambda: layout.reduce_shards(subject, out, mine, [rows // size] * size, sub.group),
+        seconds.append(layout.timed(lambda: reduce_shards(subject, out, mine, [rows // size] * size, sub.group),
                                     ctx.device))
         calls.append(ctx.nccl_calls_since(mark))
         mutated |= not torch.equal(mine.view(torch.uint8), pristine.view(torch.uint8))

@@ -63,25 +63,6 @@ def block(shards: int, world_size: int, rank: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def local_partial(shards: torch.Tensor) -> torch.Tensor:
-    """[k, ...] -> [...]: the rank's shards summed in float32 in order, rounded once (as
-    ep_harness.reference.orders.block_partials)."""
-    wide = torch.float64 if shards.dtype == torch.float64 else torch.float32
-    acc = shards[0].to(wide)
-    for s in shards[1:]:
-        acc = acc + s.to(wide)
-    return acc.to(shards.dtype)
-
-
-def reduce_shards(subject, out: torch.Tensor, shards: torch.Tensor, sizes_: list[int], group) -> None:
-    """The TP reduction of this rank's virtual shards [k, rows, H] into `out` (its rows)."""
-    own = getattr(subject, "reduce_shards", None)
-    if own is not None:
-        own(out, shards, sizes_, group)
-    else:
-        subject.reduce_scatter(out, local_partial(shards), sizes_, group)
-
-
 def timed(fn, device: torch.device) -> float:
     """Seconds of one call (the device synchronised around it): the cost next to a verdict,
     never asserted."""

@@ -287,7 +287,7 @@ class _Forward:
         return torch.stack(parts)
 
     def tp_reduce_shards(self, parts, local, op, items, mine) -> torch.Tensor:
-        from ep_harness.families.layout import reduce_shards
+        from ep_harness.shards import reduce_shards
 
         out = parts.new_empty((local, parts.shape[2]))
         reduce_shards(self.s["tp_reduce"], out, parts, [local] * self.world, self.group)

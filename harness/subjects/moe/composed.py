@@ -109,7 +109,7 @@ class ComposedMoE(Composed):
         """shards: this rank's virtual TP shards of every global token [k, T_total, H]
         (harness/families/layout.py); the tp_reduce stage reduces them as the layout-size
         properties define. Returns what `forward` does."""
-        from ep_harness.families.layout import reduce_shards
+        from ep_harness.shards import reduce_shards
 
         s = self.stages(params)
         world = torch.distributed.get_world_size(group)
