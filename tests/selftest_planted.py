@@ -5,7 +5,7 @@
   element 0 of every gathered probe copy, so a defect confined to that element (the `ulp`
   injection's default place) cannot show, while one that moves every element (`kth-call`)
   still does. The selftest must report it blind, naming `ulp`.
-* `subset-batch-invariance`: batch-invariance that compares only element 0 of every probe
+* `weak-subset-batch-invariance`: batch-invariance that compares only element 0 of every probe
   copy (a check of a subset of each row). Injections at element 0 alone (the selftest's
   placement before issue 32) cannot show it; the default placements (first, middle, last and
   seeded elements of each row) must report it blind, naming `ulp`.
@@ -20,7 +20,7 @@ from ep_harness.families import collective
 
 WEAK = "weak-batch-invariance"
 WEAK_REFERENCE = "weak-reference"
-SUBSET = "subset-batch-invariance"
+SUBSET = "weak-subset-batch-invariance"
 AS = {WEAK: "batch-invariance", WEAK_REFERENCE: "reference", SUBSET: "batch-invariance"}
 
 

@@ -241,16 +241,16 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
     assert "BLIND: weak-ref/weak-reference (weak-reference) missed nan, inf" in proc.stdout
-    assert "BLIND: subset/subset-batch-invariance (subset-batch-invariance) missed ulp" in proc.stdout
+    assert "BLIND: subset/weak-subset-batch-invariance (weak-subset-batch-invariance) missed ulp" in proc.stdout
     assert "# selftest matrix" in proc.stdout
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
     assert result["blind"] == [
         {"check": "weak/weak-batch-invariance", "property": "weak-batch-invariance", "missed": ["ulp"]},
-        {"check": "subset/subset-batch-invariance", "property": "subset-batch-invariance", "missed": ["ulp"]},
+        {"check": "subset/weak-subset-batch-invariance", "property": "weak-subset-batch-invariance", "missed": ["ulp"]},
         {"check": "weak-ref/weak-reference", "property": "weak-reference", "missed": ["nan", "inf"]}]
     by_check = {r["check"]: r["cells"] for r in result["checks"]}
     # The subset check sees the defect at the first element only; every other placement is missed.
-    assert by_check["subset/subset-batch-invariance"]["ulp"]["spots"] == {
+    assert by_check["subset/weak-subset-batch-invariance"]["ulp"]["spots"] == {
         "ulp.first": "caught", "ulp.middle": "missed", "ulp.last": "missed", "ulp.seeded": "missed"}
     assert by_check["weak/weak-batch-invariance"]["ulp"]["missed_at"] == ["ulp.first"]
     cells = {r["check"]: {k: c["state"] for k, c in r["cells"].items()} for r in result["checks"]}
@@ -287,7 +287,7 @@ def test_a_subset_check_passes_only_where_the_defect_is_at_element_0(tmp_path):
     proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*",
                    "--injections", "ulp:at=middle", "--no-report", "--out", str(tmp_path / "middle"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "BLIND: subset/subset-batch-invariance (subset-batch-invariance) missed ulp" in proc.stdout
+    assert "BLIND: subset/weak-subset-batch-invariance (weak-subset-batch-invariance) missed ulp" in proc.stdout
     assert "--injections ulp:at=middle" in json.loads(
         (tmp_path / "middle" / "latest" / "selftest.json").read_text())["checks"][0]["cells"]["ulp"]["rerun"]
 
