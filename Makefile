@@ -12,8 +12,11 @@ PYTEST_WORKERS ?= 3
 # build, which `pip install torch==2.13.0` takes from this machine's disk.
 SYSTEM_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
 EMULATE_HOSTS ?=
-# EMULATE_HOSTS=1: GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank.
-GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate-hosts,)
+EMULATE ?=
+# EMULATE=hosts (or EMULATE_HOSTS=1): GPUS=N NCCL ranks share the visible GPU(s), one emulated host per rank;
+# EMULATE=single-node: they form one NCCL node (NCCL >= 2.30, docs/gpu.md).
+GPU_FLAG := $(if $(GPUS),--gpus $(GPUS),) $(if $(filter 1 yes true,$(EMULATE_HOSTS)),--emulate hosts,) \
+	$(if $(EMULATE),--emulate $(EMULATE),)
 # Several nodes: NNODES=2 NPROC_PER_NODE=8 RDZV=head:29400 NODE_RANK=0 (1 on the other node), or LAUNCHER=slurm.
 NNODES ?=
 NPROC_PER_NODE ?=
@@ -27,11 +30,18 @@ NODE_FLAG := $(if $(NNODES),--nnodes $(NNODES),) $(if $(NPROC_PER_NODE),--nproc-
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages,) $(VENV)
-	$(PY) -c "import torch" >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
-	touch $@
+# The first set-up takes a minute or two: each step says what it does before it starts, and
+# pip's own lines (without -q) show it working.
+$(VENV)/.installed: pyproject.toml setup.py
+	@echo "# [1/3] virtual environment $(VENV)$(if $(SYSTEM_TORCH), (with the system torch),)"
+	@$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages,) $(VENV)
+	@$(PY) -c "import torch" >/dev/null 2>&1 && echo "# [2/3] torch: $$($(PY) -c 'import torch; print(torch.__version__)') already there" || \
+		{ echo "# [2/3] torch 2.13.0, the CPU build where this machine's package index has it (about 30 s; docs/gpu.md for GPUs)"; \
+		  $(PY) -m pip install --progress-bar on torch==2.13.0; }
+	@echo "# [3/3] ep-harness (editable) and the test tools: pytest, hypothesis, triton, ..."
+	@$(PY) -m pip install --progress-bar on --no-build-isolation -e '.[test]'
+	@touch $@
+	@echo "# set-up done: $(VENV)"
 
 verify: install
 	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
@@ -56,7 +66,7 @@ nightly: install
 # For the nightly workflow: prints skip=false where DeepEP imports and EP_HARNESS_DEEPEP_VERSION
 # names it, else skip=true, and the reason on stderr and in the job's summary (a night without
 # DeepEP must not look like a night DeepEP passed).
-DEEPEP_MISSING := h200-deepep not run: DeepEP does not import here or EP_HARNESS_DEEPEP_VERSION is unset; build DeepEP from source (README, GPU set-up), put its build directory in the repository variable DEEPEP_BUILD_DIR and name it in EP_HARNESS_DEEPEP_VERSION
+DEEPEP_MISSING := h200-deepep not run: DeepEP does not import here or EP_HARNESS_DEEPEP_VERSION is unset; build DeepEP from source (docs/gpu.md), put its build directory in the repository variable DEEPEP_BUILD_DIR and name it in EP_HARNESS_DEEPEP_VERSION
 deepep-ready: install
 	@if $(PY) -c "import deep_ep" >/dev/null 2>&1 && [ -n "$$EP_HARNESS_DEEPEP_VERSION" ]; then echo skip=false; \
 	else echo "::warning::$(DEEPEP_MISSING)" >&2; [ -z "$$GITHUB_STEP_SUMMARY" ] || echo "$(DEEPEP_MISSING)" >> "$$GITHUB_STEP_SUMMARY"; \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepEP on the lent H200 (no network there): cases/h200-deepep.toml with 8 NCCL ranks sharing
 # the GPU as emulated hosts (world sizes 1, 2, 4, 8). DeepEP must already import: build it from
-# its source for this torch (README, GPU set-up), put its build directory on PYTHONPATH and say
+# its source for this torch (docs/gpu.md), put its build directory on PYTHONPATH and say
 # what it is in EP_HARNESS_DEEPEP_VERSION (recorded in every record and in environment.json).
 # Leaves the records, report, terminal table and NCCL logs under $OUT.
 set -uo pipefail

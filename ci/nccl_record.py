@@ -2,9 +2,11 @@
 on machines without a GPU.
 
     python ci/nccl_record.py OUT_DIR [--configs pins rsring free treefree treech1] [--world-sizes 3 4 8]
+                                     [--emulate hosts|single-node]
 
 For every NCCL configuration and world size it launches one torchrun job whose ranks share
-the visible GPU(s) as emulated hosts (a distinct NCCL_HOSTID per rank), runs
+the visible GPU(s), as emulated hosts (a distinct NCCL_HOSTID per rank; the default) or as
+one NCCL node (`--emulate single-node`, NCCL >= 2.30: harness/emulation.py), runs
 reduce_scatter_tensor and all_reduce on inputs from `ep_harness.inputs.values` (so a CPU can
 regenerate every rank's input from the seed), and saves rank 0's gathered outputs, a
 SHA-256 of every rank's output, and every rank's NCCL_DEBUG=INFO log under OUT_DIR.
@@ -28,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ep_harness.emulation import emulated_host_env  # noqa: E402
+from ep_harness.emulation import MODES, emulation_env  # noqa: E402
 
 PINS = {"NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8",
         "NCCL_MIN_CTAS": "8", "NCCL_MAX_CTAS": "8", "NCCL_COLLNET_ENABLE": "0"}
@@ -89,7 +91,7 @@ def worker(out_dir: Path, config: str) -> None:
     from ep_harness.inputs import dtype_of
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    os.environ.update(emulated_host_env(rank))
+    os.environ.update(emulation_env(os.environ.get("EP_RECORD_EMULATE", "hosts"), rank))
     if torch.cuda.is_available():
         from ep_harness.emulation import device_index
         device = torch.device("cuda", device_index(rank, torch.cuda.device_count()))
@@ -145,6 +147,7 @@ def main() -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", help="default: CONFIG_WORLD_SIZES")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--worker", metavar="CONFIG")
+    parser.add_argument("--emulate", choices=MODES, default="hosts", help="how the ranks share the GPU(s)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker:
@@ -157,7 +160,7 @@ def main() -> int:
             logs.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **CONFIGS[config], "NCCL_DEBUG": "INFO",
                    "NCCL_DEBUG_SUBSYS": "INIT,GRAPH,TUNING,ENV", "NCCL_DEBUG_FILE": str(logs / "nccl.%p.log"),
-                   "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                   "EP_RECORD_EMULATE": args.emulate, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(world_size), __file__, str(args.out), "--worker", config]

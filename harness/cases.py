@@ -9,7 +9,10 @@
     subject = "reduce_scatter_native"
     properties = ["rank-invariance", "batch-invariance"]
     expect = "violated"               # or { gloo = "violated", nccl = "holds" }, or "model":
-                                      # whatever an exact order model predicts for the inputs
+                                      # whatever an exact order model predicts for the inputs,
+                                      # or "measure": a fact about this machine's library
+                                      # (e.g. a CPU BLAS's batch-invariance), reported with its
+                                      # count and never failing the run
     timeout_s = 60                    # optional, per check
     env = { NCCL_ALGO = "..." }       # optional launch environment overrides
     [case.grid]                       # lists; every combination is one check
@@ -32,7 +35,9 @@ from ep_harness.errors import HarnessError, did_you_mean
 
 SUITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # it names the suite's baseline files: a plain file name
 
-EXPECTATIONS = ("holds", "violated", "model")  # model: an exact order model predicts it
+# model: an exact order model predicts it; measure: reported, never asserted (a third-party
+# kernel's platform-dependent behaviour: ISA, library build, thread count)
+EXPECTATIONS = ("holds", "violated", "model", "measure")
 BACKENDS = ("gloo", "nccl")
 CASE_KEYS = {"name", "subject", "properties", "expect", "timeout_s", "env", "grid", "params", "description"}
 SUITE_KEYS = {"name", "description", "plugins"}
@@ -63,13 +68,19 @@ class Suite:
     cases: list[Case] = field(default_factory=list)
 
 
+TIMEOUT_MAX_S = 86_400  # a day: a check that runs longer is hung
+
+
 def timeout_problem(value) -> str | None:
     """Why `value` is not a usable per-check timeout, or None. inf and nan pass a `<= 0`
-    test (every comparison with nan is false) and then break the launcher's arithmetic."""
+    test (every comparison with nan is false) and then break the launcher's arithmetic; a
+    huge finite one overflows the workers' collective timeout (a datetime.timedelta)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"timeout_s = {value!r} is not a number"
     if not math.isfinite(value) or value <= 0:
         return f"timeout_s = {value!r} is not a finite positive number of seconds"
+    if value > TIMEOUT_MAX_S:
+        return f"timeout_s = {value!r} is more than a day ({TIMEOUT_MAX_S} s), the most a check may take"
     return None
 
 
@@ -149,7 +160,7 @@ def _case(path: Path, index: int, raw) -> Case:
     timeout = raw.get("timeout_s", 120)
     problem = timeout_problem(timeout)
     if problem:
-        _fail(path, where, problem, "use a finite positive number of seconds, e.g. timeout_s = 120")
+        _fail(path, where, problem, "use a finite positive number of seconds up to 86400, e.g. timeout_s = 120")
     return Case(
         name=name, subject=raw["subject"], properties=props,
         expect=_expectation(path, where, raw["expect"]), grid=grid, params=params, env=env,
@@ -164,13 +175,18 @@ def load_suite(path) -> Suite:
         known = sorted(known_suites())
         raise HarnessError(f"case file {path} not found; known suites: {', '.join(known) or 'none'}")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale
+    except UnicodeDecodeError as exc:
+        raise HarnessError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                           f"save the case file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise HarnessError(f"{path}: malformed TOML ({exc}); fix the syntax at that line") from None
     unknown = sorted(set(raw) - {"suite", "case"})
     if unknown:
         _fail(path, "top level", f"unknown key(s) {', '.join(unknown)}", "only [suite] and [[case]] are allowed")
     meta = raw.get("suite", {})
+    if not isinstance(meta, dict):
+        _fail(path, "top level", "suite is not a table", "write a [suite] table")
     bad = sorted(set(meta) - SUITE_KEYS)
     if bad:
         _fail(path, "[suite]", f"unknown key(s) {', '.join(bad)}", f"allowed: {', '.join(sorted(SUITE_KEYS))}")
@@ -187,8 +203,12 @@ def load_suite(path) -> Suite:
     if not SUITE_NAME.fullmatch(name):
         _fail(path, "[suite]", f"name {name!r} is not a plain file name",
               "use letters, digits, '.', '_' and '-' (e.g. name = \"team-nightly\")")
+    plugins = meta.get("plugins", [])
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+        _fail(path, "[suite]", f"plugins = {plugins!r} is not a list of module names",
+              f"write plugins = [{plugins!r}]" if isinstance(plugins, str) else 'write plugins = ["my_engine.ep_subjects"]')
     return Suite(path=path, name=name, description=str(meta.get("description", "")),
-                 plugins=list(meta.get("plugins", [])), cases=cases)
+                 plugins=list(plugins), cases=cases)
 
 
 BUILT_IN = "ep_harness.suites"  # the repository's cases/ folder, installed as this package's data

@@ -19,10 +19,11 @@ class Check:
     family: str
     property: str
     params: CommonParams  # the family's dataclass, every effective value (defaults and seed)
-    expect: str  # holds | violated | model
+    expect: str  # holds | violated | model | measure
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)  # launch environment overrides
     topology: str = ""
+    nccl: str | None = None  # the NCCL that runs (from the library: harness/nccl/library.py), on NCCL runs
     skip_reason: str | None = None
 
     @property

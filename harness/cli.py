@@ -27,6 +27,21 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """One line, not the usage: what was wrong, the closest name where one was mistyped,
+        and where the usage is (exit 2, as argparse's own errors)."""
+        import re
+
+        from ep_harness.errors import did_you_mean
+
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            known = re.findall(r"'([^']*)'", choice.group(3))
+            what = "command" if choice.group(1) == "command" else choice.group(1)
+            message = f"unknown {what} {choice.group(2)!r}{did_you_mean(choice.group(2), known)}; choose from " \
+                      f"{', '.join(known)}"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
     def options(self) -> list[str]:
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
 
@@ -50,6 +65,17 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _emulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """--emulate MODE, and --emulate-hosts (its older spelling of `--emulate hosts`)."""
+    from ep_harness.emulation import MODES
+
+    parser.add_argument("--emulate", choices=MODES, default=None,
+                        help="run --gpus N NCCL ranks on fewer GPUs: 'hosts' (one emulated host per rank, NET/Socket) "
+                             "or 'single-node' (one NCCL node, P2P on the device; NCCL >= 2.30). Neither is NVLink")
+    parser.add_argument("--emulate-hosts", dest="emulate", action="store_const", const="hosts",
+                        help="the same as --emulate hosts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ep-harness", description=__doc__)
     parser.add_argument("--version", action=_Version)
@@ -60,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gpus", type=_gpus, default=None,
                    help="GPUs to use (default: every visible GPU; 0 or none visible: CPU with gloo)")
     v.add_argument("--cpu-ranks", type=int, default=4, help="largest gloo world size on the CPU (default 4)")
-    v.add_argument("--emulate-hosts", action="store_true",
-                   help="run --gpus N NCCL ranks on fewer GPUs, one emulated host per rank (NET/Socket; not NVLink)")
+    _emulation_arguments(v)
     v.add_argument("--check", action="append", default=[], metavar="ID",
                    help="run only these checks: a case name, an id prefix (CASE/PROPERTY) or a glob over ids "
                         "(repeatable)")
@@ -83,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how checks share torchrun launches (auto: one on gloo, one per world size on NCCL)")
     v.add_argument("--from-record", type=Path, metavar="RESULTS_JSONL",
                    help="rerun checks of an earlier run from their records alone (with --check to pick)")
+    v.add_argument("--threads", default=None, metavar="N",
+                   help="CPU threads of every rank (default: a case's or record's own, else 1; OMP_NUM_THREADS in "
+                        "your environment does not change it: docs/threads.md)")
     m = v.add_argument_group("several nodes (torchrun's c10d rendezvous; world size = NNODES x NPROC_PER_NODE)")
     m.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     m.add_argument("--nproc-per-node", type=int, default=None, metavar="P", help="ranks per node")
@@ -115,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("nightly", help="verify + gate + history + report with trends (make nightly)")
     n.add_argument("--suite", default="nightly")
     n.add_argument("--gpus", type=_gpus, default=None)
-    n.add_argument("--emulate-hosts", action="store_true")
+    _emulation_arguments(n)
     n.add_argument("--summary-md", type=Path, metavar="PATH", help="append a Markdown verdict with the gate's result")
     n.add_argument("--junit-xml", type=Path, metavar="PATH")
     n.add_argument("--baseline", type=Path)
@@ -129,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plugin", action="append", default=[])
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
+    e.add_argument("--out", type=Path, default=None,
+                   help="where the search's launch directory goes (default: explore/ beside --store)")
 
     st = sub.add_parser("selftest", help="plant defects in each subject of a suite and show which checks catch them")
     st.add_argument("--suite", default="smoke", help="suite name under cases/ or a path to a TOML file")
@@ -139,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only these checks: a case name, an id prefix or a glob (repeatable)")
     st.add_argument("--gpus", type=_gpus, default=None)
     st.add_argument("--cpu-ranks", type=int, default=4)
-    st.add_argument("--emulate-hosts", action="store_true", help="as for verify: NCCL ranks beyond the GPUs")
+    _emulation_arguments(st)
     st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
     st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
     st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
@@ -152,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--suite", default=None, help="list this suite's checks (default: list suites and subjects)")
     ls.add_argument("--gpus", type=_gpus, default=None)
     ls.add_argument("--cpu-ranks", type=int, default=4)
-    ls.add_argument("--emulate-hosts", action="store_true")
+    _emulation_arguments(ls)
     ls.add_argument("--plugin", action="append", default=[])
     return parser
 
@@ -171,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.cases import load_suite, resolve_suite_path
             from ep_harness.environment import platform_for
             from ep_harness.nodes import Nodes
+            from ep_harness.threads import parse_threads
 
             # Bad node options, a missing or malformed suite and more GPUs than the machine
             # has fail here, before torch loads (on a machine without a GPU driver).
@@ -182,24 +213,27 @@ def main(argv: list[str] | None = None) -> int:
                 return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
                 raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
+            threads = None if args.threads is None else parse_threads(args.threads, "--threads")
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
-            platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate_hosts)
+            platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
             from ep_harness.verify import RunOptions, verify
 
             code, run_dir = verify(RunOptions(
                 args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
                 out_root=args.out, command=["ep-harness", *argv], render=not args.no_report, quiet=args.quiet,
-                launches=args.launches, emulate_hosts=args.emulate_hosts, from_record=args.from_record,
+                launches=args.launches, emulate=args.emulate, from_record=args.from_record,
                 allow_empty=args.allow_empty, seed=args.seed, junit_xml=args.junit_xml, summary_md=args.summary_md,
-                show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes))
+                show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes, threads=threads))
             if args.quiet:
                 _quiet_summary(run_dir)
             return code
         if args.command == "report":
             from ep_harness.reports.render import render_run
 
-            return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped)
+            # 1 for a run that failed, as for the verify that made it, and for a regression --against
+            return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped,
+                              failed_run_fails=True)
         if args.command == "list":
             return _list(args)
         if args.command == "doctor":
@@ -212,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
                             selection=args.check, plugins=args.plugin, out_root=args.out,
                             command=["ep-harness", *argv], render=not args.no_report,
-                            every_cell=args.every_cell, emulate_hosts=args.emulate_hosts)[0]
+                            every_cell=args.every_cell, emulate=args.emulate)[0]
         if args.command == "gate":
             from ep_harness.gate import gate, render_gate
 
@@ -233,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
-                           store=args.store, gpus=args.gpus)
+                           store=args.store, gpus=args.gpus, out=args.out)
         if args.command == "nightly":
             from ep_harness.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
-                           emulate_hosts=args.emulate_hosts, summary_md=args.summary_md, junit_xml=args.junit_xml,
+                           emulate=args.emulate, summary_md=args.summary_md, junit_xml=args.junit_xml,
                            command=["ep-harness", *argv])
     except NotComparable as exc:  # no baseline of this run's fingerprint: neither pass nor regression
         print(f"ep-harness: {exc}", file=sys.stderr)
@@ -253,12 +287,12 @@ def _quiet_summary(run_dir: Path) -> None:
     """verify -q: each failure with its rerun command, then the verdict and the counts."""
     from ep_harness.reports.analysis import FAILING, counts, verdict
     from ep_harness.reports.load import load_run
-    from ep_harness.reports.terminal import _one_line
+    from ep_harness.reports.terminal import _one_line, divergence, mark
 
     records = load_run(run_dir).records
     for r in records:
         if r["status"] in FAILING:
-            print(_one_line(f"{r['status']}: {r['check']}: {r['reason']}"))
+            print(_one_line(f"{mark(r)}: {r['check']}: {r['reason']}{divergence(r)}"))
             print(_one_line(f"  rerun: {r['rerun']}"))
     summary = ", ".join(f"{n} {status}" for status, n in counts(records).items() if n)
     print(f"# {verdict(records)}: {summary} ({run_dir})")
@@ -287,6 +321,6 @@ def _list(args) -> int:
         return 0
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
-    for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate_hosts)):
+    for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate)):
         print(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))
     return 0

@@ -1,7 +1,7 @@
 """What a family executor gets to know about the rank it runs on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,18 @@ class RankContext:
     nccl_algo: str | None = None  # NCCL_ALGO as this rank's NCCL reads it
     nccl_topology: Any = None  # ep_harness.nccl.log.Topology, on rank 0 of an NCCL launch
     nccl_log: Any = None  # ep_harness.nccl.log.LogTail of rank 0's own NCCL log
+    # world size -> the context of ranks 0..w-1 (None on a rank outside it), for every size
+    # up to this one that the launch made: what a layout-size property runs on
+    subgroups: dict = field(default_factory=dict, repr=False)
+
+    def layout(self, size: int) -> "RankContext | None":
+        """The context of the subgroup of ranks 0..size-1 (None on a rank outside it)."""
+        if size == self.world_size:
+            return self
+        if size not in self.subgroups:
+            raise RuntimeError(f"world size {size} has no subgroup in this launch (made: {sorted(self.subgroups)}); "
+                               f"the worker makes one for every size a check's layout_sizes names")
+        return self.subgroups[size]
 
     def nccl_mark(self) -> int | None:
         return self.nccl_log.mark() if self.nccl_log is not None else None

@@ -95,9 +95,34 @@ def torch_findings() -> tuple[list[Finding], int, bool]:
                            "pip install --force-reinstall torch (a build with torch.distributed)"))
     else:
         out.append(Finding("gloo", OK, "torch.distributed gloo: the CPU default runs (ep-harness verify --gpus 0)"))
+    out.append(cpu_finding())
     count = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
     out.append(gpu_finding(torch, cuda, count))
     return out, count, bool(cuda and dist.is_available() and dist.is_nccl_available())
+
+
+def cpu_finding(cpu: dict | None = None) -> Finding:
+    """The CPU, its vector ISA, the thread count every rank will be pinned to, and what that
+    means for the CPU GEMM checks (a oneDNN bf16 GEMM's bits depend on all three)."""
+    from ep_harness.run_environment import cpu_fingerprint
+    from ep_harness.threads import DEFAULT_THREADS
+
+    cpu = cpu_fingerprint() if cpu is None else cpu
+    isa = cpu.get("isa") or []
+    cap = f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else ""
+    if "amx_bf16" in isa:
+        kernel = ("oneDNN's bf16 GEMM runs on AMX here, and on such a CPU it was measured batch-variant on one thread "
+                  "and invariant on two")
+    elif "avx512_bf16" in isa:
+        kernel = "oneDNN's bf16 GEMM runs on AVX512-BF16 here"
+    else:
+        kernel = "oneDNN's (or the CPU BLAS's) bf16 GEMM runs without bf16 instructions here"
+    return Finding("cpu", OK, f"{cpu.get('model') or 'unknown model'}; ISA {' '.join(isa) or 'none of note'} "
+                              f"(torch dispatch {cpu.get('torch_capability') or 'unknown'}{cap}); every rank runs on "
+                              f"{DEFAULT_THREADS} thread(s), pinned (--threads N); {kernel}: the CPU default asserts "
+                              f"the fixed-order GEMM (invariant by construction) and reports torch.mm's and "
+                              f"torch._grouped_mm's batch and position invariance as measured on this machine, "
+                              f"never failing on them")
 
 
 def gpu_finding(torch, cuda: str | None, count: int) -> Finding:
@@ -119,8 +144,13 @@ def gpu_finding(torch, cuda: str | None, count: int) -> Finding:
 
 def emulation_finding(gpus: int, nccl: bool) -> Finding:
     if gpus and nccl:
-        return Finding("emulation", OK, f"emulated hosts possible: --emulate-hosts --gpus N runs N NCCL ranks on "
-                                        f"the {gpus} GPU(s), one host each (NET/Socket over lo)")
+        from ep_harness.emulation import single_node_problem
+        from ep_harness.nccl.pins import nccl_version
+
+        single = single_node_problem(nccl_version())
+        return Finding("emulation", OK, f"--emulate hosts --gpus N runs N NCCL ranks on the {gpus} GPU(s), one host "
+                                        f"each (NET/Socket over lo); --emulate single-node: "
+                                        f"{'possible (one NCCL node, P2P on the device)' if not single else single}")
     why = "no GPU visible" if not gpus else "torch has no NCCL backend"
     return Finding("emulation", SKIP, f"emulated hosts impossible ({why}): the h200-emulated suites skip",
                    "run on a machine with an NVIDIA GPU and a CUDA build of torch")
@@ -142,7 +172,7 @@ def deepgemm_finding(gpus: int) -> Finding:
 
 def deepep_finding(gpus: int) -> Finding:
     problem = _import_error("deep_ep")
-    build = ("build DeepEP from source for this torch (README, GPU set-up), put it on PYTHONPATH and "
+    build = ("build DeepEP from source for this torch (docs/gpu.md), put it on PYTHONPATH and "
              f"export {DEEPEP_VERSION_ENV}='<tag> (<commit>)'")
     if problem:
         return Finding("deepep", SKIP, f"deep_ep does not import ({problem}): DeepEP checks are skipped", build)

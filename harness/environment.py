@@ -11,6 +11,7 @@ from ep_harness.cases import FORCED_ENV
 from ep_harness.errors import HarnessError
 from ep_harness.nccl.pins import launch_pins, log_settings, nccl_version
 from ep_harness.subject import Platform
+from ep_harness.threads import DEFAULT_THREADS, THREADS_VAR
 
 CPU_DEFAULT_RANKS = 4
 # Variables that change bits or behaviour, recorded as each rank saw them (an allowlist:
@@ -30,6 +31,12 @@ PATH_MARKERS = ("PLUGIN", "FILE", "PATH", "DIR", "LIB", "PRELOAD", "COMPILER", "
 APPLIED_PREFIXES = tuple(p for p in RECORDED_PREFIXES if not p.startswith("EP_HARNESS_"))  # provenance is measured
 
 
+def named_by(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether one of `patterns` names the variable: one ending in `_` is a prefix (NCCL_),
+    any other is a whole name (OMP_NUM_THREADS admits neither OMP_NUM_THREADSX nor OMP_NUM_THREADS_X)."""
+    return any(name.startswith(p) if p.endswith("_") else name == p for p in patterns)
+
+
 # What a GPU driver leaves on a machine (NVIDIA's, in containers too; ROCm's; WSL's).
 GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
@@ -44,28 +51,34 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:
     """GPUS=None: every visible GPU, or the CPU default when there is none. GPUS=0: CPU.
 
-    emulate_hosts: GPUS ranks may exceed the visible GPUs; they share them, one emulated
-    NCCL host per rank (harness/emulation.py)."""
+    emulate: GPUS ranks may exceed the visible GPUs; they share them, each as an emulated
+    NCCL host ("hosts") or all as one NCCL node ("single-node", NCCL >= 2.30;
+    harness/emulation.py)."""
+    from ep_harness.emulation import MODES, single_node_problem
+
+    if emulate is not None and emulate not in MODES:
+        raise HarnessError(f"--emulate {emulate}: unknown emulation; use one of {', '.join(MODES)}")
+    flag = f"--emulate {emulate}"
     visible = visible_gpus()
-    if emulate_hosts and visible == 0:
-        raise HarnessError("--emulate-hosts runs NCCL ranks on a GPU, but no GPU is visible; "
+    if emulate and visible == 0:
+        raise HarnessError(f"{flag} runs NCCL ranks on a GPU, but no GPU is visible; "
                            "drop the flag to run the CPU default")
     if gpus is None:
         gpus = visible
     if gpus < 0:
         raise HarnessError(f"--gpus {gpus} is negative; use --gpus 0 for the CPU or a GPU count")
-    if emulate_hosts and gpus == 0:
-        raise HarnessError("--emulate-hosts needs --gpus N ranks (N >= 1); --gpus 0 is the CPU default")
-    if gpus > visible and not emulate_hosts:
+    if emulate and gpus == 0:
+        raise HarnessError(f"{flag} needs --gpus N ranks (N >= 1); --gpus 0 is the CPU default")
+    if gpus > visible and not emulate:
         found = f"{visible} visible GPU{'s' if visible != 1 else ''}"
         raise HarnessError(
             f"--gpus {gpus} but this machine has {found} (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --gpus {visible}"
-            f"{' (the CPU)' if visible == 0 else ''}, a machine with {gpus} GPUs, or --emulate-hosts to run "
-            f"{gpus} NCCL ranks as emulated hosts on the GPUs present"
+            f"{' (the CPU)' if visible == 0 else ''}, a machine with {gpus} GPUs, or --emulate hosts "
+            f"(or single-node) to run {gpus} NCCL ranks on the GPUs present"
         )
     if gpus == 0:
         if cpu_ranks < 1:
@@ -74,27 +87,31 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: 
         return Platform(backend="gloo", device="cpu", ranks=cpu_ranks)
     import torch
 
+    emulation = emulate if emulate and gpus > visible else None
+    version = nccl_version()
+    if emulation == "single-node" and single_node_problem(version):
+        raise HarnessError(single_node_problem(version))
     props = torch.cuda.get_device_properties(0)
-    emulated = emulate_hosts and gpus > visible
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
-                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulated_hosts=emulated)
+                    capability=(props.major, props.minor), gpus=min(gpus, visible), emulation=emulation,
+                    nccl=".".join(map(str, version)) if version else None)
 
 
-def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate_hosts: bool = False) -> Platform:
+def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:
     """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.nodes.Nodes):
     the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
     import dataclasses
 
     if not nodes.multi:
-        return detect(gpus, cpu_ranks, emulate_hosts)
+        return detect(gpus, cpu_ranks, emulate)
     total, per_node = nodes.ranks, nodes.nproc_per_node
     if gpus not in (None, 0, total):
         raise HarnessError(f"--gpus {gpus} cannot be given by {nodes.nnodes} nodes x {per_node} ranks = {total}; "
                            f"drop --gpus, or make it {total} (or 0 for gloo on the CPU)")
     visible = visible_gpus()
-    if gpus == 0 or (visible == 0 and not emulate_hosts):
+    if gpus == 0 or (visible == 0 and not emulate):
         return Platform(backend="gloo", device="cpu", ranks=total, nodes=nodes.nnodes)
-    local = detect(per_node, cpu_ranks, emulate_hosts)
+    local = detect(per_node, cpu_ranks, emulate)
     return dataclasses.replace(local, ranks=total, nodes=nodes.nnodes)
 
 
@@ -108,11 +125,14 @@ def deep_gemm_cache_dir() -> str:
 
 
 def pinned_env(platform: Platform, overrides: dict[str, str]) -> dict[str, str]:
-    """The environment every launch runs under (case overrides applied, safety keys forced)."""
+    """The environment every launch runs under (case overrides applied, safety keys forced).
+    The ranks' thread count is pinned too: the default here, a check's own (its `env`, where
+    the planner put it: harness/threads.py) in `overrides`."""
     env = {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
         "PYTHONHASHSEED": "0",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        THREADS_VAR: str(DEFAULT_THREADS),
     }
     if platform.backend == "nccl":  # NCCL's pins: harness/nccl/pins.py
         env.update(launch_pins(nccl_version()))
@@ -138,7 +158,7 @@ def redacted(env: dict) -> dict:
 def recorded_env(environ=None) -> dict[str, str]:
     """The allowlisted variables; the value of any name that looks like a credential is redacted."""
     environ = os.environ if environ is None else environ
-    return redacted({k: v for k, v in sorted(environ.items()) if k.startswith(RECORDED_PREFIXES)})
+    return redacted({k: v for k, v in sorted(environ.items()) if named_by(k, RECORDED_PREFIXES)})
 
 
 def redacted_command(argv: list[str]) -> list[str]:
@@ -172,7 +192,7 @@ def applicable_env(env, where: str) -> dict[str, str]:
             raise HarnessError(f"{where}: launch variable {name!r} = {value!r} is not a string; refusing it")
         if value == REDACTED:
             continue
-        if not name.startswith(APPLIED_PREFIXES) or any(m in name.upper() for m in PATH_MARKERS):
+        if not named_by(name, APPLIED_PREFIXES) or any(m in name.upper() for m in PATH_MARKERS):
             raise HarnessError(f"{where}: refusing launch variable {name[:80]!r}: only the variables the harness "
                                f"records and pins (NCCL_ALGO, NCCL_PROTO, ...; none naming code or a file) may "
                                f"come from there; set it in your own environment if you mean it")
@@ -185,9 +205,16 @@ def applicable_env(env, where: str) -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """The harness's commit (+dirty); EP_HARNESS_COMMIT names it where the tree has no .git."""
+    """The harness's commit (+dirty): EP_HARNESS_COMMIT if set, else its checkout's, else the
+    one baked into an installed copy when its wheel was built (setup.py)."""
     if os.environ.get("EP_HARNESS_COMMIT"):
         return os.environ["EP_HARNESS_COMMIT"]
+    from ep_harness.version import built_commit
+
+    return _checkout_commit() or built_commit()
+
+
+def _checkout_commit() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,

@@ -79,7 +79,9 @@ def snippet(subject_name: str, example: dict, n: int, world_size: int) -> str:
 
 
 def explore(subject_name: str, world_size: int, budget_s: float, max_examples: int, plugins: list[str],
-            store: Path = STORE, gpus: int | None = None) -> int:
+            store: Path = STORE, gpus: int | None = None, out: Path | None = None) -> int:
+    """Search `subject_name` for an invariance violation; the launch's files go under `out`
+    (default: beside the store, in its folder's explore/), never elsewhere."""
     from ep_harness import subject as registry
     from ep_harness.environment import detect, pinned_env
     from ep_harness.nodes import Nodes
@@ -93,7 +95,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
         raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
     from ep_harness.verify import new_run_id
 
-    job_dir = Path("reports/out/explore") / f"{subject_name}-{new_run_id()}"
+    job_dir = (out if out is not None else Path(store).parent / "explore") / f"{subject_name}-{new_run_id()}"
     job_dir.mkdir(parents=True, exist_ok=True)
     known = [r for r in read_jsonl(store) if r["subject"] == subject_name]
     write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,

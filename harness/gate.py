@@ -5,7 +5,7 @@ A baseline is a results.jsonl with the bulky detail stripped whose first line is
 bit-relevant fingerprint of the run it came from. A run is compared only with a baseline of
 the same fingerprint: the same suite, backend and topology, the same versions (torch, CUDA,
 NCCL, DeepGEMM, DeepEP), the same GPU model and driver, and, where the CPU computes what is
-measured (gloo), the same CPU model and ISA. One file per fingerprint,
+measured (gloo), the same CPU model and ISA and the same thread count per rank. One file per fingerprint,
 `ci/baselines/<platform>-<suite>-<fingerprint hash>.jsonl`. A run with no comparable baseline is
 neither a pass nor a regression: the gate says which baselines exist, which platform the
 run is on, and how to record one (exit code 3).
@@ -24,10 +24,10 @@ import json
 import re
 from pathlib import Path
 
-from ep_harness.cases import SUITE_NAME
+from ep_harness.cases import EXPECTATIONS, SUITE_NAME
 from ep_harness.errors import HarnessError
-from ep_harness.records import append_line, read_jsonl, write_json, write_jsonl
-from ep_harness.reports.analysis import compare_runs, run_problem
+from ep_harness.records import append_line, numbered_jsonl, write_json, write_jsonl
+from ep_harness.reports.analysis import STATUS_ORDER, compare_runs, run_problem
 from ep_harness.reports.load import load_run
 
 BASELINE_DIR = Path("ci/baselines")
@@ -45,8 +45,8 @@ def platform_key(environment: dict) -> str:
     nodes = f"-{topology['nodes']}-nodes" if topology.get("nodes", 1) > 1 else ""
     if gpus:
         name = re.sub(r"[^A-Za-z0-9]+", "-", gpus[0]).strip("-").lower()
-        if topology.get("kind") == "emulated-hosts":
-            return f"{name}-x{len(gpus)}-emulated-hosts-{topology.get('ranks')}{nodes}"
+        if topology.get("kind") in ("emulated-hosts", "single-node"):  # each emulation keeps its own baselines
+            return f"{name}-x{len(gpus)}-{topology['kind']}-{topology.get('ranks')}{nodes}"
         return f"{name}-x{len(gpus)}{nodes}"
     return f"cpu-{environment.get('backend', 'gloo')}-{environment.get('max_ranks', 4)}{nodes}"
 
@@ -92,6 +92,7 @@ def fingerprint(environment: dict) -> dict:
         fp["deep_ep"] = deep_ep
     if environment.get("backend") != "nccl":  # CPU GEMMs and reductions: the CPU decides the bits
         fp["cpu"] = environment.get("cpu")
+        fp["threads"] = environment.get("threads")  # and so does each rank's thread count (harness/threads.py)
     if topology.get("nodes", 1) > 1:  # ranks over several nodes: other transports, other orders
         fp["nodes"] = topology["nodes"]
     return fp
@@ -108,6 +109,7 @@ def describe(fp: dict) -> str:
     if cpu:
         parts.append(f"CPU {cpu.get('model')} ({cpu.get('torch_capability')}"
                      + (f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else "")
+                     + (f", {fp['threads']} thread(s) per rank" if fp.get("threads") is not None else "")
                      + ")")
     return ", ".join(parts)
 
@@ -135,19 +137,52 @@ def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
     if problem:  # such a baseline would make the next interrupted, empty or partial run look unchanged
         raise HarnessError(f"{run_dir}: not recorded as a baseline: {problem}; record a complete run that measured")
     target = baseline_path(run_dir, baseline)
-    header = {"fingerprint": fingerprint(run.environment)}
-    write_jsonl(target, [header, *(lean(r) for r in run.records if r["status"] != "skipped")])
+    kept = [lean(r) for r in run.records if r["status"] != "skipped"]
+    header = {"fingerprint": fingerprint(run.environment), "checks": len(kept)}  # a truncated file is then seen
+    write_jsonl(target, [header, *kept])
     return target
 
 
+RESTORE = "restore the baseline from git or record it again with `ep-harness baseline update RUN_DIR`"
+
+
+def _baseline_problem(record: dict) -> str | None:
+    """What keeps one baseline line from being compared (a hand-edited or damaged file)."""
+    if not isinstance(record.get("check"), str) or not record["check"]:
+        return "has no check id"
+    if record.get("status") not in STATUS_ORDER:
+        return f"check {record['check'][:80]!r}: status {record.get('status')!r} is not one of {', '.join(STATUS_ORDER)}"
+    if record.get("expect") not in EXPECTATIONS:
+        return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
+    if not isinstance(record.get("params"), dict):
+        return f"check {record['check'][:80]!r}: params is not an object"
+    for key in ("mismatched", "total"):
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"check {record['check'][:80]!r}: {key} = {value!r} is not a count"
+    return None
+
+
 def read_baseline(path: Path) -> tuple[dict | None, list[dict]]:
-    try:
-        lines = read_jsonl(path)
-    except json.JSONDecodeError as exc:
-        raise HarnessError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}); restore the baseline from git") from None
-    if lines and "fingerprint" in lines[0]:
-        return lines[0]["fingerprint"], lines[1:]
-    return None, lines
+    """The fingerprint and the checks of a baseline; a damaged one is one HarnessError naming
+    its line. A baseline with no checks, or fewer than its header says it was recorded with
+    (a truncated file), would make every check of a run "new" and pass it: refused."""
+    lines = numbered_jsonl(path, RESTORE)
+    header = lines[0][1] if lines and "fingerprint" in lines[0][1] else None
+    body = lines[1:] if header is not None else lines
+    if header is not None and not isinstance(header["fingerprint"], dict):
+        raise HarnessError(f"{path}:1: the fingerprint is not an object; {RESTORE}")
+    for lineno, record in body:
+        problem = _baseline_problem(record)
+        if problem:
+            raise HarnessError(f"{path}:{lineno}: {problem}; {RESTORE}")
+    records = [r for _, r in body]
+    recorded = (header or {}).get("checks")
+    if not records or (isinstance(recorded, int) and len(records) != recorded):
+        said = f" of the {recorded} it was recorded with" if isinstance(recorded, int) else ""
+        raise HarnessError(f"{path}: the baseline holds {len(records)} check(s){said}: it is truncated or empty "
+                           f"and would pass every check as new; {RESTORE}")
+    return (header or {}).get("fingerprint"), records
 
 
 def _not_comparable(run_dir: Path, fp: dict, path: Path, others: list[Path]) -> NotComparable:

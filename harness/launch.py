@@ -29,6 +29,7 @@ from pathlib import Path
 from ep_harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
+from ep_harness.nccl import library as nccl_library
 from ep_harness.nodes import START_TIMEOUT_S, Nodes, identity
 from ep_harness.processes import Interrupted, agent_command, child_env, kill_launch, process_groups, spawn
 
@@ -265,10 +266,10 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
 
 
 def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
-            plugins: list[str], emulate_hosts: bool = False, on_outcome=None,
+            plugins: list[str], emulate: str | None = None, on_outcome=None,
             precompile_wait: dict | None = None) -> dict[str, Outcome]:
-    """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate_hosts:
-    NCCL ranks beyond the visible GPUs share them as emulated hosts (harness/emulation.py).
+    """Run `checks` on `world_size` ranks; return an Outcome per check id. emulate:
+    how NCCL ranks beyond the visible GPUs share them ("hosts", "single-node"; harness/emulation.py).
     on_outcome(check, outcome) is called for every check as soon as it is finished.
     precompile_wait: the marker the ranks wait for before the checks it names
     (ep_harness.precompile.Background.rank_wait), or None."""
@@ -300,7 +301,9 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
             break
         launch = head.publish({
             "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "start": start,
-            "emulate_hosts": emulate_hosts,
+            "emulate": emulate,
+            # the NCCL the run names (read from the library on the head): a rank running another is an error
+            "nccl": nccl_library.loaded().text if backend == "nccl" else None,
             # every rank checks that it sees these (harness/worker.py); a node's own paths excepted
             "pinned_env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.

@@ -99,7 +99,7 @@ class Measurement(Mismatch):
                    bits_blocks=block_fingerprints(observed), **extra)
 
     def to_record(self) -> dict:
-        """The record's measured fields (DESIGN.md's schema): counts, comparison and bound at
+        """The record's measured fields (docs/records.md's schema): counts, comparison and bound at
         the top level, the bulky evidence under `detail`."""
         top = {"held": self.held, "mismatched": self.mismatched, "total": self.total, "comparison": self.comparison}
         for key in ("max_abs", "max_ulp", "first_mismatch", "predicted_mismatched", "error_vs_reference",

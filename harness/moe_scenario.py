@@ -91,6 +91,8 @@ def placements(prop: str, p: DispatchParams | MoeParams, world: int) -> list[Pla
         return [decode] + [Placement((n,) * world, tuple((r, row) for r in range(world)
                                                          for row in prefill_rows(n, p.channel_probes)),
                                      seed, f"prefill: {n} tokens per rank") for n in p.prefill_tokens]
+    if prop == "corruption-rate":  # no probe: every row of every call is compared (families/dispatch.py)
+        return [Placement((n,) * world, (), seed, f"{p.calls} calls at {n} tokens per rank") for n in p.call_tokens]
     if prop == "others-invariance":
         return [Placement((t,) * world, ((0, t // 2),), seed + 1000 * i, f"others drawn {i}") for i in range(4)]
     raise ValueError(f"no placements for {prop!r}")

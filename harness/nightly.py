@@ -14,9 +14,9 @@ HISTORY = Path("reports/out/history.jsonl")
 
 def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | None = None,
             history: Path = HISTORY, out_root: Path = Path("reports/out"), command: list[str] = (),
-            emulate_hosts: bool = False, summary_md: Path | None = None, junit_xml: Path | None = None) -> int:
+            emulate: str | None = None, summary_md: Path | None = None, junit_xml: Path | None = None) -> int:
     code, run_dir = verify(RunOptions(suite, gpus=gpus, out_root=out_root, command=command, render=False,
-                                      emulate_hosts=emulate_hosts, junit_xml=junit_xml))
+                                      emulate=emulate, junit_xml=junit_xml))
     if code >= 128:  # interrupted: the partial run is rendered, never gated or added to the history
         render_run(run_dir)
         return code
@@ -27,7 +27,7 @@ def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | No
         result, message = None, f"# gate: {exc}"
     render_run(run_dir, history=history)
     run = load_run(run_dir)
-    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, quiet=True,
+    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, quiet=True, annotate=False,
                      regressions=result["regressions"] if result else ())
     print(f"# history: {added} rows appended to {history}")
     print(render_gate(result) if result else message)

@@ -17,6 +17,7 @@ ep_harness.contracts.DispatchConfig, read the same way.
 from __future__ import annotations
 
 import difflib
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
@@ -26,11 +27,12 @@ from ep_harness.errors import HarnessError
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
 DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
+SEED_MAX = 2**31 - 1
 
 
-def _opt(default, *, minimum=None, choices=None, nonempty=False):
+def _opt(default, *, minimum=None, maximum=None, choices=None, nonempty=False):
     """A field with a default (lists are copied per instance) and its limits."""
-    meta = {"min": minimum, "choices": choices, "nonempty": nonempty}
+    meta = {"min": minimum, "max": maximum, "choices": choices, "nonempty": nonempty}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,7 +48,9 @@ class CommonParams:
 
     world_size: int = _opt(1, minimum=1)
     backend: str = _opt("gloo", choices=("gloo", "nccl"))
-    seed: int = _opt(0, minimum=0)
+    # inputs.generator shifts the seed 32 bits into torch's 64-bit seed (and scenarios add
+    # small offsets): a larger one overflows in the worker, so it is refused at plan time
+    seed: int = _opt(0, minimum=0, maximum=SEED_MAX)
     mode: str = _opt("eager", choices=("eager", "graph"))
     gpu_only: bool = _opt(False)
 
@@ -60,7 +64,29 @@ class CommonParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveParams(CommonParams):
+class LayoutParams(CommonParams):
+    """What the layout-size properties (tp-size-invariance, ep-size-invariance) read:
+    the world sizes they run the same logical inputs through (subgroups of ranks 0..w-1 of
+    the check's ranks; [] is every power of two up to min(world_size, virtual_shards)), and
+    how many fixed TP shards the logical input is cut into, V / w of them on each rank
+    (harness/families/layout.py)."""
+
+    layout_sizes: list[int] = _opt([], minimum=1)
+    virtual_shards: int = _opt(8, minimum=1)
+
+    def validate(self, subject):
+        for size in self.layout_sizes:
+            if size > self.world_size:
+                return (f"layout_sizes = {self.layout_sizes}: {size} exceeds world_size = {self.world_size}; "
+                        f"run the check at world_size = {max(self.layout_sizes)}")
+            if self.virtual_shards % size:
+                return (f"layout_sizes = {self.layout_sizes}: virtual_shards = {self.virtual_shards} does not split "
+                        f"over {size} ranks; use a multiple of every size")
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(LayoutParams):
     dtype: str = _required(choices=DTYPES_WIRE)
     hidden: int = _opt(2048, minimum=1)
     rows_per_rank: int = _opt(2, minimum=1)
@@ -121,7 +147,7 @@ class QuantParams(CommonParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenParams(CommonParams):
+class TokenParams(LayoutParams):
     """What dispatch and the MoE layer share: tokens, experts and routing."""
 
     tokens: int = _opt(16, minimum=1)
@@ -139,7 +165,10 @@ class TokenParams(CommonParams):
             return f"num_experts = {self.num_experts} does not split over world_size = {self.world_size} ranks"
         if self.topk > self.num_experts:
             return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
-        return None
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +178,10 @@ class DispatchParams(TokenParams):
     ue8m0: bool = _opt(True)
     data: str = _opt("spread", choices=DATA_KINDS)
     probe_experts: list[int] = _opt([4, 5, 0, 1], minimum=0, nonempty=True)
+    # corruption-rate: this many calls at each token count per rank (600 clean calls bound the
+    # per-call rate below 0.5 % at 95 %; DeepEP #700 corrupted 1.5-3.3 % of calls at 256 tokens)
+    calls: int = _opt(600, minimum=1)
+    call_tokens: list[int] = _opt([256], minimum=1, nonempty=True)
 
     def validate(self, subject):
         if self.hidden % 128 and self.expert_quant == "fp8":
@@ -191,7 +224,7 @@ class MoeParams(TokenParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelParams(CommonParams):
+class ModelParams(LayoutParams):
     """A small random-weight MoE decoder (harness/families/model.py): its shape, its
     prompts, and the stage subjects it is composed of (by registered name)."""
 
@@ -215,6 +248,10 @@ class ModelParams(CommonParams):
     dispatch: str = _opt("torch_a2a_dispatch")
     gemm: str = _opt("torch_mm")
     dense_gemm: str = _opt("torch_mm")
+    # every TP product per virtual shard (harness/subjects/model/composed.py); the layout-size
+    # properties run with it set, whatever the case says
+    virtual_tp: bool = _opt(False)
+    virtual_shards: int = _opt(4, minimum=1)  # one head per shard at the default 4 heads
 
     def validate(self, subject):
         w = self.world_size
@@ -230,7 +267,13 @@ class ModelParams(CommonParams):
             return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
         if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
             return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
-        return None
+        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
+            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
+                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 def unknown_field(exc: AttributeError, who: str) -> str | None:
@@ -281,15 +324,25 @@ def _limits(name: str, value, meta: dict) -> str | None:
         low = [v for v in items if v is not None and v < meta["min"]]
         if low:
             return f"{name} = {value!r}: values below {meta['min']} are impossible"
+    if meta.get("max") is not None:
+        high = [v for v in items if v is not None and v > meta["max"]]
+        if high:
+            return f"{name} = {value!r}: values above {meta['max']} are not supported; use 0 to {meta['max']}"
     if meta.get("choices") is not None and value is not None and value not in meta["choices"]:
         return f"{name} = {value!r}; choose one of {', '.join(map(str, meta['choices']))}"
     return None
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """A class's resolved annotations, once: resolving them is most of planning's time."""
+    return typing.get_type_hints(cls)
+
+
 def build(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
     """The typed parameters of one check; `where` prefixes every error ("cases/x.toml: case 'y'")."""
     cls = family_params(family)
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name for f in fields(cls)} - {"backend"}
     for key in raw:
         if key not in known:

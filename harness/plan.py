@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 import re
+from collections import Counter
 
 from dataclasses import replace
 
 from ep_harness import families, params, properties
 from ep_harness import subject as registry
-from ep_harness.cases import Suite, timeout_problem
+from ep_harness.cases import Suite, suite_argument, timeout_problem
 from ep_harness.check import Check
 from ep_harness.errors import HarnessError, did_you_mean
 from ep_harness.params import CommonParams
 from ep_harness.subject import Platform
+from ep_harness.threads import pinned as pinned_threads
 
 
 def check_id(case: str, prop: str, point: dict) -> str:
@@ -37,13 +40,16 @@ def skip_reason(platform: Platform, subject, prop: str, params: CommonParams) ->
     return subject.unavailable(platform, params)
 
 
-def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_keys=frozenset(), **fields) -> Check:
+def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_keys=frozenset(),
+            threads: int | None = None, **fields) -> Check:
     """One check for this platform: its parameters validated and typed (the backend set), its
-    topology, and why this machine skips it, if it does. `fields`: id, suite, case, expect,
-    timeout_s, env."""
+    topology, its thread count pinned in its launch environment (`threads`, else the case's or
+    record's, else the default: harness/threads.py), and why this machine skips it, if it
+    does. `fields`: id, suite, case, expect, timeout_s, env."""
     problem = timeout_problem(fields.get("timeout_s"))
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
-        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds")
+        raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds up to 86400")
+    fields["env"] = pinned_threads(dict(fields.get("env") or {}), threads, where)
     typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     try:
         skip = skip_reason(platform, subject, prop, typed)
@@ -53,7 +59,7 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
             raise
         raise HarnessError(f"{where}: {problem}") from None
     return Check(subject=subject.name, family=subject.family, property=prop, params=typed,
-                 topology=platform.topology.describe(), skip_reason=skip, **fields)
+                 topology=platform.topology.describe(), nccl=platform.nccl, skip_reason=skip, **fields)
 
 
 def literal(check_id: str) -> str:
@@ -71,9 +77,29 @@ def selected(check_id: str, selection: list[str] | None) -> bool:
         for pat in selection)
 
 
-def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None) -> list[Check]:
+MAX_CHECKS = 100_000  # a plan is held in memory, a record each: a grid this large is a typo in a list
+
+
+def repeated(ids: list[str]) -> list[str]:
+    """The ids that occur more than once, in one pass (a count per id, not a scan per id)."""
+    return sorted(i for i, n in Counter(ids).items() if n > 1)
+
+
+def grid_size(suite: Suite) -> int:
+    """How many checks the suite's grids expand to, counted before any is built."""
+    return sum(len(case.properties) * math.prod(len(v) for v in case.grid.values()) for case in suite.cases)
+
+
+def expand(suite: Suite, platform: Platform, selection: list[str] | None = None, seed: int | None = None,
+           threads: int | None = None) -> list[Check]:
     """Every check of the suite, in file order; skipped ones carry `skip_reason`. `seed`
-    re-seeds every check (the records keep it)."""
+    re-seeds every check (the records keep it); `threads` pins every check's thread count
+    (None: the case's, else the harness's default)."""
+    size = grid_size(suite)
+    if size > MAX_CHECKS:
+        largest = max(suite.cases, key=lambda c: len(c.properties) * math.prod(len(v) for v in c.grid.values()))
+        raise HarnessError(f"{suite.path}: the grids expand to {size:,} checks, more than the limit of {MAX_CHECKS:,} "
+                           f"(the largest: case {largest.name!r}); split the suite or shorten its grid lists")
     checks = []
     for case in suite.cases:
         subject = registry.get(case.subject)
@@ -98,18 +124,19 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
                 checks.append(planned(
                     platform, subject, prop, raw, where, frozenset(keys), id=check_id(case.name, prop, point),
                     suite=str(suite.path), case=case.name, expect=case.expect.get(platform.backend, "holds"),
-                    timeout_s=case.timeout_s, env=case.env))
+                    timeout_s=case.timeout_s, env=case.env, threads=threads))
     ids = [c.id for c in checks]
-    dupes = {i for i in ids if ids.count(i) > 1}
+    dupes = repeated(ids)
     if dupes:
-        raise HarnessError(f"{suite.path}: check ids repeat ({sorted(dupes)[0]}); give the cases distinct names")
+        raise HarnessError(f"{suite.path}: check ids repeat ({dupes[0]}); give the cases distinct names")
     if selection:
         checks = [c for c in checks if selected(c.id, selection)]
         if not checks:
             names = [*(c.name for c in suite.cases), *ids]
-            raise HarnessError(f"--check {' '.join(selection)} matches no check in {suite.path}"
+            named = suite_argument(suite.name, suite.path)  # a built-in suite by its name, else its path
+            raise HarnessError(f"--check {' '.join(selection)} matches no check of suite {named}"
                                f"{did_you_mean(selection[0], names)}; list them with "
-                               f"`ep-harness list --suite {suite.path}`")
+                               f"`ep-harness list --suite {named}`")
     return checks
 
 

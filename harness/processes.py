@@ -1,6 +1,6 @@
 """Process plumbing shared by every launcher (harness/launch.py, harness/follower.py,
 harness/explore.py): torchrun's agent command and environment, spawning it in a session of
-its own that dies with its launcher, the processes' state from /proc, and teardown (every
+its own that dies with its launcher, the processes' state (psutil), and teardown (every
 process group and stray process of a launch ended, SIGTERM then SIGKILL). Signals that end a
 run raise Interrupted while launches run.
 """
@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+import psutil
 
 from ep_harness.channel import SECRET_ENV
 from ep_harness.nodes import START_TIMEOUT_S, Nodes
@@ -108,33 +110,31 @@ def kill_launch(proc: subprocess.Popen, groups=(), grace_s: float = 2.0, namespa
     proc.wait()
 
 
-def _carries(pid: str, marker: bytes) -> bool:
-    """Whether process `pid`'s environment holds the variable `marker` (NAME=value) exactly."""
+def _carries(pid: int, namespace: str) -> bool:
+    """Whether process `pid`'s environment holds EP_HARNESS_CHANNEL=`namespace` exactly."""
     try:
-        return marker in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or another user's
+        return psutil.Process(pid).environ().get("EP_HARNESS_CHANNEL") == namespace
+    except (psutil.Error, OSError):  # gone, or another user's
         return False
+
+
+def _live() -> dict[int, ProcessState]:
+    """Every process that has not ended, by pid."""
+    states = {}
+    for proc in psutil.process_iter():
+        state = process_state(proc.pid)
+        if state is not None and state.state not in ENDED_STATES:
+            states[proc.pid] = state
+    return states
 
 
 def _strays(root: int, groups: set[int], namespace: str | None) -> set[int]:
     """The live processes of a launch outside its process groups: descendants (by parent)
     of the agent and of the groups' members, and those marked with the launch's namespace.
     The launcher itself and its ancestors are never among them."""
-    mine = set()
-    pid = os.getpid()
-    while pid > 1:  # the launcher and its ancestors
-        mine.add(pid)
-        found = process_state(pid)
-        pid = found.parent if found else 0
-    marker = f"\0EP_HARNESS_CHANNEL={namespace}\0".encode() if namespace else None
-    states, found = {}, set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            state = process_state(entry.name)
-            if state is not None and state.state not in ENDED_STATES:
-                states[int(entry.name)] = state
-                if marker is not None and _carries(entry.name, marker):
-                    found.add(int(entry.name))
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # the launcher and its ancestors
+    states = _live()
+    found = {p for p in states if _carries(p, namespace)} if namespace is not None else set()
     tree = {root} | {p for p, s in states.items() if s.group in groups}
     children: dict[int, list[int]] = {}
     for p, s in states.items():
@@ -149,6 +149,11 @@ def _strays(root: int, groups: set[int], namespace: str | None) -> set[int]:
 
 
 ENDED_STATES = ("Z", "X")  # zombie, dead
+# psutil's status words as the one-letter states of ps(1) and /proc/PID/stat.
+_LETTERS = {psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+            psutil.STATUS_STOPPED: "T", psutil.STATUS_TRACING_STOP: "t", psutil.STATUS_ZOMBIE: "Z",
+            psutil.STATUS_DEAD: "X", psutil.STATUS_WAKING: "W", psutil.STATUS_IDLE: "I",
+            psutil.STATUS_PARKED: "P"}
 
 
 class ProcessState(NamedTuple):
@@ -159,12 +164,13 @@ class ProcessState(NamedTuple):
 
 
 def process_state(pid: int | str) -> ProcessState | None:
-    """A process's state, parent, process group and thread count from /proc/PID/stat; None
-    once it is gone."""
-    try:  # the command name, in parentheses, may itself hold spaces and parentheses
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return ProcessState(fields[0], int(fields[1]), int(fields[2]), int(fields[17]))  # stat's fields 3-5, 20
-    except (OSError, ValueError, IndexError):
+    """A process's state, parent, process group and thread count; None once it is gone."""
+    try:
+        proc = psutil.Process(int(pid))
+        with proc.oneshot():
+            status, parent, threads = proc.status(), proc.ppid(), proc.num_threads()
+        return ProcessState(_LETTERS.get(status, "?"), parent, os.getpgid(proc.pid), threads)
+    except (psutil.Error, OSError, ValueError):
         return None
 
 
@@ -173,12 +179,7 @@ def _alive(groups, pids=()) -> bool:
     (only its parent's wait is missing): a rank orphaned when its fork server died waits for
     init to reap it (1.3 s on this machine, forever under an init that never reaps), and
     waiting on it would only stretch every teardown."""
-    for entry in Path("/proc").iterdir():
-        found = process_state(entry.name) if entry.name.isdigit() else None
-        if found is not None and (found.group in groups or int(entry.name) in pids) and \
-                found.state not in ENDED_STATES:
-            return True
-    return False
+    return any(s.group in groups or p in pids for p, s in _live().items())
 
 
 def process_groups(pids) -> set[int]:

@@ -21,7 +21,8 @@ from a test on the property's name:
 * `must_catch`: the injections `ep-harness selftest` holds it to (None: no row, so none
   of its cells is applicable); harness/selftest/expectations.py explains each row.
 * `counts_runs`: its verdict also says how many of the runs differ from the first (k of n:
-  how often, not whether).
+  how often, not whether); corruption-rate: how many of its calls missed their expectation,
+  with a confidence bound on the per-call rate (harness/rates.py).
 
 Adding a property: one `register(Property(...))` (here for a built-in, in a plugin module
 for one of one's own), then its name in the `properties` of each family that supports it,
@@ -96,5 +97,13 @@ for _prop in (
     Property("rank-invariance", "destination", {"one-rank"}, searchable=True),
     Property("graph-invariance", "repeat", {"ulp", "in-graph"}, gpu="CUDA graphs need a GPU"),
     Property("order-invariance", "placement"),  # the model family's; no selftest wrapper
+    # Many calls, each against its exact expectation: a rare defect (one row on 1 call in 50)
+    # as well as every defect a reference must catch; its record says k of n calls.
+    Property("corruption-rate", "reference", {"nan", "inf", "stale", "rare"}, counts_runs=True),
+    # Layout size (docs/layout-invariance.md): the same logical inputs through world sizes
+    # 1, 2, 4 (8) on subgroups of one launch; a placement is a world size, so one size is
+    # "only one run" and a repeated size "one and the same placement" (driver vacuity).
+    Property("tp-size-invariance", "placement"),
+    Property("ep-size-invariance", "placement"),
 ):
     register(_prop)

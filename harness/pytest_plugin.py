@@ -217,6 +217,8 @@ def pytest_addoption(parser):
     group = parser.getgroup("ep-harness")
     group.addoption("--ep-suite", default=None, help="run a suite's checks as pytest items (e.g. smoke)")
     group.addoption("--ep-gpus", type=int, default=None, help="GPUS for --ep-suite (default: all visible)")
+    group.addoption("--ep-allow-empty", action="store_true",
+                    help="an --ep-suite session in which no check passed (all skipped or vacuous) succeeds")
 
 
 SUITE_DIR = pytest.StashKey[tuple]()  # (private directory, nonce) of this session's --ep-suite run
@@ -232,6 +234,38 @@ def pytest_configure(config):
             config.stash[SUITE_DIR] = (Path(worker["ep_suite_dir"]), worker["ep_suite_nonce"])
         else:  # the controller, or a session without xdist: mode 0700, an unguessable name
             config.stash[SUITE_DIR] = (Path(tempfile.mkdtemp(prefix="ep-harness-suite-")), secrets.token_hex(16))
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if config.getoption("--ep-suite", None) and getattr(config, "workerinput", None) is None \
+            and not config.getoption("--ep-allow-empty", False):  # the controller counts every worker's reports
+        config.pluginmanager.register(NothingRan(), "ep-harness-nothing-ran")
+
+
+class NothingRan:
+    """`pytest --ep-suite` agrees with `ep-harness verify`: a session whose checks were all
+    skipped or vacuous measured nothing that could fail, and exits 1, not 0 (pytest's exit
+    for all-skipped). Counted on the controller from the reports (xdist workers send theirs)."""
+
+    def __init__(self):
+        self.checks, self.passed = set(), set()
+
+    def pytest_runtest_logreport(self, report):
+        check = dict(report.user_properties).get("ep_check")
+        if check is not None:
+            self.checks.add(check)
+            if report.when == "call" and report.passed:
+                self.passed.add(check)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.checks and not self.passed and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"ep-harness: nothing ran: none of the {len(self.checks)} check(s) passed (all "
+                                    f"skipped or vacuous); pass --ep-allow-empty to accept that")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -322,6 +356,7 @@ class CheckItem(pytest.Item):
     def __init__(self, *, check, suite: str, gpus, **kwargs):  # check: an ep_harness.check.Check
         super().__init__(**kwargs)
         self.check, self.suite, self.gpus = check, suite, gpus
+        self.user_properties.append(("ep_check", check.id))  # reaches the controller's reports under xdist
 
     def _record(self) -> dict:
         """This check's record from one verify run of every collected check (one launch on

@@ -1,4 +1,4 @@
-"""The record: one JSON object per check in `results.jsonl` (DESIGN.md lists the keys).
+"""The record: one JSON object per check in `results.jsonl` (docs/records.md lists the keys).
 
 Files are written to a temporary name and renamed, so a reader never sees half a run.
 """
@@ -50,10 +50,35 @@ def append_line(path: Path, obj) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, fix: str = "the file is truncated or corrupted") -> list[dict]:
+    return [obj for _, obj in numbered_jsonl(path, fix)]
+
+
+def numbered_jsonl(path: Path, fix: str = "the file is truncated or corrupted") -> list[tuple[int, dict]]:
+    """The JSON objects of a file, one a line, with their line numbers; anything else is one
+    HarnessError naming the file's own line (json.loads of one line would always say line 1)
+    and `fix`."""
+    from ep_harness.errors import HarnessError
+
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise HarnessError(f"{path}:{lineno}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); {fix}") from None
+    objects = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HarnessError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}); {fix}") from None
+        if not isinstance(obj, dict):
+            raise HarnessError(f"{path}:{lineno}: a line must be a JSON object, not {type(obj).__name__}; {fix}")
+        objects.append((lineno, obj))
+    return objects
 
 
 def base_record(check, run_id: str, rerun: str) -> dict:
@@ -71,6 +96,7 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "property": check.property,
         "params": check.params_record,
         "topology": check.topology,
+        **({"nccl": check.nccl} if check.nccl else {}),  # what ran, read from NCCL (every rank checks it)
         "expect": check.expect,
         "timeout_s": check.timeout_s,
         "launch_env": redacted(check.env),  # a credential's value never reaches a results file

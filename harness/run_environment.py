@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 from ep_harness.environment import git_commit, recorded_env, redacted, redacted_command
-from ep_harness.nccl.pins import nccl_version
+from ep_harness.nccl import library as nccl_library
 from ep_harness.nccl.statement import tp_reduction_statement
 from ep_harness.subject import Platform, plugin_distributions
+from ep_harness.threads import run_threads
 from ep_harness.version import harness_version
 
 LIBRARIES = ("torch", "triton", "numpy", "sgl-deep-gemm", "deep-gemm", "sgl-deep-ep", "deep-ep",
@@ -61,12 +62,15 @@ def rank_fingerprint() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "env": recorded_env(),
+        "threads": torch.get_num_threads(),  # intra-op threads, as pinned (harness/threads.py)
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     if torch.cuda.is_available():
         idx = torch.cuda.current_device()
         info["device"] = torch.cuda.get_device_name(idx)
-        info["nccl"] = ".".join(map(str, nccl_version() or ()))
+        loaded = nccl_library.loaded()  # what runs, from NCCL itself; torch's compile-time number beside it
+        info["nccl"] = loaded.text or ""
+        info["nccl_library"] = loaded.to_dict()
         info["driver"] = gpu_driver()
     else:
         info["device"] = "cpu"
@@ -105,6 +109,7 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
     """The launcher's part of the fingerprint; ranks add theirs under `ranks`."""
     import torch
 
+    nccl = nccl_library.loaded() if platform.backend == "nccl" else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(redacted_command(list(command))),
@@ -116,7 +121,8 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
         "os": pyplatform.platform(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, nccl_version() or ())) or None,
+        "nccl": nccl.text if nccl else None,  # what runs, from NCCL itself
+        "nccl_library": nccl.to_dict() if nccl else None,
         "driver": gpu_driver() if platform.device == "cuda" else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(platform.gpus or platform.ranks)] if platform.device == "cuda" else [],
         "backend": platform.backend,
@@ -177,6 +183,12 @@ class EnvironmentRecord:
             self.data["selection"] = list(selection)
         self.data["topology"] = platform.topology.to_dict()
         self.data["ranks"] = {}
+
+    def pinned_threads(self, envs) -> int | list[int]:
+        """The ranks' thread count, from the checks' launch environments (harness/threads.py):
+        recorded as `threads`, one of the bits' conditions (the gate's fingerprint on the CPU)."""
+        self.data["threads"] = run_threads(envs)
+        return self.data["threads"]
 
     def launched(self, job: str, env: dict) -> None:
         """A launch's pinned environment, secrets redacted."""

@@ -38,7 +38,8 @@ class Platform:
     gpu_name: str | None = None
     capability: tuple[int, int] | None = None
     gpus: int = 0  # GPUs the ranks use
-    emulated_hosts: bool = False  # several NCCL ranks per GPU, one emulated host each
+    emulation: str | None = None  # several NCCL ranks per GPU: "hosts" or "single-node" (harness/emulation.py)
+    nccl: str | None = None  # the NCCL library's own version (not torch's compile-time one), NCCL runs only
     nodes: int = 1  # machines (or torchrun agents) the ranks are spread over
 
     @property
@@ -47,7 +48,7 @@ class Platform:
 
         if self.device != "cuda":
             return Topology("cpu-gloo", self.ranks, 0, self.nodes)
-        kind = "emulated-hosts" if self.emulated_hosts else "gpus"
+        kind = {"hosts": "emulated-hosts", "single-node": "single-node"}.get(self.emulation, "gpus")
         return Topology(kind, self.ranks, self.gpus or self.ranks, self.nodes, self.gpu_name)
 
 

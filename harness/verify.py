@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_harness import subject as registry
-from ep_harness.cases import load_suite, resolve_suite_path, suite_argument
+from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite_argument
 from ep_harness.check import Check
 from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
@@ -25,8 +25,9 @@ from ep_harness.launch import Head, Outcome, run_job
 from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
-from ep_harness.records import append_line, base_record, read_jsonl, write_atomic, write_json, write_jsonl
+from ep_harness.records import append_line, base_record, numbered_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
+from ep_harness.threads import of_env, user_setting_note
 from ep_harness.verdict import decide
 from ep_harness.reports.analysis import FAILING, nothing_shown
 
@@ -36,8 +37,10 @@ def new_run_id() -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
-def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate_hosts: bool = False,
-                  from_record: bool = False, nodes: Nodes = Nodes()) -> str:
+def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str], emulate: str | None = None,
+                  from_record: bool = False, nodes: Nodes = Nodes(), threads: int | None = None) -> str:
+    """The command that runs this one check again, under the same conditions: `threads`, the
+    ranks' thread count it ran with, is spelled out (a check alone must not get another)."""
     cmd = ["ep-harness", "verify", "--from-record" if from_record else "--suite", suite, "--check", literal(check_id)]
     if nodes.multi:  # the head's command; the other nodes start theirs as before
         cmd += ["--nnodes", str(nodes.nnodes), "--nproc-per-node", str(nodes.nproc_per_node)]
@@ -45,8 +48,10 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
         cmd += ["--launcher", nodes.launcher] if nodes.launcher != "torchrun" else []
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
-    if emulate_hosts:
-        cmd += ["--emulate-hosts"]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    if emulate:
+        cmd += ["--emulate", emulate]
     for p in plugins:
         cmd += ["--plugin", p]
     return shlex.join(cmd)
@@ -122,26 +127,85 @@ def timing_line(t: dict) -> str:
             (f", {t['precompile_wait_s']} s waiting for the DeepGEMM compile" if t.get("precompile_wait_s") else ""))
 
 
-def checks_from_records(path: Path, platform, selection: list[str] | None) -> list[Check]:
-    """The checks of a results.jsonl, rebuilt from their records (params validated again)."""
+RECORD_FIX = "pass a results.jsonl that `ep-harness verify` wrote"
+
+
+def record_problem(record: dict) -> str | None:
+    """What keeps a record from being rerun (a hand-edited or damaged results file), or None."""
+    for key in ("check", "case", "subject", "property"):
+        if not isinstance(record.get(key), str) or not record[key]:
+            return f"{key} is {record.get(key)!r}, not a name"
+    if not isinstance(record.get("params"), dict):
+        return f"check {record['check'][:80]!r}: params is {'missing' if 'params' not in record else 'not an object'}"
+    if record.get("expect") not in EXPECTATIONS:
+        return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
+    return None
+
+
+def checks_from_records(path: Path, platform, selection: list[str] | None, threads: int | None = None) -> list[Check]:
+    """The checks of a results.jsonl, rebuilt from their records (params validated again), each
+    on the thread count its record's launch_env names (`threads`, where given, instead)."""
     try:
-        records = read_jsonl(path)
-    except (OSError, ValueError) as exc:
-        raise HarnessError(f"{path}: cannot read records ({exc}); pass a run's results.jsonl") from None
-    chosen = [r for r in records if selected(r["check"], selection)]
+        records = numbered_jsonl(path, RECORD_FIX)
+    except OSError as exc:
+        raise HarnessError(f"{path}: cannot read records ({exc}); {RECORD_FIX}") from None
+    for lineno, r in records:
+        problem = record_problem(r)
+        if problem:
+            raise HarnessError(f"{path}:{lineno}: {problem}; {RECORD_FIX}")
+    chosen = [r for _, r in records if selected(r["check"], selection)]
     if not chosen:
         raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
     return [planned(platform, registry.get(r["subject"]), r["property"],
                     {k: v for k, v in r["params"].items() if k != "backend"}, f"{path}: {r['check']}",
                     id=r["check"], suite=str(path), case=r["case"], expect=r["expect"],
                     timeout_s=r.get("timeout_s", 120.0),
-                    env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"))
+                    env=applicable_env(r.get("launch_env") or {}, f"{path}: {r['check']}: launch_env"),
+                    threads=threads)
             for r in chosen]
 
 
+def unmeasured_cases(records: list[dict]) -> list[str]:
+    """One line per case of which no check ran, beside cases that did: a run that passes
+    measured nothing of it (a subject's library missing here, a GPU-only case on the CPU),
+    which its OK must not hide. A run where nothing ran at all says so itself."""
+    by_case: dict[str, list[dict]] = {}
+    for r in records:
+        by_case.setdefault(r["case"], []).append(r)
+    if all(r["status"] == "skipped" for r in records):
+        return []
+    lines = []
+    for case, rs in by_case.items():
+        if all(r["status"] == "skipped" for r in rs):
+            reasons = list(dict.fromkeys(r["reason"] for r in rs))
+            more = f" (and {len(reasons) - 1} other reason(s))" if len(reasons) > 1 else ""
+            lines.append(f"case {case!r} was not measured: all {len(rs)} of its check(s) were skipped "
+                         f"(subject {rs[0]['subject']!r}: {reasons[0]}{more})")
+    return lines
+
+
+def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
+                             interrupted: BaseException | None) -> dict:
+    """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
+    when a signal came before all of its relaunches finished (the first launch alone shows
+    nothing about fresh processes, so it never stands as the check's verdict)."""
+    later = [o.get(check.id) for o in relaunched]
+    if interrupted is None or (len(later) == launches - 1 and None not in later):
+        return compare_launches(record, later)
+    if record["status"] in ("skipped", "interrupted"):
+        return record
+    done = sum(o is not None for o in later)
+    return {**record, "status": "interrupted", "held": None,
+            "reason": f"the run was interrupted by {interrupted} before this check's relaunches in fresh processes "
+                      f"finished ({done} of {launches - 1}); its first launch was {record['status']}: {record['reason']}"}
+
+
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
-                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = ()) -> None:
-    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions."""
+                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = (),
+                     annotate: bool = True) -> None:
+    """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions
+    (with -q too: they are how a failure reaches the pull request; `annotate=False` where the
+    run's own verify printed them)."""
     from ep_harness.reports import ci_outputs
 
     if junit_xml is not None:
@@ -149,8 +213,8 @@ def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, juni
     if summary_md is not None:
         with open(summary_md, "a", encoding="utf-8") as f:  # $GITHUB_STEP_SUMMARY is appended to
             f.write(ci_outputs.summary_markdown(records, environment, list(regressions)))
-    if os.environ.get("GITHUB_ACTIONS") == "true" and not quiet:
-        for line in ci_outputs.github_annotations(records):
+    if os.environ.get("GITHUB_ACTIONS") == "true" and annotate:
+        for line in ci_outputs.github_annotations(records, environment):
             print(line, flush=True)
 
 
@@ -191,7 +255,7 @@ class RunOptions:
     render: bool = True
     quiet: bool = False
     launches: str = "auto"  # how checks are grouped into torchrun launches
-    emulate_hosts: bool = False
+    emulate: str | None = None  # "hosts" or "single-node" (harness/emulation.py)
     from_record: Path | None = None  # rerun these records' checks instead of a suite's
     allow_empty: bool = False  # a run whose checks were all skipped passes
     seed: int | None = None
@@ -200,6 +264,17 @@ class RunOptions:
     show_skipped: bool = False
     nodes: Nodes = Nodes()
     fresh_processes: int = 1  # launches of every check, each in new processes
+    threads: int | None = None  # every rank's thread count (None: the case's or record's, else 1: harness/threads.py)
+
+
+def launch_grouping(options: RunOptions, platform, nodes: Nodes) -> str:
+    """How checks share launches: one on gloo (or over several nodes, where every rank takes
+    part in every launch), one per world size on NCCL, unless --launches says."""
+    if nodes.multi:
+        return "one"
+    if options.launches != "auto":
+        return options.launches
+    return "one" if platform.backend == "gloo" else "per-world-size"
 
 
 def verify(options: RunOptions) -> tuple[int, Path]:
@@ -212,26 +287,35 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     if options.from_record is not None:
         suite_path = options.from_record
         registry.load_all(plugins)
-        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
-        checks = checks_from_records(options.from_record, platform, options.selection)
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
+        checks = checks_from_records(options.from_record, platform, options.selection, options.threads)
     else:
         suite_path = resolve_suite_path(options.suite)
         loaded = load_suite(suite_path)
         plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
         registry.load_all(plugins)
-        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate_hosts)
-        checks = expand(loaded, platform, options.selection, options.seed)
+        platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
+        checks = expand(loaded, platform, options.selection, options.seed, options.threads)
     run_id, run_dir = claim_run_dir(options.out_root)
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
                                     source_suite_name(options.from_record) if options.from_record else loaded.name)
-    if not options.quiet:
-        print(f"# topology: {platform.topology.describe()}", flush=True)
+    threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
+    if not options.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
+        from ep_harness.reports.terminal import run_header
+
+        plan = [(nodes.ranks or ws, len(cs))
+                for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
+        for line in run_header(environment.data, plan, sum(c.skip_reason is not None for c in checks), run_id=run_id):
+            print(line, flush=True)
+        note = user_setting_note(threads) if isinstance(threads, int) else None
+        if note:
+            print(f"# note: {note}", flush=True)
 
     suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
     def rerun(c: Check) -> str:
-        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulated_hosts,
-                             options.from_record is not None, nodes)
+        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
+                             options.from_record is not None, nodes, of_env(c.env))
 
     stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
     outcomes: dict[str, Outcome] = {}
@@ -254,12 +338,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
             head.wait_for_nodes()
             from ep_harness.precompile import compiled_last, start
 
-            if nodes.multi:  # ranks spread over nodes all take part in every launch
-                grouping = "one"
-            elif options.launches != "auto":
-                grouping = options.launches
-            else:
-                grouping = "one" if platform.backend == "gloo" else "per-world-size"
+            grouping = launch_grouping(options, platform, nodes)
             local_ranks = max((nodes.ranks or ws for ws, _, _ in jobs(checks, grouping)), default=1)
             background = start(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins,
                                ranks=local_ranks)
@@ -277,19 +356,25 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                         later = (f"; the {sum(c.id in background.waits_for for c in job_checks)} needing the "
                                  f"DeepGEMM kernels last, once they are compiled")
                     if not options.quiet:
-                        say_line(f"# launching {len(job_checks)} checks on {world_size} {platform.backend} rank(s)"
-                                 f"{tag.replace('-', ' ')}{later}")
+                        from ep_harness.reports.terminal import launch_line
+
+                        say_line(launch_line(len(job_checks), world_size, platform.backend,
+                                             f"{tag.replace('-', ' ')}{later}"))
                     done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        platform.emulated_hosts, on_outcome=on_outcome, precompile_wait=wait))
+                                        platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
                 return done
 
             outcomes.update(run_all("", stream.finished))
             for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
-                relaunched.append(run_all(f"-fresh{k}", None))
+                relaunched.append({})  # filled when done; an interrupt leaves it holding what finished
+                relaunched[-1] = run_all(f"-fresh{k}", None)
             if background is not None:  # nothing waits for it any more (a launch that died before its checks)
                 background.finish(stop_because="every launch has ended")
         except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
-            outcomes.update(exc.outcomes)
+            if relaunched:  # the interrupted launch was a relaunch: its outcomes are not the first launch's
+                relaunched[-1] = exc.outcomes
+            else:
+                outcomes.update(exc.outcomes)
             interrupted = exc
             say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
         finally:
@@ -305,13 +390,16 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
-    if options.fresh_processes > 1 and interrupted is None:
-        records = [compare_launches(r, [o.get(c.id) for o in relaunched]) for r, c in zip(records, checks)]
+    if options.fresh_processes > 1:
+        records = [compared_across_launches(r, c, relaunched, options.fresh_processes, interrupted)
+                   for r, c in zip(records, checks)]
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
     if not options.quiet:
         print(timing_line(fingerprint["timing"]), flush=True)
+        for line in unmeasured_cases(records):  # before the verdict, which stays the last lines
+            print(f"# WARNING: {line}", flush=True)
     if options.render:
         from ep_harness.reports.render import render_run
 

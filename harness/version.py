@@ -46,9 +46,19 @@ def extra_requirements(extra: str) -> list[str]:
     return [r.split(";")[0].strip() for r in requires if marker in r.replace("'", '"')]
 
 
+def built_commit() -> str | None:
+    """The commit setup.py baked into this copy when its wheel was built; None in a checkout
+    (which has no ep_harness/_commit.py) and in a copy built from a tree without git."""
+    try:
+        from ep_harness._commit import COMMIT
+    except ImportError:
+        return None
+    return COMMIT
+
+
 def version_line() -> str:
     """What `ep-harness --version` prints: version and commit, each said when unknown."""
     from ep_harness.environment import git_commit
 
-    commit = git_commit() or "commit unknown: not a git checkout; EP_HARNESS_COMMIT names it"
+    commit = git_commit() or "commit unknown: not a git checkout, and built without one; EP_HARNESS_COMMIT names it"
     return f"ep-harness {harness_version() or 'unknown version (not installed, no pyproject.toml)'} ({commit})"

@@ -41,6 +41,7 @@ from ep_harness.run_environment import rank_fingerprint
 from ep_harness.families import execute, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels
+from ep_harness.threads import THREADS_VAR, apply_in_rank
 
 WATCH_S = 0.2
 MARKER_POLL_S = 0.05
@@ -149,6 +150,7 @@ def rank_main() -> None:
     Watcher(rank).start()
     signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(channel, rank, state))
 
+    threads = apply_in_rank()  # before any check computes (harness/threads.py)
     use_deterministic_algorithms()
     registry.load_all(job["plugins"])
     timeout = timedelta(seconds=job["collective_timeout_s"])
@@ -165,12 +167,16 @@ def rank_main() -> None:
     fingerprints = ctx.gather(rank_fingerprint())
     if rank == 0:
         channel.put("ranks", fingerprints)
-    env_error = _pinned_env_error(ctx.gather(unpinned(job.get("pinned_env") or {})))
+    pinned = job.get("pinned_env") or {}
+    env_error = _pinned_env_error(ctx.gather({**unpinned(pinned), **threads_unlike(pinned, threads)}))
     if job["backend"] == "nccl":
+        from ep_harness.nccl import library as nccl_library
+
+        env_error = env_error or nccl_library_error(job.get("nccl"), ctx.gather(nccl_library.loaded()))
         _read_nccl_topology(ctx, channel)
 
     checks = job["checks"]
-    contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks})
+    contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks} | layout_sizes(checks))
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     precompile = job.get("precompile")  # None once the compile has ended (or when there is none)
     waits_for = set(precompile["checks"]) if precompile else set()
@@ -245,6 +251,22 @@ def unpinned(pinned: dict[str, str]) -> dict[str, str | None]:
     return {k: os.environ.get(k) for k, v in pinned.items() if os.environ.get(k) != v}
 
 
+def nccl_library_error(named: str | None, per_rank: list) -> str | None:
+    """Why the ranks do not all run the NCCL the run names (each an
+    ep_harness.nccl.library.LoadedNccl), or None: a record must name the NCCL that computed it."""
+    wrong = [f"rank {r} runs {lib.text or 'no NCCL library'}" + (f" ({lib.problem()})" if lib.problem() else "")
+             for r, lib in enumerate(per_rank) if lib.text != named or lib.problem()]
+    if not wrong:
+        return None
+    return (f"the run names NCCL {named or 'none'} (read from the launcher's library), but " + "; ".join(wrong[:4]) +
+            (f"; {len(wrong) - 4} more" if len(wrong) > 4 else "") +
+            ": every rank must load one NCCL (replace torch's libnccl.so.2 on every node: docs/gpu.md)")
+def threads_unlike(pinned: dict[str, str], threads: int) -> dict[str, str]:
+    """{"torch.get_num_threads()": what torch runs on} where that is not the pinned count."""
+    wanted = pinned.get(THREADS_VAR)
+    return {} if wanted is None or wanted == str(threads) else {"torch.get_num_threads()": str(threads)}
+
+
 def _pinned_env_error(per_rank: list[dict]) -> str | None:
     wrong = [f"rank {r}: {k} {'missing' if v is None else f'is {v!r}'}"
              for r, found in enumerate(per_rank) for k, v in sorted(found.items())]
@@ -264,17 +286,28 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     for size in sorted(w for w in world_sizes if w < ctx.world_size):
         group = dist.new_group(list(range(size)))
         contexts[size] = dataclasses.replace(ctx, world_size=size, group=group) if ctx.rank < size else None
+    for c in contexts.values():  # a layout-size check runs on the subgroups up to its own size
+        if c is not None:
+            c.subgroups = {w: contexts[w] for w in contexts if w < c.world_size}
     return contexts
 
 
+def layout_sizes(checks: list[dict]) -> set[int]:
+    """The world sizes the launch's layout-size checks run through (params `layout_sizes`,
+    harness/families/layout.py), beside the checks' own world sizes."""
+    from ep_harness.families.layout import sizes_of
+
+    return {w for c in checks for w in sizes_of(c)}
+
+
 def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
-    """This rank's GPU; as an emulated host when the launch has more ranks than GPUs."""
-    from ep_harness.emulation import device_index, emulated_host_env
+    """This rank's GPU; ranks beyond the visible GPUs share them, emulated as the job says."""
+    from ep_harness.emulation import device_index, emulation_env
 
     os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
     visible = torch.cuda.device_count()
-    if job.get("emulate_hosts") and world_size > visible:
-        os.environ.update(emulated_host_env(rank))  # read by NCCL when the communicator is made
+    if job.get("emulate") and world_size > visible:
+        os.environ.update(emulation_env(job["emulate"], rank))  # read by NCCL when the communicator is made
         return torch.device("cuda", device_index(rank, visible))
     return torch.device("cuda", local_rank)
 

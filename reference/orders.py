@@ -23,6 +23,14 @@ Models (all take `inputs` [world_size, N] flat, one row per rank):
 * `gloo_ring_all_reduce`: gloo's ring; chunk c (2 segments per rank) is summed
   x[c-1], x[c-2], ..., x[c] (descending), so the order depends on the element's offset.
 * `chain_fold`: a fixed, explicit order for every element (the deterministic folds).
+
+Layout-size orders (inputs [V, N]: V fixed TP shards of one logical tensor, W ranks holding
+V / W consecutive shards each):
+
+* `block_partials`: each rank's fp32 sum of its shards in ascending order, rounded once (a
+  GEMM over the rank's K slice); the [W, N] partials the collective then reduces.
+* `balanced_tree`: adjacent pairs added level by level, rounded after every add; the rank's
+  block of V / W shards (both powers of two) is one of its subtrees, whatever W is.
 """
 from __future__ import annotations
 
@@ -261,3 +269,33 @@ def order_sensitive(inputs: torch.Tensor) -> torch.Tensor:
 
 def _int_view(dtype: torch.dtype) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty(0, dtype=dtype).element_size()]
+
+
+def block_partials(inputs: torch.Tensor, world_size: int) -> torch.Tensor:
+    """[V, N] -> [world_size, N]: rank r's shards r*V/W .. (r+1)*V/W - 1 summed in float32 in
+    that order and rounded once to inputs.dtype (one GEMM's fp32 accumulator over its slice)."""
+    shards = inputs.shape[0]
+    if shards % world_size:
+        raise ValueError(f"{shards} shards do not split over {world_size} ranks")
+    per = shards // world_size
+    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    out = []
+    for r in range(world_size):
+        acc = inputs[r * per].to(wide)
+        for s in range(r * per + 1, (r + 1) * per):
+            acc = acc + inputs[s].to(wide)
+        out.append(acc.to(inputs.dtype))
+    return torch.stack(out)
+
+
+def balanced_tree(inputs: torch.Tensor) -> torch.Tensor:
+    """[n, ...] -> [...]: ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) ..., each add in
+    float32 (float64 for float64) rounded to inputs.dtype; n a power of two."""
+    n = inputs.shape[0]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a balanced tree needs a power-of-two number of leaves, got {n}")
+    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    level = inputs
+    while level.shape[0] > 1:
+        level = (level[0::2].to(wide) + level[1::2].to(wide)).to(inputs.dtype)
+    return level[0].clone()

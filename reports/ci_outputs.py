@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from ep_harness.reports.analysis import counts, pairs, verdict
+from ep_harness.reports.analysis import counts, nothing_shown, pairs, verdict
 from ep_harness.reports.text import fmt_count, mismatch_text
 
 FAILURE, ERROR, SKIPPED = ("unexpected",), ("error", "interrupted"), ("skipped", "vacuous")
@@ -25,10 +25,13 @@ def _xml(text) -> str:
 
 def junit_xml(records: list[dict], run_id: str) -> str:
     """Failures carry the mismatch text; a vacuous check is reported skipped, with why it
-    could not fail (it is not a pass)."""
+    could not fail (it is not a pass); a run whose every check that ran was vacuous, which
+    fails, has one more testcase, `run`, failed with that reason (the XML and the exit code agree)."""
     c = counts(records)
-    suite = ET.Element("testsuite", name=_xml(f"ep-harness {run_id}"), tests=str(len(records)),
-                       failures=str(sum(c.get(s, 0) for s in FAILURE)), errors=str(sum(c.get(s, 0) for s in ERROR)),
+    vacuous_only = nothing_shown(records)  # the run fails (exit 1) though no check did: one testcase says why
+    suite = ET.Element("testsuite", name=_xml(f"ep-harness {run_id}"), tests=str(len(records) + bool(vacuous_only)),
+                       failures=str(sum(c.get(s, 0) for s in FAILURE) + bool(vacuous_only)),
+                       errors=str(sum(c.get(s, 0) for s in ERROR)),
                        skipped=str(sum(c.get(s, 0) for s in SKIPPED)),
                        time=f"{sum(float(r.get('seconds') or 0) for r in records):.3f}")
     for r in records:
@@ -41,6 +44,9 @@ def junit_xml(records: list[dict], run_id: str) -> str:
             ET.SubElement(case, "error", message=reason).text = _xml(f"{reason}\nRerun: {r.get('rerun')}")
         elif status in SKIPPED:
             ET.SubElement(case, "skipped", message=_xml(f"{status}: {reason}"))
+    if vacuous_only:
+        case = ET.SubElement(suite, "testcase", classname="ep-harness", name="run", time="0.000")
+        ET.SubElement(case, "failure", message=_xml(vacuous_only)).text = _xml(vacuous_only)
     root = ET.Element("testsuites")
     root.append(suite)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
@@ -85,12 +91,50 @@ def _escape_property(text: str) -> str:
     return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def github_annotations(records: list[dict]) -> list[str]:
-    """`::error` workflow commands for unexpected and error checks; every value escaped, so a
-    record cannot forge another command."""
+_CASE_NAME = re.compile(r'^\s*name\s*=\s*"([^"]*)"')
+
+
+def case_lines(suite_path) -> dict[str, int]:
+    """Each case's name -> the line of its `name = ...` in the suite file (1-based); {} where
+    the file cannot be read (a run rendered on another machine)."""
+    try:
+        text = open(suite_path, encoding="utf-8").read()
+    except (OSError, TypeError, ValueError):
+        return {}
+    lines, in_case = {}, False
+    for n, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            in_case = stripped == "[[case]]"
+        elif in_case and (m := _CASE_NAME.match(line)):
+            lines.setdefault(m.group(1), n)
+            in_case = False
+    return lines
+
+
+def _annotation_file(suite_path) -> str | None:
+    """The suite file as GitHub names it: relative to the working directory (the checkout)
+    where it lies inside it."""
+    import os
+
+    if not suite_path:
+        return None
+    path = os.path.abspath(str(suite_path))
+    rel = os.path.relpath(path, os.getcwd())
+    return path if rel.startswith("..") else rel
+
+
+def github_annotations(records: list[dict], environment: dict | None = None) -> list[str]:
+    """`::error` workflow commands for unexpected and error checks, each on the file and line
+    of its case where the suite file is at hand; every value escaped, so a record cannot
+    forge another command."""
+    suite = (environment or {}).get("suite")
+    where = case_lines(suite) if suite else {}
+    file = _annotation_file(suite) if where else None
     lines = []
     for r in records:
         if r["status"] in FAILURE + ERROR:
             title = _escape_property(f"ep-harness {r['check']}")
-            lines.append(f"::error title={title}::{_escape_data(str(r['status']) + ': ' + str(r.get('reason')))}")
+            place = f"file={_escape_property(file)},line={where[r['case']]}," if file and r.get("case") in where else ""
+            lines.append(f"::error {place}title={title}::{_escape_data(str(r['status']) + ': ' + str(r.get('reason')))}")
     return lines

@@ -9,36 +9,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import jinja2
-import pandas as pd
 
 from ep_harness.reports import plots
-from ep_harness.reports.analysis import FAILING, counts, pairs, verdict
+from ep_harness.reports.analysis import FAILING, OUTCOMES, counts, outcome, pairs, verdict, worst_first
 from ep_harness.reports.selftest import selftest_context
 from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
 
 FILTERS = (("family", "family"), ("subject", "subject"), ("property", "property"), ("dtype", "dtype"),
-           ("ws", "world size"), ("status", "status"))
+           ("ws", "world size"), ("outcome", "outcome"))
+# The words on the page for each outcome (ep_harness.reports.analysis.OUTCOMES), pytest's where it has them.
+OUTCOME_WORDS = {"failed": "FAILED", "xpass": "XPASS", "error": "ERROR", "interrupted": "INTERRUPTED",
+                 "vacuous": "vacuous", "xfail": "xfail", "held": "held", "skipped": "skipped"}
+OUTCOME_MEANING = {"failed": "expected to hold, did not (or the order model's prediction missed)",
+                   "xpass": "a control that should have shown the violation did not",
+                   "error": "the check did not complete", "interrupted": "the run stopped before it",
+                   "vacuous": "could not have failed: not a pass", "xfail": "a control that violated, as expected",
+                   "held": "held as expected", "skipped": "not run here"}
 ENVIRONMENT_KEYS = ("date", "command", "suite", "harness_version", "harness_commit", "host", "backend", "gpus",
                     "driver", "cuda", "nccl", "torch", "python", "os", "cpu")
+
+SHOWN_PAIRS = 8  # the rest of the control -> fix pairs behind one click
 
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
     autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=False,
 )
-
-
-def frame(records: list[dict]) -> pd.DataFrame:
-    rows = [{
-        "check": r["check"], "family": r["family"], "subject": r["subject"], "property": r["property"],
-        "dtype": str(r["params"].get("dtype", DASH)), "ws": str(r["params"].get("world_size", DASH)),
-        "status": r["status"], "expect": r["expect"], "mismatched": r.get("mismatched"),
-        "total": r.get("total"),
-    } for r in records]
-    df = pd.DataFrame(rows, columns=["check", "family", "subject", "property", "dtype", "ws", "status",
-                                     "expect", "mismatched", "total"])
-    for column in ("mismatched", "total"):  # a value that is not a number plots as missing
-        df[column] = pd.to_numeric(df[column], errors="coerce")
-    return df
 
 
 def _text(x) -> str:
@@ -73,7 +68,7 @@ def _rank_rows(env: dict) -> list[list[str]]:
 
 
 def _has_detail(r: dict) -> bool:
-    return r["status"] in FAILING or (r["expect"] == "violated" and bool(r.get("mismatched")))
+    return r["status"] in FAILING or (outcome(r) == "xfail" and bool(r.get("mismatched")))
 
 
 def _row(r: dict) -> dict:
@@ -81,7 +76,8 @@ def _row(r: dict) -> dict:
     reference = DASH if r.get("error_vs_reference") is None else \
         f"{fmt_float(r['error_vs_reference'])} (<= {fmt_float(tol.get('allowed'))})"
     seconds = r.get("seconds")
-    return {"status": _text(r["status"]), "check": _text(r["check"]), "family": _text(r["family"]),
+    o = outcome(r)
+    return {"status": _text(r["status"]), "outcome": o, "mark": OUTCOME_WORDS[o], "check": _text(r["check"]), "family": _text(r["family"]),
             "subject": _text(r["subject"]), "property": _text(r["property"]), "dtype": _text(p.get("dtype", DASH)),
             "ws": _text(p.get("world_size", DASH)), "expect": _text(r["expect"]), "linked": _has_detail(r),
             "count": fmt_count(r.get("mismatched"), r.get("total")), "predicted": fmt_int(r.get("predicted_mismatched")),
@@ -95,9 +91,7 @@ def _detail(r: dict) -> dict:
     mm = d.get("mismatch_map")
     mapping = None
     if mm:
-        mapping = {"rows": ", ".join(mm["rows"][:6]) + (", ..." if len(mm["rows"]) > 6 else ""),
-                   "columns": f"{mm['columns']:,}", "bins": mm["bins"], "png": plots.map_png(mm),
-                   "height": min(max(12, 640 * len(mm["rows"]) // max(mm["bins"], 1)), 320)}
+        mapping = {"columns": f"{mm['columns']:,}", "bins": mm["bins"], "png": plots.map_png(mm)}
     hist = d.get("ulp_histogram") or {}
     top = max(hist.values(), default=0) or 1
     texts = [(f"{key[:-1]} of rank {rank}", text) for key in ("tracebacks", "stacks")
@@ -105,44 +99,64 @@ def _detail(r: dict) -> dict:
     if d.get("log"):
         texts.append(("launcher log", d["log"]))
     first = [{**m, "index": str(tuple(m["index"]))} for m in (d.get("first_mismatches") or [])[:6]]
-    return {"check": r["check"], "status": r["status"], "open": r["status"] in FAILING,
+    o = outcome(r)
+    return {"check": r["check"], "status": r["status"], "outcome": o, "mark": OUTCOME_WORDS[o],
+            "open": r["status"] in FAILING,
             "reason": _text(r.get("reason")), "text": mismatch_text(r), "rerun": _text(r.get("rerun")),
             "inputs": ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items())), "map": mapping,
-            "histogram": [(k, f"{v:,}", int(200 * v / top)) for k, v in hist.items()], "first": first,
+            "histogram": [(k, f"{v:,}", int(200 * v / top)) for k, v in hist.items() if v], "first": first,
             "texts": texts}
+
+
+def _name(r: dict) -> str:
+    """A check as a pair names it: its case (unique in a suite) and its subject."""
+    return f"{r['case']} ({r['subject']})"
 
 
 def _fix(f: dict) -> str:
     """A fix's count with the evidence that its zero means something."""
-    text = f"{f['subject']}: {fmt_count(f['mismatched'], f['total'])}"
+    text = f"{_name(f)}: {fmt_count(f['mismatched'], f['total'])}"
     sensitive = (f.get("detail") or {}).get("order_sensitive")
     if sensitive is not None:
-        text += f" ({fmt_int(sensitive)} probe elements would change under reordering)"
+        text += f" ({fmt_int(sensitive)} order-sensitive probe elements)"
     return text
 
 
 def _pairs(records: list[dict]) -> list[dict]:
+    """Pairs whose fix failed first (worst outcome among its fixes), then plan order."""
+    ranked = sorted(pairs(records), key=lambda pair: min(OUTCOMES.index(outcome(f)) for f in pair[1]))
     return [{"property": control["property"], "dtype": _text(control["params"].get("dtype")),
              "world_size": _text(control["params"].get("world_size")),
-             "control": f"{control['subject']}: {fmt_count(control['mismatched'], control['total'])}",
-             "fixes": [_fix(f) for f in fixes]}
-            for control, fixes in pairs(records)]
+             "control": f"{_name(control)}: {fmt_count(control['mismatched'], control['total'])}",
+             "fixes": [{"text": _fix(f), "outcome": outcome(f), "mark": OUTCOME_WORDS[outcome(f)]} for f in fixes]}
+            for control, fixes in ranked]
+
+
+def _chips(records: list[dict]) -> list[dict]:
+    """The banner: one chip per outcome, coloured only where its count is not zero."""
+    n = {o: 0 for o in OUTCOMES}
+    for r in records:
+        n[outcome(r)] += 1
+    return [{"outcome": o, "n": n[o], "word": OUTCOME_WORDS[o], "meaning": OUTCOME_MEANING[o]} for o in OUTCOMES
+            if n[o] or o in ("failed", "error", "vacuous", "held", "xfail")]
 
 
 def render_page(run, changes: list[dict] | None = None, against: str | None = None, trends: dict | None = None) -> str:
     records, env = run.records, run.environment
-    df = frame(records)
-    filters = [(key, label, sorted(df[key].dropna().unique()) if key in df else []) for key, label in FILTERS]
+    rows = [_row(r) for r in worst_first(records)]
+    filters = [(key, label, sorted({r[key] for r in rows})) for key, label in FILTERS]
     context = {
         "run_id": run.run_id, "verdict": verdict(records, changes), "counts": counts(records),
         "topology": _text((env.get("topology") or {}).get("describe")), "command": _text(env.get("command")),
         "node_differences": [_text(line) for line in env.get("node_differences") or []],
-        "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records,
-        "summary_png": plots.summary_figure(df) if records else None, "pairs": _pairs(records),
+        "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records, "chips": _chips(records),
+        "summary_png": plots.summary_figure(records) if records else None, "pairs": _pairs(records), "shown_pairs": SHOWN_PAIRS,
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,
-        "rows": [_row(r) for r in records], "costs": any(cost_text(r) for r in records), "details": [_detail(r) for r in records if _has_detail(r)],
-        "failures": [{"status": r["status"], "check": _text(r["check"]), "reason": _text(r.get("reason"))}
-                     for r in records if r["status"] in (*FAILING, "interrupted")],
+        "rows": rows, "costs": any(cost_text(r) for r in records),
+        "details": [_detail(r) for r in worst_first(records) if _has_detail(r)],
+        "failures": [{"status": r["status"], "mark": OUTCOME_WORDS[outcome(r)], "outcome": outcome(r),
+                      "check": _text(r["check"]), "reason": _text(r.get("reason"))}
+                     for r in worst_first(records) if r["status"] in (*FAILING, "interrupted")],
         "selftest": selftest_context(run.path),  # only an `ep-harness selftest` run has one
     }
     return _TEMPLATES.get_template("report.html.j2").render(context)

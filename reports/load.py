@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_harness.errors import HarnessError
-from ep_harness.records import REQUIRED
+from ep_harness.records import REQUIRED, numbered_jsonl
 
 
 @dataclass
@@ -28,16 +28,7 @@ def load_run(path: Path) -> Run:
     if not results.exists():
         raise HarnessError(f"{results} not found; pass a run directory written by `ep-harness verify`")
     records = []
-    for lineno, line in enumerate(results.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HarnessError(f"{results}:{lineno}: invalid JSON ({exc.msg}); the file is truncated or "
-                               f"corrupted, rerun `ep-harness verify`") from None
-        if not isinstance(rec, dict):
-            raise HarnessError(f"{results}:{lineno}: a record must be a JSON object")
+    for lineno, rec in numbered_jsonl(results, "the file is truncated or corrupted, rerun `ep-harness verify`"):
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise HarnessError(f"{results}:{lineno}: record lacks {', '.join(missing)}; "
@@ -48,6 +39,10 @@ def load_run(path: Path) -> Run:
     if env_path.exists():
         try:
             environment = json.loads(env_path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise HarnessError(f"{env_path}: not UTF-8 text; rerun `ep-harness verify`") from None
         except json.JSONDecodeError as exc:
             raise HarnessError(f"{env_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(environment, dict):
+            raise HarnessError(f"{env_path}: not a JSON object; rerun `ep-harness verify`")
     return Run(path=path, records=records, environment=environment)

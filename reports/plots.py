@@ -10,7 +10,11 @@ matplotlib.use("Agg")
 import matplotlib.image  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-CONTROL, FIX = "#c0392b", "#2e86c1"
+# One colour per outcome (ep_harness.reports.analysis.OUTCOMES), the same in the plot and on the page.
+COLOURS = {"failed": "#c0392b", "xpass": "#c0392b", "error": "#7b241c", "interrupted": "#7b241c",
+           "vacuous": "#d4ac0d", "xfail": "#95a5a6", "held": "#2e86c1", "skipped": "#d5d8dc"}
+WORDS = {"failed": "FAILED", "xpass": "XPASS (control did not violate)", "error": "ERROR",
+         "vacuous": "vacuous (could not fail)", "xfail": "control, violated as expected", "held": "held"}
 
 
 def _png(fig: Figure) -> str:
@@ -19,36 +23,85 @@ def _png(fig: Figure) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def summary_figure(frame) -> str | None:
-    """Mismatch percentage per subject and invariance property (controls red, fixes blue); a
-    property compared with a reference counts errors, not differences, and is left out."""
+def summary_bars(records: list[dict]) -> list[dict]:
+    """One bar per case and invariance property (case names are unique in a suite, so no two
+    bars share a label): the worst outcome among its grid points and, of the points with that
+    outcome, the largest percentage; worst outcomes first. A property compared with a
+    reference counts errors, not differences, and is left out."""
     from ep_harness.properties import needs_reference
+    from ep_harness.reports.analysis import OUTCOMES, outcome
 
-    measured = frame[frame["mismatched"].notna() & ~frame["property"].map(needs_reference).astype(bool)]
-    if measured.empty:
+    groups: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    for r in records:
+        m, t = r.get("mismatched"), r.get("total")
+        if not (isinstance(m, (int, float)) and isinstance(t, (int, float))) or needs_reference(r["property"]):
+            continue
+        groups.setdefault((r["case"], r["property"]), []).append((outcome(r), 100.0 * m / max(t, 1)))
+    bars = []
+    for (case, prop), points in groups.items():
+        worst = min((o for o, _ in points), key=OUTCOMES.index)
+        bars.append({"label": f"{case}  {prop}", "outcome": worst, "pct": max(p for o, p in points if o == worst)})
+    return sorted(bars, key=lambda b: OUTCOMES.index(b["outcome"]))  # stable: plan order within an outcome
+
+
+def summary_figure(records: list[dict]) -> str | None:
+    """Mismatch percentage per case and property, coloured by outcome; a failure is marked
+    in words beside its bar, so a 0.2 % failure is as visible as a 30 % control."""
+    bars = summary_bars(records)
+    if not bars:
         return None
-    grouped = (measured.assign(pct=100.0 * measured["mismatched"] / measured["total"].clip(lower=1))
-               .groupby(["subject", "property", "expect"], sort=True)["pct"].max().reset_index())
-    labels = [f"{s}  {p}" for s, p in zip(grouped["subject"], grouped["property"])]
-    fig = Figure(figsize=(7.5, 0.28 * len(labels) + 1.0))
+    pcts = [b["pct"] for b in bars]
+    top = max(5.0, max(pcts) * 1.3)
+    fig = Figure(figsize=(8.5, 0.26 * len(bars) + 1.3))
     ax = fig.add_subplot()
-    colors = [CONTROL if e == "violated" else FIX for e in grouped["expect"]]
-    bars = ax.barh(range(len(labels)), grouped["pct"], color=colors)
-    ax.bar_label(bars, labels=[f"{v:.1f}%" for v in grouped["pct"]], fontsize=7, padding=2)
-    ax.set_xlim(0, max(5.0, float(grouped["pct"].max()) * 1.15))
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    drawn = ax.barh(range(len(bars)), pcts, color=[COLOURS[b["outcome"]] for b in bars])
+    failing = ("failed", "xpass", "error")
+    ax.bar_label(drawn, labels=[f"{b['pct']:.1f}%" + (f"  <- {WORDS[b['outcome']]}" if b["outcome"] in failing else "")
+                                for b in bars], fontsize=7, padding=2)
+    for i, b in enumerate(bars):  # a failure's row is shaded across the plot, whatever its bar's length
+        if b["outcome"] in failing:
+            ax.axhspan(i - 0.5, i + 0.5, color=COLOURS["failed"], alpha=0.12, linewidth=0)
+    ax.set_xlim(0, top)
+    ax.set_yticks(range(len(bars)), [b["label"] for b in bars], fontsize=7.5)
+    for tick, b in zip(ax.get_yticklabels(), bars):
+        if b["outcome"] in failing:
+            tick.set_color(COLOURS["failed"])
+            tick.set_fontweight("bold")
     ax.invert_yaxis()
     ax.set_xlabel("elements whose bits differ (%, worst grid point)")
-    ax.set_title("controls (red) must differ; fixes (blue) must be 0", fontsize=9)
+    shown = [o for o in ("failed", "xpass", "error", "vacuous", "xfail", "held") if any(b["outcome"] == o for b in bars)]
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLOURS[o], label=WORDS[o] + (": must be 0" if o == "held" else "")) for o in shown],
+              fontsize=7, loc="upper right")
+    ax.set_title("failures first; held must be 0; controls must differ", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
 
 
 def map_png(mismatch_map: dict) -> str:
-    """Rows x bins fraction of differing elements, as a tiny image scaled up by CSS."""
-    buf = io.BytesIO()
-    matplotlib.image.imsave(buf, mismatch_map["fraction"], cmap="Reds", vmin=0.0, vmax=1.0, format="png")
-    return base64.b64encode(buf.getvalue()).decode()
+    """Rows (the compared copies) x column bins, the fraction of elements that differ: the
+    scale ends at the largest fraction, so a 5 % difference is as dark as a 100 % one would
+    be, and each cell is labelled when there are few."""
+    fraction = mismatch_map["fraction"]
+    rows, bins = len(fraction), len(fraction[0]) if fraction else 0
+    peak = max((v for row in fraction for v in row), default=0.0) or 1.0
+    fig = Figure(figsize=(7.0, min(0.3 * rows + 1.0, 5.0)))
+    ax = fig.add_subplot()
+    image = ax.imshow(fraction, cmap="Reds", vmin=0.0, vmax=peak, aspect="auto", interpolation="nearest")
+    labels = [str(x) for x in mismatch_map["rows"]][:rows]
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    width = -(-int(mismatch_map["columns"]) // max(bins, 1))
+    ticks = list(range(0, bins, max(1, bins // 8)))
+    ax.set_xticks(ticks, [f"{t * width:,}" for t in ticks], fontsize=7)
+    ax.set_xlabel(f"element index (bins of {width:,} elements)", fontsize=8)
+    if rows * bins <= 64:
+        for i, row in enumerate(fraction):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{100 * v:.0f}%", ha="center", va="center", fontsize=6,
+                        color="white" if v > 0.6 * peak else "black")
+    fig.colorbar(image, ax=ax, label="fraction of elements that differ", fraction=0.03, pad=0.02)
+    return _png(fig)
 
 
 def trend_figure(history, value: str, title: str) -> str | None:

@@ -5,13 +5,16 @@ from pathlib import Path
 
 from ep_harness.records import write_atomic
 from ep_harness.reports import terminal, trends
-from ep_harness.reports.analysis import compare_runs
+from ep_harness.reports.analysis import compare_runs, verdict
 from ep_harness.reports.html import render_page
 from ep_harness.reports.load import load_run
 
 
 def render_run(run_dir: Path, against: Path | None = None, out: Path | None = None, quiet: bool = False,
-               history: Path | None = None, show_skipped: bool = False, rows: bool = True) -> int:
+               history: Path | None = None, show_skipped: bool = False, rows: bool = True,
+               failed_run_fails: bool = False) -> int:
+    """1 on a regression against `against`, and (failed_run_fails: `ep-harness report`) for a
+    run that failed or was interrupted; else 0."""
     run = load_run(run_dir)
     changes = None
     if against is not None:
@@ -24,4 +27,6 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     write_atomic(Path(target), page)
     if not quiet:
         print(f"# report: {target}")
-    return 1 if any(c["kind"] == "regression" for c in changes or ()) else 0
+    if any(c["kind"] == "regression" for c in changes or ()):
+        return 1
+    return 1 if failed_run_fails and verdict(run.records).startswith(("FAILED", "INTERRUPTED")) else 0

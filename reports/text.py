@@ -6,6 +6,14 @@ NONFINITE_WORDS = {"nan": "NaN where the reference is finite", "+inf": "+Inf whe
                    "-inf": "-Inf where the reference is finite",
                    "reference_nonfinite": "finite where the reference is NaN or Inf",
                    "other_nonfinite": "another NaN or Inf than the reference's (-Inf for +Inf, NaN for Inf)"}
+def nonfinite_words(key: str, property_name) -> str:
+    """NONFINITE_WORDS for a record: an invariance check compares with its first copy, not a reference."""
+    from ep_harness.properties import PROPERTIES
+
+    words, prop = NONFINITE_WORDS.get(key, key), PROPERTIES.get(property_name)
+    return words if prop is None or prop.needs_reference else words.replace("the reference", "the first copy")
+
+
 BIT_ONLY_WORDS = {"signed_zero": "+0.0 vs -0.0", "nan_payload": "NaN vs NaN with another payload"}
 
 
@@ -69,7 +77,7 @@ def mismatch_text(rec: dict) -> str:
         lines.append(f"Greatest ULP distance: {rec['max_ulp']}{where}")
     nonfinite = rec.get("nonfinite")
     if isinstance(nonfinite, dict) and nonfinite:
-        lines.append("Non-finite: " + ", ".join(f"{NONFINITE_WORDS.get(k, k)}: {fmt_int(n)}" for k, n in nonfinite.items()))
+        lines.append("Non-finite: " + ", ".join(f"{nonfinite_words(k, rec.get('property'))}: {fmt_int(n)}" for k, n in nonfinite.items()))
     bit_only = detail.get("bit_only")
     if isinstance(bit_only, dict) and bit_only:
         lines.append("Compared as bit patterns, so these count although they compare equal as values: "

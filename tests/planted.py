@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ep_harness.subject import register
 from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
-from ep_harness.subjects.collective.common import fold_in_order, offsets
+from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from ep_harness.subjects.moe.composed import ComposedMoE
 
@@ -245,7 +245,7 @@ class ReverseFold(AllGatherFold):
     def reduce_scatter(self, out, inp, sizes, group):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        all_gather_single(gathered, inp.contiguous(), group=group)
         start = offsets(sizes)[rank]
         out.copy_(fold_in_order(gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]], range(world_size)))
 
@@ -280,3 +280,34 @@ class ScrubbingFold(AllGatherFold):
     def reduce_scatter(self, out, inp, sizes, group):
         super().reduce_scatter(out, inp, sizes, group)
         out.copy_(torch.nan_to_num(out))
+
+
+RARE_ONE_IN = 50
+
+
+def rare_corruption(call: int, world: int) -> tuple[bool, int, float]:
+    """The planted defect's draw for call `call` (the same on every rank): whether it fires
+    (1 in RARE_ONE_IN), on which rank, and where among that rank's rows (a fraction)."""
+    import random
+
+    r = random.Random(f"planted rare corruption, call {call}")
+    return r.random() < 1.0 / RARE_ONE_IN, r.randrange(world), r.random()
+
+
+@register
+class RareCorruption(TorchAllToAllDispatcher):
+    """The torch dispatcher whose combine, on about 1 call in 50 and on one rank, returns one
+    token's row with its first element flipped in sign (DeepEP #700: one wrong row on a few
+    percent of calls). Its calls are counted per instance, so a launch runs one check of it."""
+
+    name = "planted_rare_corruption"
+    summary = "combine that corrupts one row on about 1 call in 50"
+    calls = 0
+
+    def combine(self, expert_out, handle, topk_weights, group):
+        out = super().combine(expert_out, handle, topk_weights, group)
+        call, self.calls = self.calls, self.calls + 1
+        fires, rank, where = rare_corruption(call, dist.get_world_size(group))
+        if fires and rank == dist.get_rank(group) and out.shape[0]:
+            out[int(where * out.shape[0]), 0] = -out[int(where * out.shape[0]), 0] - 1  # never equal to itself
+        return out

@@ -114,7 +114,7 @@ def test_pinned_env_never_enables_multicast():
 
 
 def test_emulated_hosts_are_a_topology_of_their_own(tmp_path):
-    emulated = Platform(backend="nccl", device="cuda", ranks=8, gpu_name="NVIDIA H200", gpus=1, emulated_hosts=True)
+    emulated = Platform(backend="nccl", device="cuda", ranks=8, gpu_name="NVIDIA H200", gpus=1, emulation="hosts")
     assert (emulated.topology.kind, emulated.topology.ranks, emulated.topology.gpus) == ("emulated-hosts", 8, 1)
     assert "not an NVLink node" in emulated.topology.describe()
     assert GPU4.topology.kind == "gpus" and CPU4.topology.kind == "cpu-gloo"

@@ -16,7 +16,7 @@ from tests.test_reports import record
 
 def test_junit_and_summary_from_a_real_run(smoke_run):
     proc, run_dir = smoke_run
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
     suite = ET.parse(run_dir.parent / "junit.xml").getroot().find("testsuite")
     cases = suite.findall("testcase")

@@ -57,6 +57,7 @@ FOLD_PLUGIN = '''
 import torch.distributed as dist
 
 from ep_harness.subject import register
+from ep_harness.subjects.collective.common import all_gather_single
 
 
 @register
@@ -72,7 +73,7 @@ class DemoFold:
     def reduce_scatter(self, out, inp, sizes, group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = inp.new_empty((world * inp.shape[0], *inp.shape[1:]))
-        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        all_gather_single(gathered, inp.contiguous(), group=group)
         start = sum(sizes[:rank])
         mine = gathered.view(world, *inp.shape)[:, start:start + sizes[rank]]
         acc = mine[0].clone()
@@ -210,8 +211,13 @@ def test_no_parser_abbreviates_options_and_an_unknown_one_gets_a_suggestion():
         assert isinstance(p, Parser) and p.allow_abbrev is False, p.prog
     proc = harness("verify", "--suit", "smoke")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "ep-harness verify: error: unrecognized arguments: --suit smoke (did you mean '--suite'?)")
+    assert proc.stderr.strip().splitlines() == [  # one line, not the usage before it
+        "ep-harness verify: error: unrecognized arguments: --suit smoke (did you mean '--suite'?) "
+        "(see ep-harness verify --help)"] and proc.stdout == ""
+    proc = harness("verfy", "--suite", "smoke")  # a mistyped subcommand: one line, the closest one named
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "ep-harness: error: unknown command 'verfy' (did you mean 'verify'?); choose from verify, report, gate, "
+        "baseline, nightly, explore, selftest, doctor, list (see ep-harness --help)"]
     # positive control: the full option parses
     args = parser.parse_args(["verify", "--suite", "smoke", "-q"])
     assert args.suite == "smoke" and args.quiet
@@ -338,7 +344,7 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(quiet_run):
     assert "\x1b[31munexpected\x1b[0m" in coloured and "\x1b[32mok" in coloured and "\x1b[31mFAILED\x1b[0m" in coloured
     assert "\x1b[" not in _on_a_terminal(args, env | {"NO_COLOR": "1"})
     piped = harness("report", *args[1:])
-    assert piped.returncode == 0 and "unexpected" in piped.stdout and "\x1b[" not in piped.stdout
+    assert piped.returncode == 1 and "unexpected" in piped.stdout and "\x1b[" not in piped.stdout  # a FAILED run
 
 
 def test_the_no_gpu_error_speaks_in_cli_options():
@@ -346,7 +352,7 @@ def test_the_no_gpu_error_speaks_in_cli_options():
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "--gpus 4 but this machine has 0 visible GPUs" in line and "use --gpus 0 (the CPU)" in line
-    assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate-hosts" in line
+    assert "GPUS=" not in line and "EMULATE_HOSTS" not in line and "--emulate hosts" in line
 
 
 def test_expect_model_without_an_order_model_is_refused_at_planning(tmp_path):

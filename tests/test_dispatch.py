@@ -96,6 +96,7 @@ def test_explore_finds_and_shrinks_the_planted_combine(tmp_path):
             "--store", str(store)]
     proc = run_cli(*args)
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [p.name.split("-")[0] for p in (tmp_path / "explore").iterdir()] == ["planted_arrival_order_combine"]
     example = json.loads(store.read_text().splitlines()[0])["example"]
     assert example["property"] == "rank-invariance"
     assert example["params"]["tokens"] * 4 <= 4  # one token per rank: at most 4 in the system
@@ -136,7 +137,7 @@ def test_deepep_v1_predicts_its_combine_exactly(one_rank, fake):
 def test_deepep_skips_say_why(fake):
     from ep_harness.subject import Platform
 
-    gpu = Platform("nccl", "cuda", 8, gpus=1, emulated_hosts=True)
+    gpu = Platform("nccl", "cuda", 8, gpus=1, emulation="hosts")
     assert deepep.DeepEPLowLatency().unavailable(gpu, DispatchParams(world_size=4)).startswith(
         "DeepEP's low-latency mode needs NVSHMEM with IBGDA and one GPU per rank; this run has 4 ranks on 1 GPU")
     assert "take 2, 4 or 8 ranks" in deepep.DeepEPNormal().unavailable(gpu, DispatchParams(world_size=3, hidden=256))
@@ -169,3 +170,55 @@ def test_deepep_combine_model_adds_holders_in_ascending_rank_order():
     y = torch.tensor([[2.0 ** 24], [1.0], [-2.0 ** 24]], dtype=torch.bfloat16)
     w = torch.ones(3)
     assert combined_token(y, w, torch.tensor([0, 4, 1]), 4).item() == 1.0  # rank 0: 2^24 - 2^24, then + 1
+
+
+def test_deepep_v2_wiring_follows_its_source_api(one_rank, fake):
+    """As SGLang calls it (deep_ep/buffers/elastic.py at dd758ca): deterministic buffer, one
+    reduction, expand mode with a CPU sync and int64 top-k ids, and no weights to combine
+    (expand mode with allow_multiple_reduction=False takes none); the fake stands for the GPU."""
+    m = run_check(deepep.DeepEPElastic(), "reference", one_rank)
+    assert m.held and m.total > 0, m  # rows matched to their sources through recv_src_metadata
+    calls = dict(fake)
+    assert calls["ElasticBuffer"]["explicitly_destroy"] is True and calls["ElasticBuffer"]["num_topk"] == 4
+    assert calls["ElasticBuffer.dispatch"]["do_cpu_sync"] is True
+    assert calls["ElasticBuffer.dispatch"]["topk_idx_dtype"] == torch.int64
+    assert calls["ElasticBuffer.combine"]["topk_weights"] is None
+    info = m.detail["subject_info"]["elastic_options"]
+    assert info["deterministic"] and not info["allow_multiple_reduction"] and info["num_sms"] == 4
+    assert any("combine_reduce_epilogue_impl<" in k for k in m.kernels)
+
+
+def test_deepep_v2_predicts_its_combine_exactly(one_rank, fake):
+    m = run_check(deepep.DeepEPElastic(), "position-invariance", one_rank)
+    assert m.order_model_exact and m.predicted_mismatched == m.mismatched == 0
+    assert m.sensitivity > 0
+
+
+def test_deepep_v2_combine_model_reduces_once_in_slot_order():
+    """Read from combine_reduce_epilogue.cuh / combine_utils.cuh: valid slots in ascending
+    order, float32 from +0.0, one rounding; at most two slots and no bias: one bf16 add.
+    Constructed so that each rule shows: (2^24 + 1) - 2^24 in float32 is 0, in the other
+    order 1; per-rank pre-reduction (v1) would give another answer."""
+    from ep_harness.reference.deepep import combined_token, expand_combined_token, expand_reduce
+
+    bf = lambda *v: torch.tensor([[x] for x in v], dtype=torch.bfloat16)  # noqa: E731
+    rows = bf(2.0 ** 24, 1.0, -(2.0 ** 24))
+    assert expand_reduce(rows, [True, True, True]).item() == 0.0  # slot order: 2^24 + 1 rounds back
+    assert expand_reduce(bf(2.0 ** 24, -(2.0 ** 24), 1.0), [True, True, True]).item() == 1.0
+    assert expand_reduce(rows, [True, False, True]).item() == 0.0  # an empty slot is skipped
+    # the bf16 bypass: -0 + -0 stays -0 with two slots; one slot adds +0.0, so -0 becomes +0
+    assert expand_reduce(bf(-0.0, -0.0), [True, True]).view(torch.int16).item() == torch.tensor(
+        -0.0, dtype=torch.bfloat16).view(torch.int16).item()
+    assert expand_reduce(bf(-0.0, 5.0), [True, False]).view(torch.int16).item() == 0
+    # bias first, then slots: bias 2^24, rows 1 and -2^24 -> 0 (slots first would give 1)
+    assert expand_reduce(bf(1.0, -(2.0 ** 24)), [True, True], (bf(2.0 ** 24)[0],)).item() == 0.0
+    # experts 0 and 2 on rank 0, expert 4 on rank 1 (4 per rank): v1 pre-reduces rank 0's pair
+    y, w, experts = bf(2.0 ** 24, 1.0, -(2.0 ** 24)), torch.ones(3), torch.tensor([0, 4, 2])
+    assert expand_combined_token(y, w, experts).item() == 0.0
+    assert combined_token(y, w, experts, 4).item() == 1.0  # v1: (2^24 - 2^24) on rank 0, then + 1
+    # weights are applied per row, float32 product, one bf16 rounding each: 0.75 * 257 (bf16 256)
+    # = 192, exact; 0.3 * 3 = 0.9 rounds to bf16 0.8984375 before the sum
+    w3 = torch.tensor([0.75, 0.3, 0.5])
+    y3 = bf(257.0, 3.0, 1.0)
+    want = torch.tensor(192.0 + torch.tensor(0.3 * 3, dtype=torch.bfloat16).item() + 0.5).to(torch.bfloat16)
+    assert expand_combined_token(y3, w3, torch.tensor([1, 2, 3])).item() == want.item() == 193.0

@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 PINNED_DEEPGEMM = " ".join(f"'{r}'" for r in EXTRAS["deepgemm"])  # the extra's pins, each quoted for the shell
-COMPONENTS = ["python", "ep-harness", "torch", "gloo", "gpus", "emulation", "deepgemm", "deepep", "triton",
+COMPONENTS = ["python", "ep-harness", "torch", "gloo", "cpu", "gpus", "emulation", "deepgemm", "deepep", "triton",
               "chromium"]
 
 
@@ -53,7 +53,7 @@ def test_a_torch_that_does_not_import_fails_the_doctor(tmp_path):
     assert by_component["torch"] == ("FAIL  torch       does not import (ImportError: planted: no torch): nothing can "
                                      "run; fix: pip install torch")
     assert lines[-1].startswith("# FAILED: the CPU default cannot run here")
-    assert list(by_component) == [c for c in COMPONENTS if c not in ("gloo", "gpus")]  # the rest still reported
+    assert list(by_component) == [c for c in COMPONENTS if c not in ("gloo", "cpu", "gpus")]  # the rest still reported
 
 
 def test_deepgemm_and_deepep_versions_and_an_abi_mismatch(tmp_path):
@@ -91,3 +91,21 @@ def test_gpu_and_emulation_lines_when_gpus_are_there():
     assert doctor.emulation_finding(1, False).detail.startswith("emulated hosts impossible (torch has no NCCL backend)")
     cpu_build = doctor.gpu_finding(fake_torch, None, 0)
     assert cpu_build.status == "skip" and "download.pytorch.org/whl/cu" in cpu_build.fix
+
+
+def test_the_cpu_line_names_the_model_isa_threads_and_what_it_means_for_gemms(tmp_path):
+    from ep_harness.run_environment import cpu_fingerprint
+
+    _, _, by_component = run_doctor(tmp_path)
+    here = cpu_fingerprint()
+    line = by_component["cpu"]
+    assert line.startswith(f"ok    cpu         {here['model']}; ISA {' '.join(here['isa'])}"), line
+    assert "every rank runs on 1 thread(s), pinned (--threads N)" in line
+    assert "reports torch.mm's and torch._grouped_mm's batch and position invariance as measured" in line
+    amx = doctor.cpu_finding({"model": "Intel(R) Xeon(R) Platinum 8480+", "isa": ["avx2", "avx512_bf16", "amx_bf16"],
+                              "torch_capability": "AVX512", "onednn_max_cpu_isa": None}).line()
+    assert "Intel(R) Xeon(R) Platinum 8480+; ISA avx2 avx512_bf16 amx_bf16 (torch dispatch AVX512)" in amx
+    assert "runs on AMX here" in amx and "batch-variant on one thread" in amx
+    capped = doctor.cpu_finding({"model": "m", "isa": ["amx_bf16"], "torch_capability": "AVX512",
+                                 "onednn_max_cpu_isa": "AVX512_CORE"}).line()
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in capped

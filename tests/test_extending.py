@@ -1,4 +1,4 @@
-"""The README's "Adding a family" and "Adding a property", followed to the letter: a toy family
+"""docs/extending.md's "Families" and "Properties", followed to the letter: a toy family
 and a toy property, each written as a module of one's own under a temporary directory,
 registered as documented, and checked on the CPU through `ep-harness verify`.
 
@@ -12,119 +12,13 @@ import textwrap
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
+from tests.doc_blocks import doc_block
 
-# Step 1 of "Adding a family": the module, with its parameters, its subjects' contract,
-# runs, observe, measure and FAMILY; step 2, the registry line, `register(FAMILY)` at its end
-# (a plugin module), followed by its subjects.
-TOY_FAMILY = '''
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
-
-from ep_harness import families
-from ep_harness.compare import compare_bitwise
-from ep_harness.families.driver import Copy, Family, Run, kept
-from ep_harness.measurement import Measurement
-from ep_harness.params import CommonParams
-from ep_harness.subject import Subject, register
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToyParams(CommonParams):
-    cols: int = 64
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 3, 8])
-
-    def validate(self, subject):
-        return None if self.cols >= 2 else f"cols = {self.cols}: a sum needs two columns"
-
-
-class ToySubject(Subject, Protocol):
-    def row_sums(self, x):
-        """x [rows, cols] float32 -> [rows]: every row summed."""
-
-
-def runs(prop, p, world_size):
-    # batch-invariance: the probe is row 0 of batches of every size; spec = (rows, probe row)
-    return [Run(f"batch {n}", (Copy(("batch", n)),), (n, 0)) for n in p.batch_sizes]
-
-
-def observe(subject, ctx, p, prop, runs):
-    seen = []
-    for run in runs:
-        n, at = run.spec
-        x = torch.randn(n, p.cols, generator=torch.Generator().manual_seed(p.seed + 1 + n))
-        x[at] = torch.randn(p.cols, generator=torch.Generator().manual_seed(p.seed))  # the probe
-        seen.append(kept(subject.row_sums(x.to(ctx.device))[at]))
-    return seen
-
-
-def measure(check, subject, ctx, p, runs, gathered):
-    copies = torch.stack(gathered[0]).unsqueeze(1)  # rank 0's probe sum per run
-    return Measurement.bitwise(compare_bitwise(copies, copies[0], [r.label for r in runs]))
-
-
-FAMILY = Family("toy", ("batch-invariance",), ToyParams, runs, observe, measure, protocol=ToySubject)
-families.register(FAMILY)
-
-
-def in_order(x):
-    out = x[:, 0].clone()
-    for c in range(1, x.shape[1]):
-        out += x[:, c]
-    return out
-
-
-@register
-class InOrder:
-    name, family, summary = "toy_in_order", "toy", "every row summed left to right"
-
-    def unavailable(self, platform, params):
-        return None
-
-    def row_sums(self, x):
-        return in_order(x)
-
-
-@register
-class ParityOrder:
-    name, family, summary = "toy_parity_order", "toy", "rows summed backwards where row + batch size is odd"
-
-    def unavailable(self, platform, params):
-        return None
-
-    def row_sums(self, x):
-        odd = (torch.arange(x.shape[0]) + x.shape[0]) % 2 == 1
-        return torch.where(odd, in_order(x.flip(1)), in_order(x))
-'''
-
-# "Adding a property": register the Property, list its name in the family's properties, and
-# teach the family's runs what to run for it (its measure compares runs as they come).
-TOY_PROPERTY = '''
-from dataclasses import replace
-
-from ep_harness import families, properties
-from ep_harness.families.driver import Copy, Run
-from ep_harness.properties import Property
-
-import toy_family
-
-properties.register(Property("reversal-invariance", "placement", must_catch={"ulp"}))
-
-
-def runs(prop, p, world_size):
-    if prop == "reversal-invariance":  # the probe first, then last, in the largest batch
-        n = max(p.batch_sizes)
-        return [Run("first row", (Copy(("row", 0)),), (n, 0)), Run("last row", (Copy(("row", n - 1)),), (n, n - 1))]
-    return toy_family.runs(prop, p, world_size)
-
-
-families.register(replace(toy_family.FAMILY, properties=(*toy_family.FAMILY.properties, "reversal-invariance"),
-                          runs=runs))
-'''
+# The family and the property exactly as docs/extending.md shows them: its code blocks marked
+# `<!-- test: toy_family.py -->` and `<!-- test: toy_property.py -->`.
+TOY_FAMILY = doc_block(REPO / "docs" / "extending.md", "toy_family.py")
+TOY_PROPERTY = doc_block(REPO / "docs" / "extending.md", "toy_property.py")
 
 
 def case(name, subject, prop, expect, **params):

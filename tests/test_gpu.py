@@ -47,7 +47,7 @@ def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
     try:
         import deep_gemm  # noqa: F401
     except ImportError as exc:
-        pytest.skip(f"deep_gemm is not importable ({exc}); install the deepgemm extra (README, GPU set-up)")
+        pytest.skip(f"deep_gemm is not importable ({exc}); install the deepgemm extra (docs/gpu.md)")
     proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "--suite", "tests/cases/gpu_fallback.toml",
                            "--gpus", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           timeout=600)

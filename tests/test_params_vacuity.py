@@ -145,6 +145,8 @@ def test_every_committed_suite_compares_runs_that_differ():
     expected.add("nightly:moe-deepgemm/rank-invariance/world_size=1")
     planted = load_suite(REPO / "tests" / "cases" / "planted.toml")  # degenerate-*: vacuous by construction
     expected |= {f"planted:{c.id}" for c in expand(planted, GPU8) if c.id.startswith("degenerate-")}
+    layout = load_suite(REPO / "tests" / "cases" / "layout.toml")  # one-size: one size, and one size twice
+    expected |= {f"layout:{c.id}" for c in expand(layout, GPU8) if c.id.startswith("one-size/")}
     assert vacuous == expected
 
 

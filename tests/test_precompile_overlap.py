@@ -94,7 +94,7 @@ def test_the_checks_needing_kernels_run_after_the_compile_and_the_others_during_
     # The others ran while the compile ran; the check needing it only after the marker.
     assert first_call["first-other"] < first_call["second-other"] < marker["time"] < first_call[NEEDS]
     assert rows(out) == ["first-other", "second-other", NEEDS]  # streamed as they finished
-    assert "# launching 3 checks on 2 gloo rank(s); the 1 needing the DeepGEMM kernels last, once they are " \
+    assert "# launching 3 checks on 2 gloo ranks; the 1 needing the DeepGEMM kernels last, once they are " \
            "compiled\n" in out
     records = streamed(run_dir)
     assert [r["case"] for r in records] == PLAN  # results.jsonl rewritten in plan order
@@ -120,7 +120,7 @@ def test_without_a_compile_nothing_is_reordered_and_nothing_waits(tmp_path, monk
     until(lambda: ended, 30)
     assert first_call[NEEDS] < ended[0][1]  # ran before the "compile" ended: the assertion above fails
     assert rows(out) == PLAN
-    assert "# launching 3 checks on 2 gloo rank(s)\n" in out
+    assert "# launching 3 checks on 2 gloo ranks\n" in out
     assert [r["case"] for r in streamed(run_dir)] == PLAN
     assert not (run_dir / precompile.MARKER).exists()
     assert json.loads((run_dir / "environment.json").read_text())["timing"]["precompile_wait_s"] == 0

@@ -99,7 +99,7 @@ def test_credentials_are_redacted_by_pattern_wherever_env_is_recorded(tmp_path):
     [check] = expand(load_suite(suite), Platform(backend="gloo", device="cpu", ranks=4))
     record = base_record(check, "r1", "rerun")
     assert record["launch_env"] == {"NCCL_IB_PASSWD": "<redacted>", "NCCL_X_CREDENTIAL": "<redacted>",
-                                    "NCCL_ALGO": "ring"}
+                                    "NCCL_ALGO": "ring", "OMP_NUM_THREADS": "1"}
     assert check.env["NCCL_IB_PASSWD"] == "hunter2"  # the launch itself still gets the value
     # ... and in the command line environment.json keeps
     assert redacted_command(["ep-harness", "verify", "--run-secret", "s3cr3t", "--run-secret=s3cr3t"]) == [

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ep_harness.errors import HarnessError
-from ep_harness.reports.analysis import compare_runs
+from ep_harness.reports.analysis import compare_runs, outcome
 from ep_harness.reports.load import load_run
 from ep_harness.reports.render import render_run
 from tests.conftest import run_cli
@@ -131,7 +131,7 @@ def test_report_in_headless_chromium(smoke_run, tmp_path):
         plots = page.locator("img.plot")
         assert plots.count() >= 1
         maps = page.locator("img.map")
-        assert maps.count() == sum(1 for r in records if r["expect"] == "violated" and r.get("mismatched"))
+        assert maps.count() == sum(1 for r in records if outcome(r) == "xfail" and r.get("mismatched"))
         page.locator("details:has(img.map) > summary").first.click()  # controls start collapsed
         for img in [plots.first, maps.first]:
             img.scroll_into_view_if_needed()
@@ -140,7 +140,7 @@ def test_report_in_headless_chromium(smoke_run, tmp_path):
             box = img.bounding_box()
             assert box["width"] > 100 and box["height"] > 5
         page.locator("#all-checks > summary").click()  # the full table starts collapsed
-        page.select_option("select[name=status]", "vacuous")  # the filters work
+        page.select_option("select[name=outcome]", "vacuous")  # the filters work
         assert page.locator("#summary tbody tr:visible").count() == sum(r["status"] == "vacuous" for r in records)
         b.close()
     assert problems == []
@@ -180,7 +180,7 @@ def test_the_first_screen_answers_the_reviewer(tmp_path):
         assert on_first_screen("#regressions") and on_first_screen("td.regression")
         assert "c03" in page.inner_text("#regressions + table")
         assert on_first_screen("#pairs") and on_first_screen("#pairs + table tr:nth-child(2)")  # its first pair
-        assert "825 probe elements would change under reordering" in page.inner_text("#pairs + table")
+        assert "825 order-sensitive probe elements" in page.inner_text("#pairs + table")
         assert not page.locator("#environment table").first.is_visible()  # below, collapsed
     finally:
         b.close()

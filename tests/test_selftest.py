@@ -29,7 +29,8 @@ def record(prop="batch-invariance", family="collective", status="ok", expect="ho
 
 def test_every_property_of_every_wrapped_family_has_a_row():
     assert set(WRAPPERS) == set(WRAPPED_FAMILIES) == set(FAMILY_PROPERTIES)
-    missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props if p not in MUST_CATCH}
+    missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props
+               if p not in MUST_CATCH and (f, p) not in expectations.NOT_TARGETED}  # those say why
     assert not missing
 
 

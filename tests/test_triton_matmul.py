@@ -1,8 +1,9 @@
 """The batch-invariant Triton matmul: its configuration rule and subject on any machine, and
 its index logic in float32 under Triton's interpreter (skipped where triton is absent).
 
-The interpreter is no bit oracle for bf16 (DESIGN.md: it computes bf16 arithmetic and bf16
-`tl.dot` wrongly), so it runs float32 only, in a child process: `TRITON_INTERPRET` is read
+The interpreter is no bit oracle for bf16 (it computes bf16 arithmetic and bf16 `tl.dot`
+wrongly and rounds fp32 -> bf16 by truncation), so it runs float32 only, in a child process:
+`TRITON_INTERPRET` is read
 when a kernel is decorated, i.e. when ep_harness.kernels.bi_matmul is first imported, and this
 test process may already have imported it (every subject registers on import).
 """

@@ -19,7 +19,7 @@ def measured(mismatched, total, predicted=None, exact=False, vacuous=None, **kw)
 def test_model_expectation_follows_an_exact_prediction():
     model = SimpleNamespace(expect="model")
     assert decide(model, measured(3236, 16384, 3236, True)) == (
-        "ok", "violated as the order model predicts: 3,236 / 16,384 differ, predicted 3,236")
+        "ok", "violated as the order model predicts: 3,236 / 16,384 differ: 3,236 in value, predicted 3,236")
     assert decide(model, measured(0, 8192, 0, True))[0] == "ok"
     # A miss is a failure, and so is an expectation that no exact model backs.
     assert decide(model, measured(0, 8192, 12, True))[0] == "unexpected"

@@ -85,7 +85,8 @@ def test_faulty_ranks_become_error_records(tmp_path):
     (["--suite", "tests/cases/does-not-exist.toml"], "not found"),
     (["--gpus", "4"], "--gpus 4 but this machine has 0 visible GPUs"),
     (["--suite", "smoke", "--check", "no/such/check"], "matches no check"),
-    (["--gpus", "4", "--emulate-hosts"], "--emulate-hosts runs NCCL ranks on a GPU, but no GPU"),
+    (["--gpus", "4", "--emulate-hosts"], "--emulate hosts runs NCCL ranks on a GPU, but no GPU"),
+    (["--gpus", "4", "--emulate", "single-node"], "--emulate single-node runs NCCL ranks on a GPU, but no GPU"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     proc = run_cli("verify", *args, "--out", str(tmp_path))
@@ -157,7 +158,7 @@ def test_a_record_alone_reruns_its_check_bit_for_bit(smoke_run, tmp_path):
     control = find(records(run_dir), "rs-native", "batch-invariance", "float16", 3)
     proc = run_cli("verify", "--from-record", str(run_dir / "results.jsonl"), "--check", control["check"],
                    "--gpus", "0", "--no-report", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [again] = records(tmp_path / "latest")
     for key in ("status", "held", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "params"):
         assert again[key] == control[key], key

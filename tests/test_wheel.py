@@ -14,9 +14,11 @@ import zipfile
 import pytest
 
 from tests.conftest import REPO
+from tests.doc_blocks import doc_block
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 USER_PACKAGES = ("harness", "reference", "reports")
+HEAD = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
 # A user's test: its own packages are the ones it imports, and the ep-harness plugin (loaded
 # from the wheel) runs ranks for it. The packages refuse to load unless this test asks for them.
 USER_TEST = '''
@@ -104,10 +106,20 @@ def test_the_wheel_in_a_venv_verifies_and_runs_pytest_from_a_project_with_its_ow
     module = subprocess.run([str(python), "-m", "ep_harness", "list"], cwd=work, capture_output=True, text=True,
                             timeout=300, env=env)
     assert module.returncode == 0 and "\n  smoke " in module.stdout, module.stdout + module.stderr
+    # the wheel names the commit it was built from (setup.py baked it in; no .git in the venv)
+    version = subprocess.run([exe, "--version"], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    assert len(HEAD) == 40 and version.stdout.startswith(f"ep-harness {VERSION} ({HEAD}"), version.stdout
     # pytest in the user's project: the plugin loads from the wheel, the user's packages stay theirs
     tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_mine.py"], cwd=work,
                            capture_output=True, text=True, timeout=600, env=env)
     assert tests.returncode == 0 and "2 passed" in tests.stdout, tests.stdout[-3000:] + tests.stderr[-3000:]
+    # the README's pytest example, as written, against the wheel: its helpers import from
+    # ep_harness.testing, one test passes and the other fails with the mismatch text
+    (work / "test_readme.py").write_text(doc_block(REPO / "README.md", "test_my_reduce_scatter.py"))
+    readme = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_readme.py"], cwd=work,
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert readme.returncode == 1 and "1 failed, 1 passed" in readme.stdout, readme.stdout[-3000:] + readme.stderr
+    assert "Mismatched elements: " in readme.stdout, readme.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +127,16 @@ def wheel(tmp_path_factory):
     """Built from a copy of the sources: setuptools reuses a checkout's build/lib, so a wheel
     built in a checkout that built one before could carry files of an older layout."""
     out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "ep-harness"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "out"))
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", ".pytest_cache", ".hypothesis",
+                                                                "build", "*.egg-info", "__pycache__", "out"))
+    # The copy is built as the checkout it came from: git reads the checkout's repository with
+    # the copy as its work tree, so setup.py bakes the checkout's commit (and whether tracked
+    # files differ from it) into the wheel, as a build in the clone itself would.
+    git_dir = subprocess.run(["git", "rev-parse", "--absolute-git-dir"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(source)], check=True, timeout=600)
+                    str(source)], check=True, timeout=600,
+                   env={**_no_harness_env(), "GIT_DIR": git_dir, "GIT_WORK_TREE": str(source)})
     [built] = out.glob("ep_harness-*.whl")
     return built
 
@@ -128,6 +147,18 @@ def test_the_wheel_holds_one_import_package_and_its_metadata(wheel):
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "ep-harness = ep_harness.cli:main" in text and "ep_harness = ep_harness.pytest_plugin" in text, text
+
+
+def test_the_testing_extra_brings_pytest_for_the_helpers(wheel):
+    [metadata] = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA")]
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "Provides-Extra: testing" in text and 'Requires-Dist: pytest>=8; extra == "testing"' in text, text[:2000]
+    assert "ep_harness/testing.py" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_the_wheel_names_the_commit_it_was_built_from(wheel):
+    baked = zipfile.ZipFile(wheel).read("ep_harness/_commit.py").decode()
+    assert len(HEAD) == 40 and f"COMMIT = '{HEAD}" in baked, baked
 
 
 def test_the_wheel_carries_every_package_and_the_suites_as_package_data(wheel):
@@ -178,8 +209,8 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     pins = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepgemm"]
     assert "fix: pip install " + " ".join(f"'{r}'" for r in pins) in doctor.stdout, doctor.stdout
-    version = harness("--version")
-    assert version.stdout.startswith(f"ep-harness {VERSION} (commit unknown"), version.stdout
+    version = harness("--version")  # no .git here: the commit baked into the wheel
+    assert version.stdout.startswith(f"ep-harness {VERSION} ({HEAD}"), version.stdout
     run = harness("verify", "--suite", "smoke", "--check", "rs-native/rank-invariance/dtype=bfloat16/world_size=3",
                   "--gpus", "0", "--out", "runs", "--no-report")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -187,10 +218,10 @@ def test_a_target_install_finds_its_suites_from_a_directory_with_its_own_cases(w
     assert record["status"] == "ok" and record["harness_version"] == VERSION, record
     # a built-in suite is named in the rerun command: it resolves in any install, a path may not
     assert record["rerun"] == ("ep-harness verify --suite smoke --check "
-                               "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0"), record["rerun"]
+                               "rs-native/rank-invariance/dtype=bfloat16/world_size=3 --gpus 0 --threads 1"), record["rerun"]
     env_json = json.loads((work / "runs" / "latest" / "environment.json").read_text())
     assert env_json["suite"] == str(target / "ep_harness" / "suites" / "smoke.toml")
-    assert env_json["harness_commit"] is None and env_json["harness_version"] == VERSION
+    assert env_json["harness_commit"].startswith(HEAD) and env_json["harness_version"] == VERSION
     # the working directory's cases/ is read when the user names a file in it, and only then
     named = harness("list", "--suite", "cases/config.toml")
     assert named.returncode == 2 and "malformed TOML" in named.stderr, named.stderr

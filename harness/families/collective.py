@@ -19,6 +19,8 @@ the probe. The compared copies of the probe are gathered from the ranks that own
   split holds a copy. Each copy records the channel and tree (or ring chunk) it went
   through, from NCCL's log; on gloo, its ring chunk.
 * reference: every output element against the float64 sum, within the summation bound.
+* tp-size-invariance: one logical tensor's reduction at world sizes 1, 2, 4 (8)
+  (harness/families/collective_layout.py).
 
 As in SGLang's test, the first copy is counted in `total` (it always matches itself).
 """
@@ -35,7 +37,9 @@ from ep_harness import properties
 from ep_harness.bits import int_view, unit_roundoff
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
-from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.families import collective_layout
+from ep_harness.families import layout as layout_size
+from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
@@ -50,7 +54,7 @@ from ep_harness.reference.collectives import shard_offsets
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
-    "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance",
+    "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance", "tp-size-invariance",
 )
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
 
 def _layout_runs(prop: str, p: CollectiveParams, world_size: int) -> list[Run]:
     """The layouts as driver runs; graph-invariance runs each layout eager, then in a graph."""
+    if prop in layout_size.LAYOUT_PROPERTIES:  # world sizes, not placements within one
+        return layout_size.runs(prop, p, world_size)
     base = layouts(prop, p, world_size)
     graph = p.mode == "graph" or prop == "graph-invariance"
     plan = [(layout, graph and prop != "graph-invariance") for layout in base]
@@ -157,31 +163,32 @@ class RankSeen(NamedTuple):
 
     copies: list[dict[int, torch.Tensor]]  # per run: {copy index: probe row} of the copies it owns
     outputs: list[torch.Tensor]  # reference: its whole output
-    mutated: bool  # whether the subject modified its input
     calls: list[list]  # per run: the NCCL calls it logged
 
 
 def _observe(subject, ctx: RankContext, p: CollectiveParams, prop: str, runs: list[Run]) -> RankSeen:
-    """On every rank: the probe copies it owns per run, its outputs for the reference, whether
-    the subject modified its input, the NCCL calls it logged per run."""
+    """On every rank: the probe copies it owns per run, its outputs for the reference, the
+    NCCL calls it logged per run (the driver's subject_call checks that the input is left
+    alone and the output written)."""
+    if prop in layout_size.LAYOUT_PROPERTIES:
+        return collective_layout.observe(subject, ctx, p, prop, runs)
     dtype = gen.dtype_of(p.dtype)
-    copies, outputs, mutated, calls = [], [], False, []
+    copies, outputs, calls = [], [], []
     for run in runs:
         layout, in_graph = run.spec
         inp = rank_input(p, dtype, ctx.rank, layout).to(ctx.device)
-        pristine = inp.clone()
         out = inp.new_empty((layout.sizes[ctx.rank], inp.shape[1]))
 
         def call(o, i):
             subject.reduce_scatter(o, i, list(layout.sizes), ctx.group)
 
         mark = ctx.nccl_mark()
-        if in_graph:
-            replay_in_graph(call, out, inp)
-        else:
-            call(out, inp)
+        with subject_call({"inp": inp}, [(out, None)]):
+            if in_graph:
+                replay_in_graph(call, out, inp)
+            else:
+                call(out, inp)
         calls.append(ctx.nccl_calls_since(mark))
-        mutated |= not torch.equal(inp.view(torch.uint8), pristine.view(torch.uint8))
         mine = {}
         for copy, row in enumerate(layout.probes):
             dest, local = layout.owner(row)
@@ -190,7 +197,7 @@ def _observe(subject, ctx: RankContext, p: CollectiveParams, prop: str, runs: li
         copies.append(mine)
         if prop == "reference":
             outputs.append(kept(out))
-    return RankSeen(copies, outputs, mutated, calls)
+    return RankSeen(copies, outputs, calls)
 
 
 def _labels(layout: Layout) -> list[str]:
@@ -224,14 +231,13 @@ def _nccl_record(ctx: RankContext, m: Measurement, calls: list[list], p: Collect
 
 def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[Run], gathered) -> Measurement:
     world_size, prop = ctx.world_size, check.property
+    if prop in layout_size.LAYOUT_PROPERTIES:
+        return collective_layout.measure(check, subject, ctx, p, runs, gathered)
     dtype = gen.dtype_of(p.dtype)
     layouts_ = [r.spec[0] for r in runs]
     calls = gathered[0].calls  # rank 0 reads its own NCCL log
-    mutated_ranks = [r for r, g in enumerate(gathered) if g.mutated]
-    extra = f"subject modified its input on ranks {mutated_ranks}" if mutated_ranks else None
     if prop == "reference":
         m = _measure_reference(p, dtype, layouts_[0], [g.outputs[0] for g in gathered], world_size)
-        m.extra_failure = extra
         _nccl_record(ctx, m, calls, p)
         return m
 
@@ -242,8 +248,7 @@ def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[R
             observed.append(gathered[owner].copies[i][copy])
         labels += _labels(layout)
     observed = torch.stack(observed)
-    m = Measurement.bitwise(compare_bitwise(observed, _expected(prop, observed, layouts_), labels),
-                            extra_failure=extra)
+    m = Measurement.bitwise(compare_bitwise(observed, _expected(prop, observed, layouts_), labels))
 
     # The prediction comes from the inputs alone: every rank's input is regenerated here.
     model = order_model_of(subject, ctx.backend)  # optional: None measures without predicting
@@ -260,6 +265,7 @@ def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[R
     probe = torch.stack([
         gen.values((p.hidden,), dtype, p.seed, "probe", r, data=p.data) for r in range(world_size)
     ])
+    require_finite(m, observed, probe.double().sum(0))
     m.sensitivity = int(orders.order_sensitive(probe).sum())
     m.sensitivity_what = (f"of {p.hidden:,} probe elements change bits under any reordering of "
                           f"{world_size} contributions" + (" (a + b == b + a)" if world_size == 2 else ""))

@@ -11,6 +11,13 @@ together, but a small term added between them is rounded away, so the order show
   reference quantization, values and scales.
 * combine-reference: combined output vs the float64 weighted sum, within tolerances.
 * batch-, position-, rank-, others-invariance, run-to-run: the probe's combined bits.
+* corruption-rate: `calls` calls at each of `call_tokens` tokens per rank, fresh inputs each
+  call, every received row and every combined row checked bit for bit against its exact
+  expectation on the rank that holds it; the record says how many calls of n had a wrong
+  row, a 95 % upper bound on the per-call rate, and which calls, ranks and rows were hit.
+  Its inputs make every correct combine exact whatever its order or grouping (small
+  integers, experts +-1, weights 2^-1..2^-3: every partial sum is a bf16 value), so one
+  expectation fits every dispatcher.
 """
 from __future__ import annotations
 
@@ -22,23 +29,26 @@ import torch
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.contracts import DispatchConfig, Received, resolve_wire_dtype
-from ep_harness.families.driver import Family, kept
+from ep_harness.families.driver import Family, kept, require_finite, subject_call
+from ep_harness import inputs as gen
+from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.moe_scenario import placement_runs, placements, probe_copies, rank_tokens
+from ep_harness.moe_scenario import expert_choice, placement_runs, placements, probe_copies, rank_tokens
 from ep_harness.params import DispatchParams
 from ep_harness.subject import DispatchSubject
 from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant
 
 PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
-              "rank-invariance", "others-invariance")
+              "rank-invariance", "others-invariance", "corruption-rate")
 def expert_scale(e: int) -> float:
     """+-1 for experts 0, 1; +-2^8 for 2, 3; +-2^16 for 4, 5; and so on, repeating."""
     return (-1.0) ** e * 2.0 ** (8 * ((e // 2) % 3))
 
 
-def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
-    """Exact experts on the received layout -> bf16 outputs in the same layout."""
+def run_experts(received: Received, rank: int, per_rank: int, scale_of=expert_scale) -> torch.Tensor:
+    """Exact experts on the received layout -> bf16 outputs in the same layout; expert e
+    multiplies by scale_of(e), a power of two."""
     rows = received.rows()
     if received.scale is not None:
         x = rows.float() * received.scale.reshape(-1, received.scale.shape[-1]).repeat_interleave(128, dim=1)
@@ -51,7 +61,7 @@ def run_experts(received: Received, rank: int, per_rank: int) -> torch.Tensor:
             local[e * max_m:e * max_m + c] = e
     else:
         local = received.grouped_layout.long()
-    scales = torch.tensor([expert_scale(rank * per_rank + e) for e in range(per_rank)] + [0.0],
+    scales = torch.tensor([scale_of(rank * per_rank + e) for e in range(per_rank)] + [0.0],
                           device=rows.device)
     y = x * scales[local].unsqueeze(1)  # padding rows (local = -1) pick the trailing 0
     return y.to(torch.bfloat16).view(*received.x.shape)
@@ -65,19 +75,27 @@ class RankSeen(NamedTuple):
     received: list  # reference: its ReceivedRows (or, from a dispatcher that names no sources, how many rows)
 
 
-def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list) -> RankSeen:
+def _config(p: DispatchParams) -> DispatchConfig:
+    return DispatchConfig.of(p, expert_quant=p.expert_quant, wire=resolve_wire_dtype(p.expert_quant, p.wire),
+                             ue8m0=p.ue8m0, tokens_max=max(p.tokens, *p.batch_sizes, *p.call_tokens))
+
+
+def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list):
     """On every rank: its probe copies per run, its combined outputs (combine-reference) and
-    the rows it received (reference)."""
-    cfg = DispatchConfig.of(p, expert_quant=p.expert_quant, wire=resolve_wire_dtype(p.expert_quant, p.wire),
-                            ue8m0=p.ue8m0, tokens_max=max(p.tokens, *p.batch_sizes))
+    the rows it received (reference); corruption-rate: what its calls got wrong."""
+    if prop == "corruption-rate":
+        return _observe_calls(subject, ctx, p, runs)
+    cfg = _config(p)
     per_rank = p.num_experts // ctx.world_size
     copies, mine_dispatch, outputs = [], [], []
     for run in runs:
         x, idx, w = rank_tokens(p, run.spec, ctx.rank)
         x, idx, w = x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device)
-        received = subject.dispatch(x, idx, w, cfg, ctx.group)
+        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w}):
+            received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
-        out = subject.combine(y, received, w, ctx.group)
+        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w, "expert_out": y}):
+            out = subject.combine(y, received, w, ctx.group)
         copies.append({i: kept(out[pos]) for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "combine-reference":
             outputs.append(kept(out))
@@ -91,6 +109,8 @@ def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list
 
 def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, gathered) -> Measurement:
     prop, world = check.property, ctx.world_size
+    if prop == "corruption-rate":
+        return _measure_calls(p, runs, gathered, world)
     if prop == "reference":
         wire = resolve_wire_dtype(p.expert_quant, p.wire)
         return _measure_dispatch(p, wire, runs[0].spec, [g.received[0] for g in gathered], world)
@@ -99,6 +119,7 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
                                 getattr(subject, "rounds_partials", False))
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    require_finite(m, observed, _probe_combined(p, runs[0].spec, world))
     m.sensitivity = order_sensitive(p)
     m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
     model = getattr(subject, "combine_model", None)
@@ -239,6 +260,13 @@ def _measure_combine(p: DispatchParams, run, outputs, world: int, rounds_partial
     return Measurement.within(got, exact, bound, rule)
 
 
+def _probe_combined(p: DispatchParams, run, world: int) -> torch.Tensor:
+    """The probe's float64 combined output [H] (its first copy in `run`)."""
+    rank, pos = run.probes[0]
+    y, w = _combine_inputs(p, run, world)[rank]
+    return (y[pos] * w[pos].unsqueeze(-1)).sum(0)
+
+
 def order_sensitive(p: DispatchParams) -> int:
     """Probe elements whose bf16 combine result changes under some order of its k terms."""
     run = placements("position-invariance", p, 1)[0]
@@ -254,6 +282,184 @@ def order_sensitive(p: DispatchParams) -> int:
         first = bits if first is None else first
         sensitive |= bits != first
     return int(sensitive.sum())
+
+
+# --- corruption-rate ---------------------------------------------------------------------
+
+CALL_MAGNITUDE = 7  # |x| <= 7, and every 128-wide group holds a +-7: its FP8 scale is 7/448 = 2^-6, exact
+BF16_INTEGERS = 256  # bf16 holds every integer up to 2^8 exactly
+
+
+def call_expert_scale(e: int) -> float:
+    """corruption-rate's experts: +-1, alternating (every product exact)."""
+    return (-1.0) ** e
+
+
+def call_weights(k: int) -> torch.Tensor:
+    """Slot j's weight 2^-(1 + j mod 3): powers of two, so weighted terms stay exact."""
+    return torch.tensor([2.0 ** -(1 + j % 3) for j in range(k)], dtype=torch.float32)
+
+
+def exact_calls_possible(p: DispatchParams) -> str | None:
+    """Why corruption-rate's inputs could not make every combine order exact, or None: the
+    weighted sum counts in steps of 1/8 and must stay within bf16's integers."""
+    steps = CALL_MAGNITUDE * 8 * float(call_weights(p.topk).sum())
+    if steps > BF16_INTEGERS:
+        return (f"topk = {p.topk}: the weighted sums of corruption-rate's exact inputs ({steps:.0f} steps of 1/8) "
+                f"exceed bf16's exact integers ({BF16_INTEGERS}); use topk <= 15")
+    return None
+
+
+def call_tokens(p: DispatchParams, tokens: int, call: int, rank: int, world: int):
+    """(x [T, H] bf16 small integers, topk_idx [T, k], weights [T, k]) of one rank in one call."""
+    g = gen.generator(p.seed, "corruption", tokens, call, rank)
+    x = torch.randint(-CALL_MAGNITUDE, CALL_MAGNITUDE + 1, (tokens, p.hidden), generator=g).float()
+    signs = torch.randint(0, 2, (tokens, (p.hidden + 127) // 128), generator=g).float() * 2 - 1
+    x[:, ::128] = CALL_MAGNITUDE * signs  # each group's amax: 7
+    idx = expert_choice(g, tokens, p.topk, p.num_experts, "uniform", world)
+    w = call_weights(p.topk).expand(tokens, -1).contiguous()
+    return x.to(torch.bfloat16), idx, w
+
+
+def _expected_combined(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The exact combined rows: sum_j w_j * c_{e_j} * x, float64 (exact), one bf16 rounding.
+    A zero is +0.0: every combine's sum starts at +0.0, and an exact cancellation rounds to +0.0."""
+    c = torch.tensor([call_expert_scale(int(e)) for e in idx.flatten()], dtype=torch.float64).view(idx.shape)
+    return (x.double() * (w.double() * c).sum(1, keepdim=True) + 0.0).to(torch.bfloat16)
+
+
+def _key_codes(keys: torch.Tensor, world: int, tokens: int, k: int) -> torch.Tensor:
+    """(expert, src rank, token, slot) rows [N, 4] as one int64 each, ordered as the tuples."""
+    return ((keys[:, 0] * world + keys[:, 1]) * tokens + keys[:, 2]) * k + keys[:, 3]
+
+
+def _expected_received(p: DispatchParams, tokens: int, call: int, rank: int, world: int, wire: str):
+    """What `rank` must receive in one call: key codes (sorted), rows and scales (None on BF16)."""
+    per_rank = p.num_experts // world
+    keys, rows, scales = [], [], []
+    for src in range(world):
+        x, idx, _ = call_tokens(p, tokens, call, src, world)
+        t, slot = (idx // per_rank == rank).nonzero(as_tuple=True)
+        keys.append(torch.stack([idx[t, slot], torch.full_like(t, src), t, slot], dim=1))
+        q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p.ue8m0) if wire == "fp8" else (x, None)
+        rows.append(q[t])
+        scales.append(None if s is None else s[t])
+    codes = _key_codes(torch.cat(keys), world, tokens, p.topk)
+    order = codes.argsort()
+    return codes[order], torch.cat(rows)[order], None if wire != "fp8" else torch.cat(scales)[order]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+class Hit(NamedTuple):
+    """One wrong row: where, in which call, and how many of its elements."""
+
+    tokens: int
+    call: int
+    rank: int
+    stage: str  # "dispatch" (a received row) or "combine" (a combined token)
+    row: str
+    elements: int
+
+
+class CallsSeen(NamedTuple):
+    """What one rank's calls got wrong, gathered to rank 0 (only the wrong rows travel)."""
+
+    hits: list
+    compared: int  # elements compared on this rank
+    dispatch_unchecked: str | None  # why its received rows could not be matched to what was sent
+
+
+def _check_dispatch(p, received, tokens, call, rank, world, wire) -> tuple[list[Hit], int]:
+    got = _received_rows(received, rank, p.num_experts // world)
+    want_codes, want_rows, want_scales = _expected_received(p, tokens, call, rank, world, wire)
+    keys = torch.tensor(got.keys, dtype=torch.int64).view(-1, 4)
+    codes = _key_codes(keys, world, tokens, p.topk)
+    order = codes.argsort()
+    codes, keys = codes[order], keys[order]
+    rows = got.rows[order]
+    rows = rows.view(torch.float8_e4m3fn) if rows.dtype == torch.uint8 else rows
+
+    def label(key):
+        return f"expert {key[0]} from rank {key[1]} token {key[2]} slot {key[3]}"
+
+    if not torch.equal(codes, want_codes):  # rows lost, misrouted or delivered twice: each a hit
+        hits = [Hit(tokens, call, rank, "dispatch", label(k) + " (never sent here)", p.hidden)
+                for k in keys[~torch.isin(codes, want_codes)].tolist()]
+        lost = want_codes[~torch.isin(want_codes, codes)]
+        hits += [Hit(tokens, call, rank, "dispatch", f"key {int(c)} (lost)", p.hidden) for c in lost.tolist()]
+        dup = int(len(codes) - len(torch.unique(codes)))
+        hits += [Hit(tokens, call, rank, "dispatch", "a row delivered twice", p.hidden)] * dup
+        return hits or [Hit(tokens, call, rank, "dispatch", "received keys differ", p.hidden)], 0
+    bad = (_bits(rows) != _bits(want_rows)).sum(1)
+    compared = want_rows.numel()
+    if want_scales is not None:
+        bad = bad + (_bits(got.scales[order]) != _bits(want_scales)).sum(1)
+        compared += want_scales.numel()
+    return [Hit(tokens, call, rank, "dispatch", label(keys[i].tolist()), int(bad[i]))
+            for i in bad.nonzero().flatten().tolist()], compared
+
+
+def _observe_calls(subject, ctx: RankContext, p: DispatchParams, runs: list) -> CallsSeen:
+    """Every call on this rank, each checked here against its exact expectation."""
+    if reason := exact_calls_possible(p):
+        raise ValueError(reason)
+    cfg, wire = _config(p), resolve_wire_dtype(p.expert_quant, p.wire)
+    world, rank, per_rank = ctx.world_size, ctx.rank, p.num_experts // ctx.world_size
+    hits, compared, unchecked = [], 0, None
+    for run in runs:
+        tokens = run.spec.tokens[rank]
+        for call in range(p.calls):
+            x, idx, w = call_tokens(p, tokens, call, rank, world)
+            received = subject.dispatch(x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device), cfg, ctx.group)
+            if unchecked is None:
+                try:
+                    found, n = _check_dispatch(p, received, tokens, call, rank, world, wire)
+                    hits += found
+                    compared += n
+                except SourcesUnknown as exc:
+                    unchecked = (f"{exc.args[0]} received rows without their source: dispatch unchecked, "
+                                 f"combine checked")
+            y = run_experts(received, rank, per_rank, call_expert_scale)
+            out = kept(subject.combine(y, received, w.to(ctx.device), ctx.group))
+            want = _expected_combined(x, idx, w)
+            if out.shape != want.shape:
+                hits.append(Hit(tokens, call, rank, "combine", f"output shape {tuple(out.shape)}, "
+                                                               f"expected {tuple(want.shape)}", want.numel()))
+                continue
+            bad = (_bits(out) != _bits(want)).sum(1)
+            compared += want.numel()
+            hits += [Hit(tokens, call, rank, "combine", f"token {t}", int(bad[t])) for t in bad.nonzero().flatten().tolist()]
+    return CallsSeen(hits, compared, unchecked)
+
+
+HITS_LISTED = 20
+
+
+def _measure_calls(p: DispatchParams, runs: list, gathered: list, world: int) -> Measurement:
+    """k of n calls with a wrong row (on any rank, in dispatch or combine), the bound on the
+    per-call rate, and where the hits were."""
+    hits = sorted((h for seen in gathered for h in seen.hits), key=lambda h: (h.tokens, h.call, h.rank, h.stage))
+    per_tokens = {}
+    for run in runs:
+        tokens = run.spec.tokens[0]
+        bad = {h.call for h in hits if h.tokens == tokens}
+        per_tokens[str(tokens)] = rates.rate_summary(len(bad), p.calls)
+    corrupted = {(h.tokens, h.call) for h in hits}
+    summary = rates.rate_summary(len(corrupted), p.calls * len(runs))
+    ranks_hit = {}
+    for h in hits:
+        ranks_hit[str(h.rank)] = ranks_hit.get(str(h.rank), 0) + 1
+    m = Measurement(comparison="bitwise", mismatched=sum(h.elements for h in hits),
+                    total=sum(seen.compared for seen in gathered), held=not hits)
+    m.detail["corruption"] = {**summary, "per_tokens": per_tokens, "ranks_hit": ranks_hit,
+                              "rows_hit": len(hits), "hits": [h._asdict() for h in hits[:HITS_LISTED]],
+                              "dispatch_unchecked": sorted({s.dispatch_unchecked for s in gathered
+                                                            if s.dispatch_unchecked}) or None}
+    m.rows_differing, m.rows = len(corrupted), p.calls * len(runs)
+    return m
 
 
 FAMILY = Family("dispatch", PROPERTIES, DispatchParams, placement_runs, _observe, _measure,

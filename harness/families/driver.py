@@ -17,7 +17,8 @@ A family (harness/families/<name>.py) supplies only what is its own, as a `Famil
   `sensitivity` set to how many probe elements some reordering would change.
 
 Vacuity, decided here for every family and property from the property's comparison
-(harness/properties.py; a check that could not fail is `vacuous`, never `ok`):
+(harness/properties.py; a check that could not fail is `vacuous`, never `ok`, and a check
+that measured a difference is never `vacuous`: the rules estimate, the count is measured):
 
 * none for a property compared with a reference (its every element is compared);
 * fewer than two compared copies, or one run of a property that repeats runs
@@ -32,12 +33,17 @@ Vacuity, decided here for every family and property from the property's comparis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import contextvars
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ep_harness import kernel_trace, properties
+from ep_harness.bits import int_view
+from ep_harness.compare import nonfinite_counts
 from ep_harness.context import RankContext
 from ep_harness.measurement import Measurement
 
@@ -85,6 +91,125 @@ def kept(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+# What a harness-owned output buffer holds before each call: a quiet NaN whose payload no
+# kernel makes (a computed NaN carries the default payload or an input's; the inputs never
+# hold this one), so an element still holding it after the call was never written.
+SENTINEL_BITS = {torch.float64: 0x7FFCA5A5A5A5A5A5, torch.float32: 0x7FE5A5A5, torch.bfloat16: 0x7FE5,
+                 torch.float16: 0x7E5A}
+SENTINEL_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+                torch.float16: torch.int16}
+
+
+@dataclass
+class CallLog:
+    """What the subject's calls of one check did on this rank beside their results: the
+    inputs whose bits changed (by name) and how many output elements were never written."""
+
+    modified: list[str] = field(default_factory=list)
+    unwritten: int = 0
+    outputs: int = 0  # output elements the calls had to write
+
+
+_LOG: contextvars.ContextVar[CallLog | None] = contextvars.ContextVar("ep_harness_call_log", default=None)
+
+
+def named_tensors(obj, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in an input: nested dicts, lists, tuples and dataclasses, each by path."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from named_tensors(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from named_tensors(v, f"{name}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from named_tensors(getattr(obj, f.name), f"{name}.{f.name}" if name else f.name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return int_view(t.reshape(-1)) if t.dtype != torch.bool else t.reshape(-1)
+
+
+def fill_sentinel(out: torch.Tensor) -> None:
+    """Fill a harness-owned output with SENTINEL_BITS (floating outputs of 16 bits or more:
+    FP8 and integer dtypes have no NaN payload to spare, and no value of theirs is one no
+    kernel produces)."""
+    if out.dtype not in SENTINEL_BITS:
+        raise ValueError(f"no sentinel for a {out.dtype} output buffer; known: {', '.join(map(str, SENTINEL_BITS))}")
+    out.view(SENTINEL_INT[out.dtype]).fill_(SENTINEL_BITS[out.dtype])
+
+
+def still_sentinel(out: torch.Tensor) -> torch.Tensor:
+    """Where `out` still holds the sentinel."""
+    return out.view(SENTINEL_INT[out.dtype]) == SENTINEL_BITS[out.dtype]
+
+
+@contextmanager
+def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = ()):
+    """One call of the subject, watched: `outputs` (harness-owned buffers, each with the mask
+    of elements the call must write, None for all) are filled with the sentinel before it,
+    and afterwards every tensor in `inputs` (by name: the call's operands, weights, routing)
+    is compared bit for bit with a copy taken before it. What was found goes to the check's
+    CallLog (driver.execute gathers it from every rank); outside a check, nowhere."""
+    log = _LOG.get() or CallLog()
+    before = [(name, t.clone()) for name, t in named_tensors(inputs)]
+    for out, _ in outputs:
+        fill_sentinel(out)
+    yield
+    after = dict(named_tensors(inputs))
+    for name, copy in before:
+        now = after.get(name)
+        if (now is None or now.shape != copy.shape or not torch.equal(_bits(now), _bits(copy))) \
+                and name not in log.modified:
+            log.modified.append(name)
+    for out, valid in outputs:
+        left = still_sentinel(out)
+        if valid is None:
+            log.unwritten, log.outputs = log.unwritten + int(left.sum()), log.outputs + out.numel()
+            continue
+        valid = valid.to(out.device)
+        log.unwritten += int((left & valid).sum())
+        log.outputs += int(valid.sum())
+        out.masked_fill_(left & ~valid, 0)  # padding no call must write: zeros, as the buffer was made
+
+
+def judge_calls(m: Measurement, logs: list[CallLog]) -> None:
+    """Every rank's CallLog into the measurement: an output element never written makes the
+    check an error (nothing the subject computed was measured there), a modified input a
+    failure beside the count (as every family's subject must leave its inputs alone)."""
+    unwritten = sum(log.unwritten for log in logs)
+    if unwritten:
+        where = [r for r, log in enumerate(logs) if log.unwritten]
+        m.error = (f"{unwritten:,} of {sum(log.outputs for log in logs):,} output elements were never written "
+                   f"(on ranks {where} they still hold the NaN the harness filled the output with before each call)")
+    names = list(dict.fromkeys(n for log in logs for n in log.modified))
+    if names:
+        ranks = [r for r, log in enumerate(logs) if log.modified]
+        add_failure(m, f"subject modified its input{'s' if len(names) > 1 else ''} {', '.join(names[:8])}"
+                       f"{' ...' if len(names) > 8 else ''} on ranks {ranks}")
+
+
+def add_failure(m: Measurement, text: str) -> None:
+    m.held = False
+    m.extra_failure = f"{m.extra_failure}; {text}" if m.extra_failure else text
+
+
+def require_finite(m: Measurement, observed: torch.Tensor, reference: torch.Tensor) -> None:
+    """Compared copies that agree with each other still fail where they are NaN or Inf and
+    the probe's float64 (or exact) reference `reference` ([N], or [R, N] as `observed`) is
+    finite: identical NaNs are bit-equal, and torch's deterministic fill leaves NaN in any
+    output a subject allocated and never wrote."""
+    counts = nonfinite_counts(observed, reference.to(observed.device).expand(observed.shape))
+    bad = {k: counts.get(k, 0) for k in ("nan", "+inf", "-inf")}
+    if sum(bad.values()):
+        names = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
+        kinds = ", ".join(f"{n:,} {names[k]}" for k, n in bad.items() if n)
+        add_failure(m, f"{sum(bad.values()):,} of {observed.numel():,} compared outputs are not finite where the "
+                       f"float64 reference is ({kinds})")
+
+
 def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_what: str | None) -> str | None:
     """Why a check of `prop` over `runs` could not have failed, or None: the rules follow
     the property's comparison (harness/properties.py), whatever its name."""
@@ -113,6 +238,18 @@ def compared_nothing(m: Measurement) -> str | None:
     return None
 
 
+def judge_vacuity(m: Measurement, prop: str, runs: list[Run]) -> None:
+    """Set `vacuous_reason` only where nothing differed: the rules above estimate what a
+    reordering could show, and a measured difference (a wrong value, a signed zero, a NaN
+    payload) is a result whatever they estimated; their reason is kept as
+    `detail.vacuity_estimate`, and the verdict names it."""
+    why = m.vacuous_reason or vacuity(prop, runs, m.sensitivity, m.sensitivity_what) or compared_nothing(m)
+    if why and m.mismatched:
+        m.detail["vacuity_estimate"] = why
+        why = None
+    m.vacuous_reason = why
+
+
 def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
     """Every run of the check executed once, untimed and unmeasured: a JIT-compiling subject
     compiles (or loads from its cache) each kernel the check will time."""
@@ -125,15 +262,21 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
     p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)
+    log = CallLog()  # what the subject's calls did beside their results (subject_call)
     with kernel_trace.kernel_names(ctx.device, trace) as ran:
-        local = family.observe(subject, ctx, p, prop, runs)
-    gathered = ctx.gather(local)
+        token = _LOG.set(log)
+        try:
+            local = family.observe(subject, ctx, p, prop, runs)
+        finally:
+            _LOG.reset(token)
+    gathered, logs = zip(*ctx.gather((local, log)))
+    gathered = list(gathered)
     kernels = ctx.gather(ran) if trace else None
     result = None
     if ctx.rank == 0:
         result = family.measure(check, subject, ctx, p, runs, gathered)
-        result.vacuous_reason = result.vacuous_reason or vacuity(prop, runs, result.sensitivity,
-                                                                 result.sensitivity_what) or compared_nothing(result)
+        judge_calls(result, list(logs))
+        judge_vacuity(result, prop, runs)
         if trace:
             _prove_kernels(result, subject, p, kernels)
         if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration

@@ -22,7 +22,7 @@ from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise, json_float
 from ep_harness.context import RankContext
 from ep_harness.contracts import GemmProblem
-from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.params import GemmParams
 from ep_harness.subject import GemmSubject
@@ -112,6 +112,7 @@ def make_problem(p: GemmParams, run: GemmRun, w, w_scale) -> GemmProblem:
 
 
 def output_for(problem: GemmProblem, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The output buffer (its contents are the driver's sentinel by the time a checked call runs)."""
     shape = (problem.a.shape[0], n) if problem.layout != "masked" else (*problem.a.shape[:2], n)
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -134,10 +135,11 @@ def _observe(subject, ctx: RankContext, p: GemmParams, prop: str, runs: list[Run
         problem = make_problem(p, run.spec, w, w_scale)
         dev = problem.to(ctx.device)
         out = output_for(dev, p.n, out_dtype(p.dtype), ctx.device)
-        if run.spec.graph:
-            replay_in_graph(lambda o, a: subject.run(dev, o), out, dev.a)
-        else:
-            subject.run(dev, out)
+        with subject_call({"problem": dev}, [(out, _valid_mask(dev, out.shape))]):  # padding rows: no write due
+            if run.spec.graph:
+                replay_in_graph(lambda o, a: subject.run(dev, o), out, dev.a)
+            else:
+                subject.run(dev, out)
         if prop == "reference":
             return kept(out)
         probes.append(kept(out[dev.row_index(p.probe_group, run.spec.pos)]))
@@ -150,6 +152,8 @@ def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], g
         return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])
     observed = torch.stack(gathered[0])
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    row, weight = probe_operands(p, w, w_scale)
+    require_finite(m, observed, weight.double() @ row.double())
     m.sensitivity = order_sensitive(p, w, w_scale)
     m.sensitivity_what = f"probe outputs change bits when its {p.k} products are summed in another order"
     return m
@@ -176,13 +180,17 @@ FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_c
                 protocol=GemmSubject)
 
 
-def order_sensitive(p: GemmParams, w, w_scale) -> int:
-    """Output elements of the probe whose bits depend on the K summation order."""
+def probe_operands(p: GemmParams, w, w_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe row [K] and its expert's weight [N, K], dequantized."""
     run = runs_for("position-invariance", p)[0]
     problem = make_problem(p, run, w, w_scale)
     a, b = dequantized(problem)
-    row = a[problem.row_index(p.probe_group, 0)]
-    weight = b if problem.layout == "dense" else b[p.probe_group]
+    return a[problem.row_index(p.probe_group, 0)], (b if problem.layout == "dense" else b[p.probe_group])
+
+
+def order_sensitive(p: GemmParams, w, w_scale) -> int:
+    """Output elements of the probe whose bits depend on the K summation order."""
+    row, weight = probe_operands(p, w, w_scale)
     # float32 sums on the CPU, whatever device the problem is on: the count must not depend
     # on a device's GEMV order
     row32, w32, half = row.float().cpu(), weight.float().cpu(), p.k // 2

@@ -38,7 +38,8 @@ from ep_harness import properties
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.divergence import Tracer, localise
-from ep_harness.families.driver import Copy, Family, Run
+from ep_harness.families import model_layout
+from ep_harness.families.driver import Copy, Family, Run, require_finite, subject_call
 from ep_harness.families.moe_layer import router_flips, within_router_margin
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.model_inputs import prompts, to_device, weights
@@ -48,7 +49,8 @@ from ep_harness.tolerances import MODEL, model_factor
 from ep_harness.reference import model as ref
 from ep_harness.reference.orders import order_sensitive
 
-PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance")
+PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance",
+              "tp-size-invariance")
 PROBE = 0
 
 
@@ -60,6 +62,8 @@ class Batch:
 
 
 def _runs(prop: str, p: ModelParams, world: int) -> list[Run]:
+    if prop == "tp-size-invariance":  # world sizes (harness/families/model_layout.py)
+        return model_layout.runs(prop, p, world)
     everyone = tuple(range(max(p.batch_sizes)))
     if prop == "reference":
         return [Run("batch", (Copy(("batch", everyone)),), Batch(everyone, everyone))]
@@ -98,6 +102,8 @@ class RunSeen:
 def _observe(subject, ctx: RankContext, p: ModelParams, prop: str, runs: list[Run]) -> list[RunSeen]:
     """On every rank, per run: rank 0's compared rows, every prompt's generated tokens, this
     rank's routing (for the reference) and its trace."""
+    if prop == "tp-size-invariance":
+        return model_layout.observe(subject, ctx, p, prop, runs)
     w = to_device(weights(p), ctx.device)
     pr = prompts(p)
     generated: dict = {}
@@ -107,8 +113,9 @@ def _observe(subject, ctx: RankContext, p: ModelParams, prop: str, runs: list[Ru
         names = {slot: f"prompt {pid}" for slot, pid in enumerate(b.order) if pid in b.compared}
         tracer = None if prop == "reference" else Tracer(ctx.rank, _namer(names))
         seqs = [pr[pid] + (generated[pid][:-1] if b.rescore else []) for pid in b.order]
-        served = subject.generate(seqs, [len(pr[pid]) for pid in b.order], 0 if b.rescore else p.new_tokens,
-                                  w, p, ctx.group, tracer)
+        with subject_call({"weights": w}):
+            served = subject.generate(seqs, [len(pr[pid]) for pid in b.order], 0 if b.rescore else p.new_tokens,
+                                      w, p, ctx.group, tracer)
         if not b.rescore:
             generated = {pid: served.tokens[slot] for slot, pid in enumerate(b.order)}
         compared = {pid: served.logprobs[slot].cpu() for slot, pid in enumerate(b.order) if pid in b.compared}
@@ -150,11 +157,16 @@ def _namer(names: dict):
 
 
 def _measure(check, subject, ctx: RankContext, p: ModelParams, runs: list[Run], gathered) -> Measurement:
+    if check.property == "tp-size-invariance":
+        return model_layout.measure(check, subject, ctx, p, runs, gathered)
     if check.property == "reference":
         return _measure_reference(p, runs[0].spec, gathered)
     observed = torch.stack([torch.cat([gathered[0][i].logprobs[pid].reshape(-1) for pid in run.spec.compared])
                             for i, run in enumerate(runs)])
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    # the float64 reference of every compared logprob is finite: log-softmax of finite logits
+    # (finite weights and embeddings, far from float64's range) is x - max - log(a sum >= 1)
+    require_finite(m, observed, torch.zeros(observed.shape[1], dtype=torch.float64))
     rows = observed.shape[1] // p.vocab
     m.detail["compared"] = f"{len(runs[0].spec.compared)} prompt(s), {rows} rows of {p.vocab} logprobs per run"
     if m.mismatched:

@@ -16,6 +16,8 @@ float64 and runs routing, experts and combine in float64 (reference/moe.py).
   and last rows and one row inside each of `channel_probes` equal parts of the message: the
   TP reduction sees a message of another size (another channel split on NCCL) and the
   expert GEMMs another number of rows.
+* tp-size-invariance, ep-size-invariance: every token's output at world sizes 1, 2, 4 (8)
+  (harness/families/moe_layout.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import torch
 from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
-from ep_harness.families.driver import Family, kept
+from ep_harness.families import layout, moe_layout
+from ep_harness.families.driver import Family, kept, require_finite, subject_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.moe_scenario import Placement, placement_runs, probe_copies
 from ep_harness.params import MoeParams
@@ -37,7 +40,7 @@ from ep_harness.reference import moe as ref
 from ep_harness.reference.orders import order_sensitive
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
-              "others-invariance", "prefill-decode-invariance")
+              "others-invariance", "prefill-decode-invariance", "tp-size-invariance", "ep-size-invariance")
 CANCEL = 2.0 ** 12
 
 
@@ -111,11 +114,14 @@ class RankSeen(NamedTuple):
 def _observe(subject, ctx: RankContext, p: MoeParams, prop: str, runs: list) -> RankSeen:
     """On every rank: its probe copies per run, and for the reference its outputs and the
     experts it chose."""
+    if prop in layout.LAYOUT_PROPERTIES:  # world sizes (harness/families/moe_layout.py)
+        return moe_layout.observe(subject, ctx, p, prop, runs)
     weights = {k: v.to(ctx.device, copy=True) for k, v in layer_weights(p).items()}  # its own copy
     mine, outs = [], []
     for run in runs:
         part = partials(p, run.spec, ctx.rank, ctx.world_size).to(ctx.device)
-        out, idx = subject.forward(part, weights, p, ctx.group)
+        with subject_call({"partials": part, "weights": weights}):
+            out, idx = subject.forward(part, weights, p, ctx.group)
         mine.append({c: kept(out[pos]) for c, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "reference":
             outs.append(Routed(kept(out), kept(idx)))
@@ -123,6 +129,8 @@ def _observe(subject, ctx: RankContext, p: MoeParams, prop: str, runs: list) -> 
 
 
 def _measure(check, subject, ctx: RankContext, p: MoeParams, runs: list, gathered) -> Measurement:
+    if check.property in layout.LAYOUT_PROPERTIES:
+        return moe_layout.measure(check, subject, ctx, p, runs, gathered)
     if check.property == "reference":
         return _measure_reference(p, runs[0].spec, [g.outputs[0] for g in gathered], ctx.world_size)
     return _measure_probe(p, check.property, runs, gathered, ctx.world_size)
@@ -245,12 +253,20 @@ def _gemm_sensitivity(p: MoeParams, x: torch.Tensor) -> int:
     return count
 
 
+def _probe_reference(p: MoeParams, probe: torch.Tensor) -> torch.Tensor:
+    """The float64 layer's output [H] for the probe token, from its TP partials [W, H]."""
+    w = layer_weights(p)
+    x = probe.double().sum(0, keepdim=True)
+    return ref.moe_layer(x, x @ w["router"].double().T, w["gate_up"], w["down"], p.topk, p.scoring)[0][0]
+
+
 def _measure_probe(p: MoeParams, prop, runs, gathered, world) -> Measurement:
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
     first = runs[0].spec
     r0, pos0 = first.probes[0]
     probe = torch.stack([partials(p, first, r, world)[sum(first.tokens[:r0]) + pos0] for r in range(world)])
+    require_finite(m, observed, _probe_reference(p, probe))
     tp_sensitive = int(order_sensitive(probe).sum()) if world > 2 else 0
     if prop == "rank-invariance":  # only the TP sum's order can depend on the rank
         m.sensitivity = tp_sensitive
@@ -262,5 +278,9 @@ def _measure_probe(p: MoeParams, prop, runs, gathered, world) -> Measurement:
     return m
 
 
-FAMILY = Family("moe_layer", PROPERTIES, MoeParams, placement_runs, _observe, _measure,
+def _runs(prop: str, p: MoeParams, world: int) -> list:
+    return layout.runs(prop, p, world) if prop in layout.LAYOUT_PROPERTIES else placement_runs(prop, p, world)
+
+
+FAMILY = Family("moe_layer", PROPERTIES, MoeParams, _runs, _observe, _measure,
                 protocol=MoeLayerSubject)

@@ -13,7 +13,7 @@ import torch
 from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
-from ep_harness.families.driver import Copy, Family, Run, kept
+from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
 from ep_harness.measurement import Measurement
 from ep_harness.params import QuantParams
 from ep_harness.subject import QuantSubject
@@ -85,10 +85,15 @@ def _observe(subject, ctx: RankContext, p: QuantParams, prop: str, runs: list[Ru
     dtype = gen.dtype_of(p.dtype)
     if prop == "reference":
         x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
-        q, s = subject.quantize(x.to(ctx.device), p.ue8m0)
+        q, s = _quantize(subject, x.to(ctx.device), p.ue8m0)
         return Quantized(kept(q).view(torch.uint8), kept(s.float()))
-    return [kept(subject.quantize(_batch(p, run.spec, dtype).to(ctx.device), p.ue8m0)[0][-1]).view(torch.uint8)
+    return [kept(_quantize(subject, _batch(p, run.spec, dtype).to(ctx.device), p.ue8m0)[0][-1]).view(torch.uint8)
             for run in runs]
+
+
+def _quantize(subject, x: torch.Tensor, ue8m0: bool):
+    with subject_call({"x": x}):
+        return subject.quantize(x, ue8m0)
 
 
 def _measure(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], gathered) -> Measurement:
@@ -98,7 +103,9 @@ def _measure(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], 
         return _measure_reference(p, seen.values.view(torch.float8_e4m3fn), seen.scales, dtype)
     observed = torch.stack(gathered[0]).view(torch.float8_e4m3fn)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
-    m.sensitivity, m.sensitivity_what = scale_path_sensitivity(_batch(p, 1, dtype), p.ue8m0)
+    probe = _batch(p, 1, dtype)
+    require_finite(m, observed, ref.quantize_per_token_group(probe, ue8m0=p.ue8m0)[0][-1].float())
+    m.sensitivity, m.sensitivity_what = scale_path_sensitivity(probe, p.ue8m0)
     return m
 
 

@@ -22,7 +22,8 @@ _COMM = re.compile(r"comm \S+ rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\
 _RING = re.compile(r"NCCL INFO Channel (\d+)/(\d+) : ((?:\d+ ?)+)$")
 _TREES = re.compile(r"NCCL INFO Trees (.*)$")
 _TREE_ENTRY = re.compile(r"\[(\d+)\] (-?\d+)/(-?\d+)/(-?\d+)->(\d+)->(-?\d+)")
-_VIA = re.compile(r"\[(send|receive)\] via (\S+)$")
+# Across nodes "... [send] via NET/Socket/0"; within one node "... 0[0] -> 1[0] via P2P/CUMEM".
+_VIA = re.compile(r"(?:\[(send|receive)\] )?via (\S+)$")
 _THRESHOLDS = re.compile(r"threadThresholds (.*)$")
 _COLL_CHANNELS = re.compile(r"(\d+) coll channels")
 _CALL = re.compile(r"NCCL INFO (\w+)( \[Symmetric\])?: (\d+) Bytes -> (?:Algo (\S+) proto (\S+) "

@@ -15,13 +15,11 @@ LOG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
 
 
 def nccl_version() -> tuple[int, int, int] | None:
-    import torch
+    """The NCCL that runs here, from NCCL itself (harness/nccl/library.py), not torch's
+    compile-time number: the NCCL_ALGO spelling depends on the library that reads it."""
+    from ep_harness.nccl import library
 
-    try:
-        v = torch.cuda.nccl.version()
-    except Exception:
-        return None
-    return tuple(v) if isinstance(v, tuple) else (v // 10000, (v // 100) % 100, v % 100)
+    return library.version()
 
 
 def nccl_algo_for_tree(version: tuple[int, int, int] | None) -> str:

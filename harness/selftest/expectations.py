@@ -40,7 +40,13 @@ from ep_harness.selftest.injections import WRAPPED_FAMILIES
 EXACT_REFERENCE = frozenset({"ulp"})  # added where a reference property compares bit for bit
 FAMILY_MUST_CATCH: dict[str, frozenset[str]] = {"collective": frozenset({"out-of-slice"})}
 # (family, property) pairs that compare something no injection touches, and why.
-NOT_TARGETED: dict[tuple[str, str], str] = {}
+_LAYOUT = ("the layout-size properties run the subject on subgroups through reduce_shards / forward_shards, "
+           "which the injection wrappers do not reach yet (harness/selftest/wrap.py)")
+NOT_TARGETED: dict[tuple[str, str], str] = {
+    ("collective", "tp-size-invariance"): _LAYOUT,
+    ("moe_layer", "tp-size-invariance"): _LAYOUT,
+    ("moe_layer", "ep-size-invariance"): _LAYOUT,
+}
 
 
 def must_catch() -> dict[str, frozenset[str]]:

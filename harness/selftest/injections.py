@@ -15,11 +15,16 @@ warm-ups, whose output the replay overwrites, are not counted).
 
 Places: `element` is one element of the output (flat index `element`); `column` is one
 element of every output row, so that whichever row a check compares (its probe may sit in
-any row) carries it; `all` is every element (another summation order moves many). Which
+any row) carries it; `all` is every element (another summation order moves many); `row` is
+every element of one row (row `element`, or for `rare` a row drawn per call). Which
 element of each row a `column` defect takes is `element` when given; otherwise the selftest
 plants it once at each spot of SPOTS (the first, middle and last element of every row, and a
 seeded element that differs from row to row), each its own injected check, and a check must
 catch all of them: one that compares a subset of each row is `blind` (issue 32).
+
+`rare` fires on about 1 call in `threshold` (50), on one rank: call c's draw is seeded by c
+alone, so every rank agrees on whether call c fires, on which rank and in which row, without
+talking (DeepEP #700's defect class: one wrong row on a few percent of calls).
 
 Parameters can be changed on the command line: `--injections ulp:call=1:rank=2,nan`.
 """
@@ -32,9 +37,9 @@ from ep_harness.errors import HarnessError
 # Families whose subjects harness/selftest/wrap.py can wrap (its WRAPPERS; a test keeps the two equal).
 WRAPPED_FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
 DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
-PLACES = ("element", "column", "all")
+PLACES = ("element", "column", "all", "row")
 SPOTS = ("first", "middle", "last", "seeded")  # where in each row a `column` defect lands (harness/selftest/wrap.py)
-WHEN = ("always", "rows-above", "bytes-above", "in-graph")
+WHEN = ("always", "rows-above", "bytes-above", "in-graph", "rare")
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class Injection:
     element: int | None = None  # the element (place=element; None: 0) or of each row (place=column; None: `at`)
     at: str | None = None  # place=column without an element: one of SPOTS (None: every spot, see placements)
     when: str = "always"  # one of WHEN
-    threshold: int | None = None  # rows-above / bytes-above: the size to exceed (None: the check's first call)
+    threshold: int | None = None  # rows-above / bytes-above: the size to exceed (None: the check's first call);
+    # rare: 1 call in `threshold`
     gpu_only: bool = False
 
     def to_json(self) -> dict:
@@ -95,6 +101,8 @@ CLASSES: dict[str, Injection] = {i.name: i for i in (
     Injection("batch-above", "ulp", "all", "1 ULP on every element for batches above a size", when="rows-above"),
     Injection("out-of-slice", "write-input", "all",
               "a write outside the output: 1 ULP on every input element outside this rank's output slice"),
+    Injection("rare", "ulp", "row", "1 ULP on every element of one row of one rank's output, on about 1 call "
+              "in 50 (seeded per call)", when="rare", threshold=50),
     Injection("stale", "stale", "column",
               "one element of every row keeps the previous call's value (the previous call of the "
               "same subject on this rank, of any check, with rows of the same width and dtype)"),

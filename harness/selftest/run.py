@@ -73,7 +73,7 @@ class Launcher:
         for n, (world_size, env_overrides, group) in enumerate(jobs([s for s, _, _ in sent.values()], grouping)):
             job_dir = self.run_dir / "jobs" / f"{name}-{n:02d}-ws{world_size}"
             outcomes = run_job(self.head, job_dir, world_size, self.platform.backend, group,
-                               pinned_env(self.platform, env_overrides), self.plugins, self.platform.emulated_hosts)
+                               pinned_env(self.platform, env_overrides), self.plugins, self.platform.emulation)
             for s in group:
                 key = by_id[s.id]
                 _, check, inj = sent[key]
@@ -85,12 +85,12 @@ class Launcher:
 
     def rerun(self, check: Check, injection: Injection | None) -> str:
         if injection is None:
-            return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins, self.platform.emulated_hosts)
+            return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins, self.platform.emulation)
         spot = f":at={injection.at}" if injection.at and injection.element is None else ""
         cmd = ["ep-harness", "selftest", "--suite", str(self.suite_path), "--check", literal(check.id),
                "--injections", injection.name + spot]
         cmd += ["--gpus", str(self.gpus)] if self.gpus is not None else []
-        cmd += ["--emulate-hosts"] if self.platform.emulated_hosts else []
+        cmd += ["--emulate", self.platform.emulation] if self.platform.emulation else []
         for p in self.plugins:
             cmd += ["--plugin", p]
         return shlex.join(cmd)
@@ -108,7 +108,7 @@ def choose(checks: list[Check], limit: int | None) -> list[Check]:
 def selftest(suite: str, injections: str | None = None, limit: int | None = None, gpus: int | None = None,
              cpu_ranks: int = 4, selection: list[str] | None = None, plugins: list[str] = (),
              out_root: Path = Path("reports/out"), command: list[str] = (), quiet: bool = False,
-             render: bool = True, every_cell: bool = False, emulate_hosts: bool = False) -> tuple[int, Path]:
+             render: bool = True, every_cell: bool = False, emulate: str | None = None) -> tuple[int, Path]:
     """Plant each injection in every check that must catch it (every_cell: in every check
     it applies to, so that catches beyond the table show as `extra`); return the exit code
     (0: no check blind, 1: a check blind) and the run directory."""
@@ -119,7 +119,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
     loaded = load_suite(suite_path)
     plugins = list(dict.fromkeys([*loaded.plugins, *plugins]))
     registry.load_all(plugins)
-    platform = platform_for(Nodes(), gpus, cpu_ranks, emulate_hosts)
+    platform = platform_for(Nodes(), gpus, cpu_ranks, emulate)
     checks = choose(expand(loaded, platform, selection), limit)
     if not checks:
         raise HarnessError(f"no runnable check in {suite_path} on this machine; "
@@ -151,7 +151,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
                 say(f"# {inj.name}: {len(due)} check(s) must catch it" if due else f"# {inj.name}: no check must catch it")
                 pairs += [(c, spot) for spot in inj.placements() for c in due]  # by placement, then in plan order
             if pairs:
-                say(f"# launching {len(pairs)} injected checks")
+                say(f"# launching {len(pairs)} injected check{'' if len(pairs) == 1 else 's'}")
                 t = time.time()
                 records, fired_pairs = launcher.run("injected", pairs)
                 seconds["injected"] = round(time.time() - t, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -46,6 +47,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 _SEED = 0x5EED  # the seeded spot: a fixed mix of the row index, so that a rerun plants the same elements
 
 
+def rare_draw(call: int, one_in: int, world: int) -> tuple[bool, int, float]:
+    """The `rare` injection's draw for call `call`, the same on every rank: whether it fires
+    (probability 1 / one_in), on which rank, and where among the rows (a fraction)."""
+    r = random.Random(f"ep-harness rare injection, call {call}")
+    return r.random() < 1.0 / one_in, r.randrange(world), r.random()
+
+
 def _columns(inj: Injection, rows: int, width: int, device) -> torch.Tensor:
     """The element of each row a `column` defect takes (`element`, or the spot `at`); torch
     arithmetic on the device, so that it is safe during CUDA-graph capture."""
@@ -57,13 +65,17 @@ def _columns(inj: Injection, rows: int, width: int, device) -> torch.Tensor:
     return torch.full_like(r, {"first": 0, "middle": width // 2, "last": width - 1}[inj.at or "first"])
 
 
-def _region(out: torch.Tensor, inj: Injection) -> torch.Tensor | None:
-    """The flat indices of `out` the defect changes (None: every element, or none can be)."""
+def _region(out: torch.Tensor, inj: Injection, row_draw: float = 0.0) -> torch.Tensor | None:
+    """The flat indices of `out` the defect changes (None: every element, or none can be).
+    `row_draw`: for `rare`, where in [0, 1) of the rows this call's row lies."""
     if out.numel() == 0 or not out.is_contiguous():
         return None
     if inj.place == "element":
         return torch.tensor([(inj.element or 0) % out.numel()], device=out.device)
     rows = _rows(out)
+    if inj.place == "row":
+        row = int(row_draw * rows.shape[0]) if inj.when == "rare" else (inj.element or 0) % rows.shape[0]
+        return torch.arange(rows.shape[1], device=out.device) + row * rows.shape[1]
     return torch.arange(rows.shape[0], device=out.device) * rows.shape[1] + \
         _columns(inj, rows.shape[0], rows.shape[1], out.device)
 
@@ -87,6 +99,7 @@ class _Wrapped:
         self._rank = int(os.environ.get("RANK", "0"))
         self._calls = 0
         self._first: tuple[int, int] | None = None  # rows and bytes of the check's first output
+        self._row_draw = 0.0  # rare: where in [0, 1) of the rows the call's defect lands
         self._log = Path(os.environ.get("EP_HARNESS_JOB_DIR", ".")) / f"injections-rank{self._rank}.jsonl"
 
     def __getattr__(self, name):
@@ -103,6 +116,9 @@ class _Wrapped:
             return False
         if inj.when == "in-graph":
             return _capturing()
+        if inj.when == "rare":
+            fires, rank, self._row_draw = rare_draw(call, inj.threshold or 50, int(os.environ.get("WORLD_SIZE", "1")))
+            return fires and (inj.rank is not None or rank == self._rank)
         if inj.when == "rows-above":
             return rows > (self._first[0] if inj.threshold is None else inj.threshold)
         if inj.when == "bytes-above":
@@ -128,7 +144,7 @@ class _Wrapped:
         elif inj.place == "all":
             self._change([out] if out.numel() and out.is_contiguous() else [], call, capturing, previous)
         else:
-            index = _region(out, inj)
+            index = _region(out, inj, self._row_draw)
             if index is None:
                 return
             flat = out.view(-1).view(_INT[out.element_size()])  # bit patterns: FP8 has no index_select

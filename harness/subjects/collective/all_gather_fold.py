@@ -2,7 +2,7 @@
 import torch.distributed as dist
 
 from ep_harness.subject import OrderModel, register
-from ep_harness.subjects.collective.common import fold_descending, offsets
+from ep_harness.subjects.collective.common import all_gather_single, fold_descending, offsets
 from ep_harness.reference import orders
 
 
@@ -23,7 +23,7 @@ class AllGatherFold:
     def reduce_scatter(self, out, inp, sizes, group):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        dist.all_gather_into_tensor(gathered, inp.contiguous(), group=group)
+        all_gather_single(gathered, inp.contiguous(), group=group)
         start = offsets(sizes)[rank]
         per_rank = gathered.view(world_size, *inp.shape)
         out.copy_(fold_descending(per_rank[:, start:start + sizes[rank]]))

@@ -3,10 +3,17 @@ gloo order model of an all-reduce followed by a slice."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ep_harness.subject import OrderModel
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import shard_offsets as offsets
+
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn FutureWarning and call
+# the new ones, so the bits are the same); torch 2.4 .. 2.12 have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def fold_in_order(parts: torch.Tensor, order) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ep_harness.nccl import models as nccl_models
 from ep_harness.subject import OrderModel, register
-from ep_harness.subjects.collective.common import fold_in_order, offsets, per_destination
+from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets, per_destination, reduce_scatter_single
 from ep_harness.reference import orders
 
 ONE_SHOT_MAX_BYTES = 256 << 10  # per-rank message size up to which the one-shot path runs
@@ -57,14 +57,14 @@ class CustomAllReduce:
         flat = inp.contiguous().view(-1)
         if one_shot(flat.numel() * flat.element_size()):
             gathered = flat.new_empty(world_size * flat.numel())
-            dist.all_gather_into_tensor(gathered, flat, group=group)
+            all_gather_single(gathered, flat, group=group)
             total = fold_in_order(gathered.view(world_size, -1), range(world_size))
         else:
             padded = _padded(flat, world_size)
             mine = padded.new_empty(padded.numel() // world_size)
-            dist.reduce_scatter_tensor(mine, padded, group=group)
+            reduce_scatter_single(mine, padded, group=group)
             total = padded.new_empty(padded.numel())
-            dist.all_gather_into_tensor(total, mine, group=group)
+            all_gather_single(total, mine, group=group)
             total = total[:flat.numel()]
         start = offsets(sizes)[rank]
         out.copy_(total.view(inp.shape)[start:start + sizes[rank]])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ep_harness.nccl import models as nccl_models
 from ep_harness.subject import OrderModel, register
-from ep_harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE
+from ep_harness.subjects.collective.common import GLOO_ALL_REDUCE_SLICE, reduce_scatter_single
 
 
 @register
@@ -24,7 +24,7 @@ class NativeReduceScatter:
         return None
 
     def reduce_scatter(self, out, inp, sizes, group):
-        dist.reduce_scatter_tensor(out, inp, group=group)
+        reduce_scatter_single(out, inp, group=group)
 
     def order_model(self, backend):
         if backend == "gloo":

@@ -9,8 +9,11 @@ with the exact import error.
   sums each token's per-rank partials in ascending rank order (reference/deepep.py), so it
   declares that order model, and the kernels it must launch.
 * deepep_v2: `ElasticBuffer(..., deterministic=True, allow_multiple_reduction=False)`, expand
-  mode (DeepEP 2.x, which needs NCCL >= 2.30.4): written against the documented API, verified
-  only against the recording fake (tests/fake_deep_ep.py).
+  mode (DeepEP 2.x, which needs NCCL >= 2.30.4), as SGLang uses it: written against DeepEP's
+  source (dd758ca, deep_ep/buffers/elastic.py and tests/elastic/test_ep.py), verified only
+  against the recording fake (tests/fake_deep_ep.py), which stands for the GPU absent here.
+  Its rows carry their sources (the handle's recv_src_metadata); its combine declares the
+  order model read from the kernel (reference/deepep.py), and the kernels it must launch.
 * deepep_v1_ll: `Buffer` low-latency mode (the masked layout). It needs NVSHMEM with IBGDA and
   one GPU per rank; with ranks sharing a GPU it is skipped with that reason.
 
@@ -104,7 +107,7 @@ class _DeepEP:
         try:
             self.module()
         except ImportError as exc:
-            return (f"deep_ep cannot be imported ({exc}); build DeepEP for this torch (README, GPU set-up) "
+            return (f"deep_ep cannot be imported ({exc}); build DeepEP for this torch (docs/gpu.md) "
                     f"and put it on PYTHONPATH")
         return None
 
@@ -159,10 +162,28 @@ def _grouped(rows, scale, local, per_rank, alignment, sources=None) -> tuple[Rec
     return Received("contiguous", x, sc, counts, starts, *src, grouped_layout=gl), order
 
 
+# Kernels a v2 direct (one scale-out domain) dispatch + combine must launch; hybrid mode's
+# are hybrid_dispatch_impl / hybrid_combine_impl, which contain these names too.
+V2_KERNELS = ("dispatch_impl<", "dispatch_copy_epilogue_impl<", "combine_impl<", "combine_reduce_epilogue_impl<")
+# What the adapter sets, as SGLang's deepep_v2 dispatcher does (the record names it).
+V2_OPTIONS = {"deterministic": True, "allow_multiple_reduction": False, "do_expand": True,
+              "receive_sorting": "off (deterministic mode orders rows by source token)",
+              "weights": "applied before combine (expand mode with one reduction takes none)"}
+
+
 @register
 class DeepEPElastic(_DeepEP):
+    """DeepEP 2.x `ElasticBuffer` (read from deepseek-ai/DeepEP dd758ca, 2.1.0): expand mode
+    delivers one row per (token, local expert), grouped per expert, each segment starting at
+    a multiple of the alignment (the harness's contiguous layout as it is); its handle says
+    where each came from (`recv_src_metadata[:, 0]`: src rank * num_max_tokens_per_rank +
+    token; `[:, 2 + j]`: the row that holds top-k slot j, -1 off this rank). With
+    allow_multiple_reduction=False combine reduces a token's rows once, unweighted, in top-k
+    slot order (reference/deepep.py `expand_combined_token`), so the weights are applied here."""
+
     name = "deepep_v2"
     summary = "DeepEP ElasticBuffer, expand mode, deterministic, one combine reduction"
+    rounds_partials = True  # each weighted row is rounded to bf16 before the reduction
 
     def unavailable(self, platform, params):
         reason = super().unavailable(platform, params)
@@ -171,31 +192,55 @@ class DeepEPElastic(_DeepEP):
                     f"NCCL >= 2.30.4")
         return reason
 
+    def kernels(self, params):
+        return V2_KERNELS
+
+    def combine_model(self):
+        return ref_deepep.expand_combined_token
+
+    def describe(self, params) -> dict:
+        return {**super().describe(params), "elastic_options": {**V2_OPTIONS, **getattr(self, "last_config", {})}}
+
     def make_buffer(self, group, cfg, wire):
         use_fp8 = wire == "fp8"
         check_buffer_option(wire, use_fp8)
         return self.module().ElasticBuffer(
             group, num_max_tokens_per_rank=cfg.tokens_max, hidden=cfg.hidden, num_topk=cfg.topk,
-            use_fp8_dispatch=use_fp8, deterministic=True, allow_multiple_reduction=False)
+            use_fp8_dispatch=use_fp8, deterministic=True, allow_multiple_reduction=False, explicitly_destroy=True)
 
     def send(self, buf, payload, topk_idx, topk_weights, cfg, group):
-        recv_x, recv_idx, _, handle, _ = buf.dispatch(
+        recv_x, _, recv_w, handle, _ = buf.dispatch(
             payload, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=cfg.num_experts,
-            expert_alignment=cfg.alignment, do_expand=True)
+            num_max_tokens_per_rank=cfg.tokens_max, expert_alignment=cfg.alignment, do_expand=True,
+            do_cpu_sync=True)
         rows, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        per_rank = cfg.num_experts // dist.get_world_size(group)
-        received, order = _grouped(rows, scale, recv_idx.reshape(-1).to(torch.long) % per_rank, per_rank,
-                                   cfg.alignment)
-        received.native = (buf, handle, order)
-        return received
+        counts = [int(c) for c in handle.num_unaligned_recv_tokens_per_expert.tolist()]
+        ends = [int(e) for e in handle.psum_num_recv_tokens_per_expert.tolist()]  # aligned start + count
+        starts = [e - c for e, c in zip(ends, counts)]
+        dev, n = rows.device, rows.shape[0]
+        gl = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        for e, (start, c) in enumerate(zip(starts, counts)):
+            gl[start:start + c] = e
+        meta = handle.recv_src_metadata.to(torch.int64)
+        token, slot = (meta[:, 2:] >= 0).nonzero(as_tuple=True)
+        where = meta[token, 2 + slot]
+        src = [torch.full((n,), -1, dtype=torch.int64, device=dev) for _ in range(3)]
+        for placed, given in zip(src, (meta[token, 0] // cfg.tokens_max, meta[token, 0] % cfg.tokens_max, slot)):
+            placed[where] = given
+        self.last_config = {"num_sms": getattr(handle, "num_sms", None), "expert_alignment": cfg.alignment,
+                            "use_fp8_dispatch": scale is not None, "num_max_tokens_per_rank": cfg.tokens_max}
+        return Received("contiguous", rows, scale, counts, starts, *src, grouped_layout=gl,
+                        native=(buf, handle, recv_w))
 
     def combine(self, expert_out, handle, topk_weights, group):
-        buf, ep_handle, order = handle.native
-        grouped = self.valid_rows(expert_out, handle)
-        rows = torch.empty_like(grouped)
-        rows[order] = grouped  # back to the order DeepEP delivered them in
+        """Each row weighted here (float32 product, one bf16 rounding), then DeepEP's one
+        unweighted reduction per token."""
+        buf, ep_handle, recv_w = handle.native
+        y = expert_out.reshape(-1, expert_out.shape[-1])
+        real = (handle.grouped_layout >= 0).unsqueeze(1)  # padding rows' weights are not written
+        weighted = torch.where(real, recv_w.unsqueeze(1).float() * y.float(), 0.0).to(expert_out.dtype)
         with no_uninitialized_fill():
-            combined, _, _ = buf.combine(rows, ep_handle, topk_weights=topk_weights)
+            combined, _, _ = buf.combine(weighted, ep_handle)
         return combined
 
 

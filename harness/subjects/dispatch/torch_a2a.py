@@ -122,3 +122,61 @@ class TorchAllToAllDispatcher:
         for j in range(slots.shape[1]):
             acc = acc + weights[:, j:j + 1].float() * slots[:, j]
         return acc
+
+
+
+class _KeepsChoices(TorchAllToAllDispatcher):
+    """Keeps the source rank's top-k choices and experts per rank in the handle, for a
+    combine whose order reads them."""
+
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
+        received = super().dispatch(x, topk_idx, topk_weights, cfg, group)
+        received.native = (topk_idx, cfg.num_experts // dist.get_world_size(group))
+        return received
+
+    def combine(self, expert_out, handle: Received, topk_weights, group) -> torch.Tensor:
+        self._choices = handle.native
+        try:
+            return super().combine(expert_out, handle, topk_weights, group)
+        finally:
+            del self._choices
+
+
+@register
+class ExpertOrderCombine(_KeepsChoices):
+    """The EP-size fix stated as an order: a token's expert outputs are added by ascending
+    expert id, w_j * y_j in float32 from +0.0, rounded once, on the token's own rank; which
+    rank held an expert (the EP size) never enters the order."""
+
+    name = "torch_a2a_expert_order"
+    summary = "torch.distributed all-to-all dispatch, combine by ascending expert id"
+
+    def fold(self, slots: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
+        idx, _ = self._choices
+        order = torch.sort(idx.masked_fill(idx < 0, torch.iinfo(idx.dtype).max), dim=1, stable=True).indices
+        slots = torch.gather(slots, 1, order.unsqueeze(-1).expand_as(slots))
+        return super().fold(slots, torch.gather(weights, 1, order), group)
+
+
+@register
+class RankReduceCombine(_KeepsChoices):
+    """Control for ep-size-invariance: the combine order of a dispatcher that pre-reduces per
+    rank (DeepEP v2's default; DeepEP v1 adds a token's copies in ascending rank order): each
+    holding rank's w_j * y_j summed in float32 and rounded to bf16 on the wire, then the ranks'
+    sums added in ascending rank order, rounded to bf16 after each add. Which slots share a
+    rank is the EP size's doing."""
+
+    name = "torch_a2a_rank_reduce"
+    summary = "torch.distributed all-to-all dispatch, combine pre-reduced per holding rank (bf16 on the wire)"
+
+    def fold(self, slots: torch.Tensor, weights: torch.Tensor, group) -> torch.Tensor:
+        idx, per_rank = self._choices
+        holder = torch.where(idx >= 0, idx // per_rank, -1)
+        terms = weights.float().unsqueeze(-1) * slots  # [T, k, H]
+        acc = None
+        for rank in range(dist.get_world_size(group)):
+            mine = (holder == rank).unsqueeze(-1)
+            part = torch.where(mine, terms, torch.zeros_like(terms)).sum(1).to(torch.bfloat16)  # on the wire
+            held = mine.any(dim=1)  # tokens with a copy on this rank: a rank without one adds nothing
+            acc = part if acc is None else torch.where(held, (acc.float() + part.float()).to(torch.bfloat16), acc)
+        return acc.float()

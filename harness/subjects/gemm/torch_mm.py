@@ -6,7 +6,7 @@ depend on how many rows share its expert: this is what batch-invariance asks.
 import torch
 
 from ep_harness.subject import register
-from ep_harness.subjects.gemm.common import unsupported
+from ep_harness.subjects.gemm.common import each_expert, unsupported
 
 
 @register
@@ -21,14 +21,4 @@ class TorchMm:
         return unsupported(self, params)
 
     def run(self, problem, out):
-        if problem.layout == "dense":
-            torch.mm(problem.a, problem.b.t(), out=out)
-            return
-        for g, count in enumerate(problem.counts):
-            if count == 0:
-                continue
-            if problem.layout == "contiguous":
-                s = problem.starts[g]
-                torch.mm(problem.a[s:s + count], problem.b[g].t(), out=out[s:s + count])
-            else:
-                torch.mm(problem.a[g, :count], problem.b[g].t(), out=out[g, :count])
+        each_expert(problem, out, lambda a, b, o: torch.mm(a, b.t(), out=o))

@@ -23,7 +23,7 @@ class TritonBiMatmul:
             return reason
         if platform.device != "cuda":
             return ("needs a CUDA GPU; this run is on the CPU (Triton's interpreter computes bf16 "
-                    "wrongly, see DESIGN.md, so it is no stand-in)")
+                    "wrongly and truncates fp32 -> bf16, so it is no stand-in)")
         if kernel.triton is None:
             return "triton cannot be imported; pip install 'ep-harness[gpu]'"
         return None

@@ -33,6 +33,7 @@ from ep_harness.subject import register
 from ep_harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from ep_harness.subjects.moe.composed import STAGES as MOE_STAGES
 from ep_harness.subjects.moe.composed import Composed, ComposedMoE, route
+from ep_harness.subjects.collective.common import all_gather_single
 
 STAGES = (*MOE_STAGES, "dense_gemm")
 BF16 = torch.bfloat16
@@ -94,6 +95,15 @@ class _Forward:
                         "shared_down": shard_cols(L["shared_down"], r, w)} for L in weights["layers"]]
         per_rank = params.num_experts // w
         self.experts = slice(r * per_rank, (r + 1) * per_rank)
+        # The layout-size properties' forward (harness/families/layout.py): every TP product
+        # per fixed virtual shard (heads / V heads, shared_intermediate / V columns), the same
+        # GEMM operands at every world size; the shards reduced by the tp_reduce stage.
+        self.virtual = list(_block(params, w, r)) if params.virtual_tp else []
+        V = params.virtual_shards
+        self.vshards = [[{"wqkv": shard_rows(L["wqkv"], v, V, 3), "wo": shard_cols(L["wo"], v, V),
+                          "shared_gate_up": shard_rows(L["shared_gate_up"], v, V, 2),
+                          "shared_down": shard_cols(L["shared_down"], v, V)} for v in self.virtual]
+                        for L in weights["layers"]]
 
     # --- tracing: every op per tracked token; parts carry the rank where ranks hold different things
     def rec(self, op: Op, items: list, side: str, part: str, rows) -> None:
@@ -152,15 +162,23 @@ class _Forward:
         if r == 0:  # every rank normalises every token alike; rank 0 speaks for them
             self.rec(ops["attention.norm"], items, "in", "h", h)
             self.rec(ops["attention.norm"], items, "out", "x", x)
-        qkv = self.dense(x[:real], S["wqkv"])
-        self.rec(ops["qkv"], items, "in", f"x@{r}", x[:real])
-        self.rec(ops["qkv"], items, "out", f"rank {r}", qkv)
+        if self.virtual:
+            qkv = self.virtual_qkv(l, x[:real], items, ops["qkv"])
+        else:
+            qkv = self.dense(x[:real], S["wqkv"])
+            self.rec(ops["qkv"], items, "in", f"x@{r}", x[:real])
+            self.rec(ops["qkv"], items, "out", f"rank {r}", qkv)
         o = self.attention(l, qkv, tokens, items, ops["attention"])
-        partial = torch.zeros((padded, h.shape[1]), dtype=BF16, device=h.device)
-        partial[:real] = self.dense(o, S["wo"])
-        self.rec(ops["o_proj"], items, "in", f"o@{r}", o)
-        self.rec(ops["o_proj"], items, "out", f"rank {r}", partial)
-        attn = self.tp_reduce(partial, local, ops["attention.tp_reduce"], items, mine)
+        if self.virtual:
+            parts = self.virtual_partials(padded, [(o_v, V["wo"]) for o_v, V in zip(
+                o.chunk(len(self.virtual), dim=1), self.vshards[l])], items, ops["o_proj"], "o")
+            attn = self.tp_reduce_shards(parts, local, ops["attention.tp_reduce"], items, mine)
+        else:
+            partial = torch.zeros((padded, h.shape[1]), dtype=BF16, device=h.device)
+            partial[:real] = self.dense(o, S["wo"])
+            self.rec(ops["o_proj"], items, "in", f"o@{r}", o)
+            self.rec(ops["o_proj"], items, "out", f"rank {r}", partial)
+            attn = self.tp_reduce(partial, local, ops["attention.tp_reduce"], items, mine)
         h_mine = h[lo:lo + local] + attn
         self.rec(ops["attention.residual"], mine, "in", "h", h[lo:lo + local])
         self.rec(ops["attention.residual"], mine, "in", "attn", attn)
@@ -171,17 +189,21 @@ class _Forward:
         self.rec(ops["moe.norm"], mine, "out", "x", x_mine)
         routed = self.moe(l, L, x_mine, tokens, items, lo, local, ops)
         x_all = torch.empty((padded, h.shape[1]), dtype=BF16, device=h.device)
-        dist.all_gather_into_tensor(x_all, x_mine.contiguous(), group=self.group)
+        all_gather_single(x_all, x_mine.contiguous(), group=self.group)
         self.rec(ops["moe.gather"], mine, "in", "x", x_mine)
         self.rec(ops["moe.gather"], items, "out", f"rank {r}", x_all)
-        gu = self.dense(x_all[:real], S["shared_gate_up"])
-        inter = gu.shape[1] // 2
-        act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(BF16)
-        partial = torch.zeros_like(partial)
-        partial[:real] = self.dense(act, S["shared_down"])
-        self.rec(ops["moe.shared"], items, "in", f"x@{r}", x_all[:real])
-        self.rec(ops["moe.shared"], items, "out", f"rank {r}", partial)
-        shared = self.tp_reduce(partial, local, ops["moe.tp_reduce"], items, mine)
+        if self.virtual:
+            parts = self.virtual_partials(padded, [(_swiglu(self.dense(x_all[:real], V["shared_gate_up"])),
+                                                    V["shared_down"]) for V in self.vshards[l]],
+                                          items, ops["moe.shared"], "act")
+            shared = self.tp_reduce_shards(parts, local, ops["moe.tp_reduce"], items, mine)
+        else:
+            act = _swiglu(self.dense(x_all[:real], S["shared_gate_up"]))
+            partial = torch.zeros((padded, h.shape[1]), dtype=BF16, device=h.device)
+            partial[:real] = self.dense(act, S["shared_down"])
+            self.rec(ops["moe.shared"], items, "in", f"x@{r}", x_all[:real])
+            self.rec(ops["moe.shared"], items, "out", f"rank {r}", partial)
+            shared = self.tp_reduce(partial, local, ops["moe.tp_reduce"], items, mine)
         # the routed output joins after the reduction: added into one rank's partial instead,
         # its place in the sum would follow the token's rank, which follows the batch
         moe = (shared.float() + routed.float()).to(BF16)
@@ -192,7 +214,7 @@ class _Forward:
         self.rec(ops["moe.residual"], mine, "out", "h", h_mine)
 
         out = torch.empty_like(h)
-        dist.all_gather_into_tensor(out, h_mine.contiguous(), group=self.group)
+        all_gather_single(out, h_mine.contiguous(), group=self.group)
         self.rec(ops["gather"], mine, "in", "h", h_mine)
         self.rec(ops["gather"], items, "out", f"rank {r}", out)
         if r == 0:
@@ -242,6 +264,38 @@ class _Forward:
             return torch.zeros((*a.shape[:-1], b.shape[1]), dtype=BF16, device=a.device)
         return ComposedMoE._gemm(self.s["gemm"], received, a, b)
 
+    def virtual_qkv(self, l: int, x: torch.Tensor, items: list, op: Op) -> torch.Tensor:
+        """q, k, v of this rank's heads from one product per virtual shard, laid out as the
+        rank's own shard would give them ([q heads | k heads | v heads]). Parts are named by
+        shard, so that traces at two world sizes compare."""
+        per = [self.dense(x, V["wqkv"]).chunk(3, dim=1) for V in self.vshards[l]]
+        if self.rank == 0:  # every rank multiplies the same x
+            self.rec(op, items, "in", "x", x)
+        for v, (q, k, val) in zip(self.virtual, per):
+            self.rec(op, items, "out", f"shard {v}", torch.cat([q, k, val], dim=1))
+        return torch.cat([torch.cat([p[i] for p in per], dim=1) for i in range(3)], dim=1)
+
+    def virtual_partials(self, padded: int, products: list, items: list, op: Op, what: str) -> torch.Tensor:
+        """[k, padded, H]: one row-parallel product per virtual shard of this rank (a, b)."""
+        parts = []
+        for v, (a, b) in zip(self.virtual, products):
+            part = torch.zeros((padded, b.shape[0]), dtype=BF16, device=a.device)
+            part[:a.shape[0]] = self.dense(a, b)
+            self.rec(op, items, "in", f"{what} shard {v}", a)
+            self.rec(op, items, "out", f"shard {v}", part)
+            parts.append(part)
+        return torch.stack(parts)
+
+    def tp_reduce_shards(self, parts, local, op, items, mine) -> torch.Tensor:
+        from ep_harness.shards import reduce_shards
+
+        out = parts.new_empty((local, parts.shape[2]))
+        reduce_shards(self.s["tp_reduce"], out, parts, [local] * self.world, self.group)
+        for v, part in zip(self.virtual, parts):
+            self.rec(op, items, "in", f"shard {v}", part)
+        self.rec(op, mine, "out", "sum", out)
+        return out
+
     def tp_reduce(self, partial, local, op, items, mine) -> torch.Tensor:
         out = partial.new_empty((local, partial.shape[1]))
         self.s["tp_reduce"].reduce_scatter(out, partial, [local] * self.world, self.group)
@@ -285,6 +339,16 @@ class _Forward:
         self.rec(ops["moe.combine"], mine, "in", "weights", wts)
         self.rec(ops["moe.combine"], mine, "out", "routed", out)
         return out
+
+
+def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+    inter = gu.shape[1] // 2
+    return (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(BF16)
+
+
+def _block(params: ModelParams, world: int, rank: int) -> range:
+    per = params.virtual_shards // world
+    return range(rank * per, (rank + 1) * per)
 
 
 def _sources(received, items: list, local: int) -> dict:

@@ -100,10 +100,29 @@ class ComposedMoE(Composed):
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
         s = self.stages(params)
         world = torch.distributed.get_world_size(group)
-        rank = torch.distributed.get_rank(group)
         local = partials.shape[0] // world
         x = partials.new_empty((local, partials.shape[1]))
         s["tp_reduce"].reduce_scatter(x, partials, [local] * world, group)
+        return self._routed(s, x, weights, params, group)
+
+    def forward_shards(self, shards, weights, params: MoeParams, group):
+        """shards: this rank's virtual TP shards of every global token [k, T_total, H]
+        (harness/families/layout.py); the tp_reduce stage reduces them as the layout-size
+        properties define. Returns what `forward` does."""
+        from ep_harness.shards import reduce_shards
+
+        s = self.stages(params)
+        world = torch.distributed.get_world_size(group)
+        local = shards.shape[1] // world
+        x = shards.new_empty((local, shards.shape[2]))
+        reduce_shards(s["tp_reduce"], x, shards, [local] * world, group)
+        return self._routed(s, x, weights, params, group)
+
+    def _routed(self, s, x, weights, params: MoeParams, group):
+        """Router, dispatch, expert GEMMs and combine of this rank's hidden states x [T, H]."""
+        world = torch.distributed.get_world_size(group)
+        rank = torch.distributed.get_rank(group)
+        local = x.shape[0]
         idx, w = route(x, weights["router"], params.topk, params.scoring)
         cfg = DispatchConfig.of(params, expert_quant="bf16", wire="bf16", ue8m0=True, tokens_max=local)
         received = s["dispatch"].dispatch(x, idx, w, cfg, group)
