@@ -101,12 +101,16 @@ def test_cell_states():
 
 def test_parse_with_parameters_and_bad_input():
     ulp, nan = parse("ulp:call=1:rank=2, nan")
-    assert (ulp.name, ulp.call, ulp.rank, ulp.element) == ("ulp", 1, 2, 0)
+    assert (ulp.name, ulp.call, ulp.rank, ulp.element, ulp.at) == ("ulp", 1, 2, None, None)
+    assert [i.label for i in ulp.placements()] == ["ulp.first", "ulp.middle", "ulp.last", "ulp.seeded"]
+    assert parse("ulp:element=3")[0].placements() == parse("ulp:element=3")  # an element given: that one
+    assert parse("stale:at=last")[0].label == "stale.last" and nan.placements() == [nan]
     assert (nan.name, nan.rank) == ("nan", 0)
     assert parse("one-rank:rank=any")[0].rank is None
     assert [i.name for i in parse(None)] == list(CLASSES)
     for bad, words in (("ulpp", "unknown injection"), ("ulp:calls=1", "is not one of"), ("ulp:call=x", "not a number"),
-                       ("ulp:call=-1", ">= 0"), ("ulp,ulp", "twice")):
+                       ("ulp:call=-1", ">= 0"), ("ulp,ulp", "twice"), ("ulp:at=centre", "not one of"),
+                       ("nan:at=first", "not planted in every row")):
         with pytest.raises(HarnessError, match=words):
             parse(bad)
 
@@ -193,6 +197,15 @@ def test_places(tmp_path, monkeypatch):
     (tmp_path / "ulp").mkdir()
     (ulp_out,), _, _ = calls(s, parse("ulp:element=5")[0], [3], tmp_path / "ulp", monkeypatch)
     assert torch.nonzero(ulp_out != ref).tolist() == [[0, 5], [1, 5], [2, 5]]  # one element of every row
+    spots = {}
+    for inj in CLASSES["ulp"].placements():
+        (tmp_path / inj.label).mkdir()
+        (out,), _, _ = calls(s, inj, [3], tmp_path / inj.label, monkeypatch)
+        rows, cols = torch.nonzero(out != ref).unbind(1)
+        assert rows.tolist() == [0, 1, 2], inj.label  # one element of every row
+        spots[inj.at] = cols.tolist()
+    assert spots["first"] == [0, 0, 0] and spots["middle"] == [4, 4, 4] and spots["last"] == [7, 7, 7]
+    assert len(set(spots["seeded"])) > 1  # the seeded spot moves from row to row
     (nan_out,), _, _ = calls(s, parse("nan:element=9")[0], [3], tmp_path, monkeypatch)
     assert torch.nonzero(nan_out.isnan()).tolist() == [[1, 1]]  # one element in all
     assert torch.equal(nan_out[~nan_out.isnan()], ref[~nan_out.isnan()])
@@ -229,11 +242,18 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
     assert "BLIND: weak-ref/weak-reference (weak-reference) missed nan, inf" in proc.stdout
+    assert "BLIND: subset/weak-subset-batch-invariance (weak-subset-batch-invariance) missed ulp" in proc.stdout
     assert "# selftest matrix" in proc.stdout
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
     assert result["blind"] == [
         {"check": "weak/weak-batch-invariance", "property": "weak-batch-invariance", "missed": ["ulp"]},
+        {"check": "subset/weak-subset-batch-invariance", "property": "weak-subset-batch-invariance", "missed": ["ulp"]},
         {"check": "weak-ref/weak-reference", "property": "weak-reference", "missed": ["nan", "inf"]}]
+    by_check = {r["check"]: r["cells"] for r in result["checks"]}
+    # The subset check sees the defect at the first element only; every other placement is missed.
+    assert by_check["subset/weak-subset-batch-invariance"]["ulp"]["spots"] == {
+        "ulp.first": "caught", "ulp.middle": "missed", "ulp.last": "missed", "ulp.seeded": "missed"}
+    assert by_check["weak/weak-batch-invariance"]["ulp"]["missed_at"] == ["ulp.first"]
     cells = {r["check"]: {k: c["state"] for k, c in r["cells"].items()} for r in result["checks"]}
     assert all(r["baseline"] == "ok" for r in result["checks"])
     assert cells["weak/weak-batch-invariance"]["kth-call"] == "caught"  # not blind to a change of every element
@@ -245,7 +265,7 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     assert set(cells["native-control/rank-invariance"].values()) == {"n/a"}
     assert (tmp_path / "latest" / "injected" / "ulp.jsonl").exists()
     page = (tmp_path / "latest" / "report.html").read_text()
-    assert "Selftest: 2 blind check(s)" in page and '<td class="st-missed"' in page
+    assert "Selftest: 3 blind check(s)" in page and '<td class="st-missed"' in page
 
 
 @pytest.mark.slow
@@ -255,6 +275,22 @@ def test_selftest_passes_when_no_check_is_blind(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
     assert result["blind"] == [] and result["tested"] == 1
+
+
+@pytest.mark.slow
+def test_a_subset_check_passes_only_where_the_defect_is_at_element_0(tmp_path):
+    """The placement before issue 32 (element 0 of every row) let a check that compares only
+    element 0 pass the selftest: so it still does with that placement asked for, and with the
+    middle of each row it is blind."""
+    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*",
+                   "--injections", "ulp:element=0", "--no-report", "--out", str(tmp_path / "at0"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*",
+                   "--injections", "ulp:at=middle", "--no-report", "--out", str(tmp_path / "middle"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "BLIND: subset/weak-subset-batch-invariance (weak-subset-batch-invariance) missed ulp" in proc.stdout
+    assert "--injections ulp:at=middle" in json.loads(
+        (tmp_path / "middle" / "latest" / "selftest.json").read_text())["checks"][0]["cells"]["ulp"]["rerun"]
 
 
 def test_bad_injection_is_one_line_and_exit_2(tmp_path):

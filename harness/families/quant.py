@@ -33,22 +33,28 @@ def explain(x, scale, q, ref_scale, ref_q) -> dict:
 
     scales: `reciprocal` when the subject's scale is amax * float32(1/448).
     values: `scale` when the subject's value is the exact rounding of x / (its own scale);
-    `double rounding` when it is one e4m3 step away and x / scale lies within 2^-22
-    (relative) of the midpoint, where a float32 intermediate can land on the tie."""
+    `double rounding` when it is one e4m3 step away, x / scale lies within 2^-22 (relative)
+    of the midpoint, where a float32 intermediate can land on the tie, and the tie rounded to
+    even is the subject's value (a tie rounded another way, toward zero say, is no double
+    rounding); never where the scale is a power of two (UE8M0: x / scale is exact, nothing
+    rounds before the cast). `signed_zero`: +0.0 against -0.0, named, never explained."""
     scale_differs = scale.view(torch.int32) != ref_scale.view(torch.int32)
     by_reciprocal = scale_differs & (scale.view(torch.int32) == reciprocal_scales(x).view(torch.int32))
-    v = x.double() / scale.double().repeat_interleave(128, dim=1)
+    per_value = scale.repeat_interleave(128, dim=1)
+    v = x.double() / per_value.double()
     exact_given_scale = ref.round_to_e4m3(v)
     differ = q.view(torch.int8) != ref_q.view(torch.int8)
     by_scale = differ & (q.view(torch.int8) == exact_given_scale.view(torch.int8))
     got, want = q.double(), exact_given_scale.double()
     mid = (got + want) / 2
-    by_double = differ & ~by_scale & ((v - mid).abs() <= mid.abs() * 2.0 ** -22) & (
-        (ref.round_to_e4m3(mid).double() == got) | (ref.round_to_e4m3(mid).double() == want))
+    quotient_rounds = (per_value.view(torch.int32) & 0x7FFFFF) != 0  # a power of two divides exactly
+    by_double = differ & ~by_scale & quotient_rounds & ((v - mid).abs() <= mid.abs() * 2.0 ** -22) & (
+        ref.round_to_e4m3(mid).double() == got)
+    signed_zero = differ & (got == 0) & (ref_q.double() == 0)
     return {
         "scales_differ": int(scale_differs.sum()), "scales_by_reciprocal": int(by_reciprocal.sum()),
         "values_differ": int(differ.sum()), "values_by_scale": int(by_scale.sum()),
-        "values_by_double_rounding": int(by_double.sum()),
+        "values_by_double_rounding": int(by_double.sum()), "values_signed_zero": int(signed_zero.sum()),
     }
 
 
@@ -120,8 +126,10 @@ def scale_path_sensitivity(row: torch.Tensor, ue8m0: bool) -> tuple[int, str]:
                    f"reciprocal-multiplying quantizer")
 
 
-def _measure_reference(p: QuantParams, q: torch.Tensor, s: torch.Tensor, dtype) -> Measurement:
-    x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
+def _measure_reference(p: QuantParams, q: torch.Tensor, s: torch.Tensor, dtype, x=None) -> Measurement:
+    """`x`: the input quantized (None: the check's own, from its seed)."""
+    if x is None:
+        x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
     rq, rs = ref.quantize_per_token_group(x, ue8m0=p.ue8m0)
     mq = compare_bitwise(q, rq, [f"row {r}" for r in range(p.rows)])
     ms = compare_bitwise(s.contiguous(), rs)
@@ -130,13 +138,15 @@ def _measure_reference(p: QuantParams, q: torch.Tensor, s: torch.Tensor, dtype) 
     m.detail = {"scale_mismatched": ms.mismatched, "explained": causes}
     unexplained_values = causes["values_differ"] - causes["values_by_scale"] - causes["values_by_double_rounding"]
     unexplained_scales = causes["scales_differ"] - causes["scales_by_reciprocal"]
+    zeros = causes["values_signed_zero"]
+    signed = f" ({zeros:,} of them signed zeros: +0.0 against -0.0)" if zeros else ""
     if unexplained_values or unexplained_scales:
-        m.extra_failure = (f"{unexplained_values:,} quantized values and {unexplained_scales:,} scales differ "
-                           f"from the exact reference with no known cause")
+        m.extra_failure = (f"{unexplained_values:,} quantized values{signed} and {unexplained_scales:,} scales "
+                           f"differ from the exact reference with no known cause")
     if causes["values_differ"] or causes["scales_differ"]:
         m.note = (f"explained: {causes['values_by_double_rounding']:,} values by double rounding, "
                   f"{causes['values_by_scale']:,} values by their scale, {causes['scales_by_reciprocal']:,} "
-                  f"scales by reciprocal multiplication")
+                  f"scales by reciprocal multiplication" + (f"; {zeros:,} signed zeros" if zeros else ""))
     return m
 
 

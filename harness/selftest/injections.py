@@ -13,10 +13,14 @@ dispatch for `reference`, which compares the dispatched rows, the MoE layer's fo
 counted from 0 on each rank; the harness makes one call per compared run (CUDA-graph
 warm-ups, whose output the replay overwrites, are not counted).
 
-Places: `element` is one element of the output (flat index `element`); `column` is element
-`element` of every output row, so that whichever row a check compares (its probe may sit in
+Places: `element` is one element of the output (flat index `element`); `column` is one
+element of every output row, so that whichever row a check compares (its probe may sit in
 any row) carries it; `all` is every element (another summation order moves many); `row` is
-every element of one row (row `element`, or for `rare` a row drawn per call).
+every element of one row (row `element`, or for `rare` a row drawn per call). Which
+element of each row a `column` defect takes is `element` when given; otherwise the selftest
+plants it once at each spot of SPOTS (the first, middle and last element of every row, and a
+seeded element that differs from row to row), each its own injected check, and a check must
+catch all of them: one that compares a subset of each row is `blind` (issue 32).
 
 `rare` fires on about 1 call in `threshold` (50), on one rank: call c's draw is seeded by c
 alone, so every rank agrees on whether call c fires, on which rank and in which row, without
@@ -34,6 +38,7 @@ from ep_harness.errors import HarnessError
 WRAPPED_FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
 DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
 PLACES = ("element", "column", "all", "row")
+SPOTS = ("first", "middle", "last", "seeded")  # where in each row a `column` defect lands (harness/selftest/wrap.py)
 WHEN = ("always", "rows-above", "bytes-above", "in-graph", "rare")
 
 
@@ -45,7 +50,8 @@ class Injection:
     summary: str
     rank: int | None = None  # only on this rank (None: every rank)
     call: int | None = None  # only on this call of the check (None: every call)
-    element: int = 0  # the element (place=element) or the element of each row (place=column)
+    element: int | None = None  # the element (place=element; None: 0) or of each row (place=column; None: `at`)
+    at: str | None = None  # place=column without an element: one of SPOTS (None: every spot, see placements)
     when: str = "always"  # one of WHEN
     threshold: int | None = None  # rows-above / bytes-above: the size to exceed (None: the check's first call);
     # rare: 1 call in `threshold`
@@ -58,9 +64,23 @@ class Injection:
     def from_json(cls, d: dict) -> Injection:
         return cls(**d)
 
+    @property
+    def label(self) -> str:
+        """The name of one placement: `ulp.middle` for a spot, the class name otherwise."""
+        return f"{self.name}.{self.at}" if self.at else self.name
+
+    def placements(self) -> list[Injection]:
+        """The injections the selftest plants for this class: a `column` defect with no
+        element given, once at every spot; anything else as it is."""
+        if self.place != "column" or self.element is not None or self.at is not None:
+            return [self]
+        return [replace(self, at=spot) for spot in SPOTS]
+
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in ("rank", "call", "element", "threshold")
+        parts = [f"{k}={getattr(self, k)}" for k in ("rank", "call", "element", "at", "threshold")
                  if getattr(self, k) is not None]
+        if self.place == "column" and self.element is None and self.at is None:
+            parts.append(f"at={'|'.join(SPOTS)}")
         return f"{self.name} ({self.summary}{'; ' + ', '.join(parts) if parts else ''})"
 
 
@@ -84,7 +104,7 @@ CLASSES: dict[str, Injection] = {i.name: i for i in (
     Injection("rare", "ulp", "row", "1 ULP on every element of one row of one rank's output, on about 1 call "
               "in 50 (seeded per call)", when="rare", threshold=50),
     Injection("stale", "stale", "column",
-              "element `element` of every row keeps the previous call's value (the previous call of the "
+              "one element of every row keeps the previous call's value (the previous call of the "
               "same subject on this rank, of any check, with rows of the same width and dtype)"),
 )}
 
@@ -102,9 +122,16 @@ def parse(text: str | None) -> list[Injection]:
         numeric = {"rank", "call", "element", "threshold"}
         for setting in settings:
             key, sep, value = setting.partition("=")
+            if sep and key == "at":
+                if value not in SPOTS or CLASSES[name].place != "column":
+                    raise HarnessError(f"injection {item!r}: at={value!r} is not one of {', '.join(SPOTS)}"
+                                       + ("" if CLASSES[name].place == "column" else
+                                          f" (and {name} is not planted in every row)"))
+                changes["at"] = value
+                continue
             if not sep or key not in numeric:
                 raise HarnessError(f"injection {item!r}: {setting!r} is not one of "
-                                   f"{', '.join(sorted(numeric))} = N (e.g. ulp:call=1:rank=2)")
+                                   f"{', '.join(sorted(numeric))} = N or at={'|'.join(SPOTS)} (e.g. ulp:call=1:rank=2)")
             try:
                 changes[key] = None if value in ("any", "none") else int(value)
             except ValueError:

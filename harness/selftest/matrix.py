@@ -53,6 +53,25 @@ def cell(required: bool | None, why: str, record: dict | None, fired: bool) -> d
     return {"state": "missed" if required else "not-required", "why": why, **out}
 
 
+# Which placement's state a merged cell shows: the first of these any placement has.
+_WORST_FIRST = ("broken", "missed", "caught", "extra", "not-fired", "not-required", "n/a")
+
+
+def merged(spots: dict[str, dict]) -> dict:
+    """One cell from the cells of an injection's placements (label -> cell): missed if any
+    placement was missed (a check that compares a subset of each row is blind), caught only
+    when no placement was missed; `spots` keeps each placement's state, `missed_at` names
+    the placements the check missed."""
+    if len(spots) == 1:
+        return next(iter(spots.values()))
+    label = min(spots, key=lambda k: _WORST_FIRST.index(spots[k]["state"]))
+    out = {**spots[label], "spots": {k: c["state"] for k, c in spots.items()}}
+    if out["state"] == "missed":
+        out["missed_at"] = [k for k, c in spots.items() if c["state"] == "missed"]
+        out["reason"] = f"missed at {', '.join(out['missed_at'])}: {out.get('reason') or ''}"
+    return out
+
+
 def blind(rows: list[dict]) -> list[dict]:
     """The checks with a missed cell, each with the injections it missed."""
     return [{"check": r["check"], "property": r["property"],

@@ -45,7 +45,7 @@ class InjectedCheck(Check):
         """`check` with the defect, under an id of its own (`ID@injection`): one launch
         carries the same check under several injections."""
         fields = {f.name: getattr(check, f.name) for f in dataclasses.fields(Check)}
-        return cls(**{**fields, "id": f"{check.id}@{injection.name}"}, inject=injection.to_json())
+        return cls(**{**fields, "id": f"{check.id}@{injection.label}"}, inject=injection.to_json())
 
 
 def fired_checks(job_dir: Path) -> set[str]:
@@ -64,9 +64,9 @@ class Launcher:
         self.suite_path, self.gpus, self.quiet = suite_path, gpus, quiet
 
     def run(self, name: str, pairs: list[tuple[Check, Injection | None]]) -> tuple[dict, set]:
-        """Records by (injection name or None, check id), and the (injection name, check id)
+        """Records by (injection label or None, check id), and the (injection label, check id)
         pairs whose defect changed a bit."""
-        sent = {(inj.name if inj else None, c.id): (InjectedCheck.of(c, inj) if inj else c, c, inj) for c, inj in pairs}
+        sent = {(inj.label if inj else None, c.id): (InjectedCheck.of(c, inj) if inj else c, c, inj) for c, inj in pairs}
         by_id = {s.id: key for key, (s, _, _) in sent.items()}
         records, fired = {}, set()
         grouping = "one" if self.platform.backend == "gloo" else "per-world-size"
@@ -79,15 +79,16 @@ class Launcher:
                 _, check, inj = sent[key]
                 records[key] = finalize(check, outcomes.get(s.id), self.head.run_id, self.rerun(check, inj))
                 if inj is not None:
-                    records[key]["injection"] = inj.name
+                    records[key]["injection"] = inj.label
             fired |= {by_id[i] for i in fired_checks(job_dir) if i in by_id}
         return records, fired
 
     def rerun(self, check: Check, injection: Injection | None) -> str:
         if injection is None:
             return rerun_command(str(self.suite_path), check.id, self.gpus, self.plugins, self.platform.emulation)
+        spot = f":at={injection.at}" if injection.at and injection.element is None else ""
         cmd = ["ep-harness", "selftest", "--suite", str(self.suite_path), "--check", literal(check.id),
-               "--injections", injection.name]
+               "--injections", injection.name + spot]
         cmd += ["--gpus", str(self.gpus)] if self.gpus is not None else []
         cmd += ["--emulate", self.platform.emulation] if self.platform.emulation else []
         for p in self.plugins:
@@ -148,19 +149,19 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
                 due = [c for c in checks if expectations.required(baseline[c.id], inj.name)[0] in
                        ((True, False) if every_cell else (True,))]
                 say(f"# {inj.name}: {len(due)} check(s) must catch it" if due else f"# {inj.name}: no check must catch it")
-                pairs += [(c, inj) for c in due]  # by injection, then in plan order
+                pairs += [(c, spot) for spot in inj.placements() for c in due]  # by placement, then in plan order
             if pairs:
                 say(f"# launching {len(pairs)} injected check{'' if len(pairs) == 1 else 's'}")
                 t = time.time()
                 records, fired_pairs = launcher.run("injected", pairs)
                 seconds["injected"] = round(time.time() - t, 2)
-                for (name, check_id), r in records.items():
-                    injected.setdefault(name, {})[check_id] = r
-                for name, check_id in fired_pairs:
-                    fired.setdefault(name, set()).add(check_id)
-                for name, got in injected.items():
+                for (label, check_id), r in records.items():
+                    injected.setdefault(label, {})[check_id] = r
+                for label, check_id in fired_pairs:
+                    fired.setdefault(label, set()).add(check_id)
+                for label, got in injected.items():
                     caught = sum(r["status"] in matrix.FAILED for r in got.values())
-                    say(f"# {name}: {caught} of {len(got)} checks caught it")
+                    say(f"# {label}: {caught} of {len(got)} checks caught it")
                 say(f"# injected launch(es): {seconds['injected']} s")
             else:
                 say("# no injection applies to these checks")
@@ -180,10 +181,13 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
                 cells[inj.name] = {"state": "n/a", "why": "needs a GPU (CUDA-graph capture)"}
                 continue
             required, why = expectations.required(baseline[c.id], inj.name)
-            record = injected.get(inj.name, {}).get(c.id)
-            cells[inj.name] = matrix.cell(required, why, record, c.id in fired.get(inj.name, ()))
-            if record is not None:
-                cells[inj.name]["rerun"] = record["rerun"]
+            spots = {}  # one cell per placement; the check must catch every one
+            for spot in inj.placements():
+                record = injected.get(spot.label, {}).get(c.id)
+                spots[spot.label] = matrix.cell(required, why, record, c.id in fired.get(spot.label, ()))
+                if record is not None:
+                    spots[spot.label]["rerun"] = record["rerun"]
+            cells[inj.name] = matrix.merged(spots)
         rows.append({"check": c.id, "case": c.case, "subject": c.subject, "family": c.family, "property": c.property,
                      "baseline": baseline[c.id]["status"], "cells": cells})
     names = [i.name for i in chosen_injections]
@@ -198,8 +202,10 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
     fingerprint.update(suite=str(suite_path), topology=platform.topology.to_dict(), selftest=True)
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", [baseline[c.id] for c in checks if c.id in baseline])
-    for name, records in injected.items():
-        write_jsonl(run_dir / "injected" / f"{name}.jsonl", list(records.values()))
+    for inj in chosen_injections:  # one file per class, its placements' records together
+        records = [r for spot in inj.placements() for r in injected.get(spot.label, {}).values()]
+        if records:
+            write_jsonl(run_dir / "injected" / f"{inj.name}.jsonl", records)
     write_json(run_dir / "selftest.json", result)
     point_latest(out_root, run_dir)
     if not quiet:

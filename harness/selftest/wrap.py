@@ -44,6 +44,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1]) if t.dim() else t.view(1, 1)
 
 
+_SEED = 0x5EED  # the seeded spot: a fixed mix of the row index, so that a rerun plants the same elements
+
+
 def rare_draw(call: int, one_in: int, world: int) -> tuple[bool, int, float]:
     """The `rare` injection's draw for call `call`, the same on every rank: whether it fires
     (probability 1 / one_in), on which rank, and where among the rows (a fraction)."""
@@ -51,18 +54,30 @@ def rare_draw(call: int, one_in: int, world: int) -> tuple[bool, int, float]:
     return r.random() < 1.0 / one_in, r.randrange(world), r.random()
 
 
+def _columns(inj: Injection, rows: int, width: int, device) -> torch.Tensor:
+    """The element of each row a `column` defect takes (`element`, or the spot `at`); torch
+    arithmetic on the device, so that it is safe during CUDA-graph capture."""
+    r = torch.arange(rows, device=device, dtype=torch.int64)
+    if inj.element is not None:
+        return torch.full_like(r, inj.element % width)
+    if inj.at == "seeded":  # a multiplicative hash (Knuth's): a different element in neighbouring rows
+        return ((r + _SEED) * 2654435761 % 2**32) % width
+    return torch.full_like(r, {"first": 0, "middle": width // 2, "last": width - 1}[inj.at or "first"])
+
+
 def _region(out: torch.Tensor, inj: Injection, row_draw: float = 0.0) -> torch.Tensor | None:
+    """The flat indices of `out` the defect changes (None: every element, or none can be).
+    `row_draw`: for `rare`, where in [0, 1) of the rows this call's row lies."""
     if out.numel() == 0 or not out.is_contiguous():
         return None
-    if inj.place == "all":
-        return out
-    if inj.place == "row":
-        rows = _rows(out)
-        return rows[int(row_draw * rows.shape[0]) if inj.when == "rare" else inj.element % rows.shape[0]]
     if inj.place == "element":
-        i = inj.element % out.numel()
-        return out.view(-1)[i:i + 1]
-    return _rows(out)[:, inj.element % max(1, out.shape[-1])]
+        return torch.tensor([(inj.element or 0) % out.numel()], device=out.device)
+    rows = _rows(out)
+    if inj.place == "row":
+        row = int(row_draw * rows.shape[0]) if inj.when == "rare" else (inj.element or 0) % rows.shape[0]
+        return torch.arange(rows.shape[1], device=out.device) + row * rows.shape[1]
+    return torch.arange(rows.shape[0], device=out.device) * rows.shape[1] + \
+        _columns(inj, rows.shape[0], rows.shape[1], out.device)
 
 
 def _capturing() -> bool:
@@ -124,7 +139,23 @@ class _Wrapped:
             _previous[key] = out.detach().clone()  # what this call computed: the next call's stale value
         if not self._fires(call, out):
             return
-        targets = self._outside(inp, slice_rows) if inj.defect == "write-input" else [_region(out, inj, self._row_draw)]
+        if inj.defect == "write-input":
+            self._change(self._outside(inp, slice_rows), call, capturing, previous)
+        elif inj.place == "all":
+            self._change([out] if out.numel() and out.is_contiguous() else [], call, capturing, previous)
+        else:
+            index = _region(out, inj, self._row_draw)
+            if index is None:
+                return
+            flat = out.view(-1).view(_INT[out.element_size()])  # bit patterns: FP8 has no index_select
+            values = flat.index_select(0, index)  # a copy: changed, then put back
+            self._change([values.view(out.dtype)], call, capturing, previous, index)
+            flat.index_copy_(0, index, values)
+
+    def _change(self, targets, call, capturing, previous, index=None):
+        """The defect on each target, in place; logged when a bit changed. `index`: the flat
+        indices of the output the one target was taken from (for the stale value)."""
+        inj = self._inj
         targets = [t for t in targets if t is not None and t.numel()]
         if not targets or (inj.defect == "stale" and (previous is None or capturing)):
             return
@@ -136,10 +167,12 @@ class _Wrapped:
                 target.fill_(math.nan)
             elif inj.defect == "inf":
                 target.fill_(math.inf)
-            elif inj.defect == "stale":
+            elif inj.defect == "stale":  # the same element of the previous call's row (rows wrap round)
                 old = _rows(previous)
-                target.copy_(old[torch.arange(target.shape[0], device=old.device) % old.shape[0],
-                                 inj.element % old.shape[1]])
+                width = old.shape[1]
+                rows = torch.div(index, width, rounding_mode="floor") % old.shape[0]
+                bits = old.reshape(-1).view(_INT[old.element_size()])
+                target.view(bits.dtype).copy_(bits.index_select(0, rows * width + index % width))
         changed = -1 if before is None else sum(_differ(b, t) for b, t in zip(before, targets))
         if changed:
             with open(self._log, "a") as f:
