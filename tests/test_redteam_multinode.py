@@ -13,6 +13,7 @@ from ep_harness import __version__
 from ep_harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.follower import _validated_launch
+from ep_harness import nodes as nodes_module
 from ep_harness.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
@@ -114,6 +115,7 @@ def test_a_fake_head_cannot_name_a_run_outside_out(tmp_path):
 def test_a_genuine_launch_passes_and_gets_this_nodes_own_paths(monkeypatch):
     """The positive control of the refusals above: what a real head publishes is accepted."""
     monkeypatch.setenv("EP_HARNESS_COMMIT", COMMIT)
+    monkeypatch.setattr(nodes_module, "_COMMIT", [])  # the launcher's cached commit, if a test before read it
     monkeypatch.setenv("DG_JIT_CACHE_DIR", "/this/node/cache")
     store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
     channel = run_channel(store, RUN, SECRET)
