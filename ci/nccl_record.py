@@ -160,7 +160,8 @@ def main() -> int:
             logs.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **CONFIGS[config], "NCCL_DEBUG": "INFO",
                    "NCCL_DEBUG_SUBSYS": "INIT,GRAPH,TUNING,ENV", "NCCL_DEBUG_FILE": str(logs / "nccl.%p.log"),
-                   "EP_RECORD_EMULATE": args.emulate, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                   "EP_RECORD_EMULATE": args.emulate,
+                   "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(world_size), __file__, str(args.out), "--worker", config]
