@@ -89,8 +89,9 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | 
 
     emulation = emulate if emulate and gpus > visible else None
     version = nccl_version()
-    if emulation == "single-node" and single_node_problem(version):
-        raise HarnessError(single_node_problem(version))
+    problem = single_node_problem(version) if emulation == "single-node" else None
+    if problem:
+        raise HarnessError(problem)
     props = torch.cuda.get_device_properties(0)
     return Platform(backend="nccl", device="cuda", ranks=gpus, gpu_name=props.name,
                     capability=(props.major, props.minor), gpus=min(gpus, visible), emulation=emulation,
