@@ -12,6 +12,18 @@ sys.path.insert(0, str(REPO))
 REPO_ON_PYTHONPATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """The subject registry as a copy for a test that registers subjects: whatever it adds is
+    gone afterwards, and it starts without `my_reduce_scatter`, a name both the README example
+    and tests.planted_verdicts use (another test in the same xdist worker may have imported the
+    latter)."""
+    from ep_harness import subject
+
+    scratch = {name: s for name, s in subject._REGISTRY.items() if name != "my_reduce_scatter"}
+    monkeypatch.setattr(subject, "_REGISTRY", scratch)
+    return scratch
 def run_cli(*args, cwd=REPO, timeout=600):
     """Run the installed console script the way a user would."""
     exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"

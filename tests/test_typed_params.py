@@ -217,24 +217,21 @@ def _readme_subject_example() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_subject_example_reads_its_parameters_by_attribute(tmp_path):
+def test_the_readme_subject_example_reads_its_parameters_by_attribute(tmp_path, scratch_registry):
     """The documented plugin, as written, plans: equal shards run, uneven ones are skipped
     with its reason; the same example with a mistyped field stops the plan naming it."""
     source = _readme_subject_example()
     assert "params.shards" in source and string_key_reads(source) == [] and unknown_attribute_reads(source) == []
-    try:
-        exec(compile(source, "README.md", "exec"), {})
-        subject = registry.get("my_reduce_scatter")
-        even = CollectiveParams(dtype="bfloat16", world_size=2)
-        assert subject.unavailable(CPU4, even) is None
-        assert subject.unavailable(CPU4, replace(even, shards="uneven")) == "my_reduce_scatter takes equal shards only"
-        registry._REGISTRY.pop("my_reduce_scatter")
-        exec(compile(source.replace("params.shards", "params.shard"), "README.md", "exec"), {})
-        path = tmp_path / "suite.toml"
-        path.write_text('[[case]]\nname = "c"\nsubject = "my_reduce_scatter"\nproperties = ["rank-invariance"]\n'
-                        'expect = "holds"\n[case.params]\ndtype = "bfloat16"\nworld_size = 2\n')
-        with pytest.raises(HarnessError, match=r"reads CollectiveParams\.shard, which is not a field; "
-                                               r"did you mean 'shards'\?"):
-            expand(load_suite(path), CPU4)
-    finally:
-        registry._REGISTRY.pop("my_reduce_scatter", None)
+    exec(compile(source, "README.md", "exec"), {})
+    subject = registry.get("my_reduce_scatter")
+    even = CollectiveParams(dtype="bfloat16", world_size=2)
+    assert subject.unavailable(CPU4, even) is None
+    assert subject.unavailable(CPU4, replace(even, shards="uneven")) == "my_reduce_scatter takes equal shards only"
+    scratch_registry.pop("my_reduce_scatter")
+    exec(compile(source.replace("params.shards", "params.shard"), "README.md", "exec"), {})
+    path = tmp_path / "suite.toml"
+    path.write_text('[[case]]\nname = "c"\nsubject = "my_reduce_scatter"\nproperties = ["rank-invariance"]\n'
+                    'expect = "holds"\n[case.params]\ndtype = "bfloat16"\nworld_size = 2\n')
+    with pytest.raises(HarnessError, match=r"reads CollectiveParams\.shard, which is not a field; "
+                                           r"did you mean 'shards'\?"):
+        expand(load_suite(path), CPU4)
