@@ -10,7 +10,9 @@ subject's input builder).
   dispatches before their combines each carry their own handle);
 * `Served`: what a model subject returns for one batch;
 * the wire-dtype rule: what crosses a dispatcher's wire follows the expert weights'
-  quantization.
+  quantization;
+* `route`: the composed subjects' router, from which the moe_layer family plans the shapes
+  of their expert GEMMs before a launch.
 
 The builders of these inputs are the families' (harness/gemm_problem.py,
 harness/moe_scenario.py, harness/model_inputs.py).
@@ -94,6 +96,18 @@ def contiguous_segments(counts: list[int], alignment: int, device=None) -> tuple
 def expected_m_hint(counts: list[int]) -> int:
     """The masked layout's expected_m when a caller names none: the mean rows per expert."""
     return max(1, sum(counts) // max(len(counts), 1))
+
+
+# --- routing -------------------------------------------------------------------------------
+
+def route(x: torch.Tensor, w_router: torch.Tensor, k: int, scoring: str = "softmax"):
+    """The composed subjects' router: fp32 router logits (computed in float64, rounded once, so
+    no row depends on the batch), softmax or sigmoid scores, top-k, renormalised. Returns
+    (topk_idx, weights). The moe_layer family plans its expert GEMMs' shapes from it."""
+    logits = (x.double() @ w_router.double().T).float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
+    return idx, vals / vals.sum(dim=-1, keepdim=True)
 
 
 # --- dispatch ------------------------------------------------------------------------------

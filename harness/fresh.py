@@ -5,6 +5,7 @@ fails, with how many of the K-1 relaunches differ and where the bits first moved
 repeats (run-to-run) cannot see such drift."""
 from __future__ import annotations
 
+from ep_harness.check import Check
 from ep_harness.launch import Outcome
 
 
@@ -43,3 +44,27 @@ def compare_launches(record: dict, later: list[Outcome | None]) -> dict:
         out["reason"] = (f"bits differ across fresh processes: {differing} of {len(later)} relaunches differ from "
                          f"the first launch{where}; {record['reason']}")
     return out
+
+
+def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
+                             interrupted: BaseException | None) -> dict:
+    """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
+    when a signal came before all of its relaunches finished (the first launch alone shows
+    nothing about fresh processes, so it never stands as the check's verdict)."""
+    later = [o.get(check.id) for o in relaunched]
+    if interrupted is None or (len(later) == launches - 1 and None not in later):
+        return compare_launches(record, later)
+    if record["status"] in ("skipped", "interrupted"):
+        return record
+    done = sum(o is not None for o in later)
+    return {**record, "status": "interrupted", "held": None,
+            "reason": f"the run was interrupted by {interrupted} before this check's relaunches in fresh processes "
+                      f"finished ({done} of {launches - 1}); its first launch was {record['status']}: {record['reason']}"}
+
+
+def compared_records(records: list[dict], checks: list[Check], relaunched: list[dict[str, Outcome]], launches: int,
+                     interrupted: BaseException | None) -> list[dict]:
+    """The run's records, each compared across its `launches` (as they are when there was one)."""
+    if launches <= 1:
+        return records
+    return [compared_across_launches(r, c, relaunched, launches, interrupted) for r, c in zip(records, checks)]

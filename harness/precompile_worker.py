@@ -1,61 +1,141 @@
-"""One pre-compilation process (harness/precompile.py starts a pool of them):
+"""A pre-compilation process, and the head's handle on one (harness/precompile.py starts a
+pool of them, `worker_count` processes):
 
     python -m ep_harness.precompile_worker DEVICE [PLUGIN_MODULE ...]
 
-loads the subjects as a rank does (built-in, entry points, the run's plugin modules), says
-{"ready": true} on a line of its own, then reads ep_harness.precompile.KernelCall's as JSON lines
-on stdin and answers each with one JSON line, {"ok": true} or {"ok": false, "error": "..."},
-after calling the subject once on
-zero-valued inputs of the call's exact shapes: DeepGEMM compiles (or loads) the kernel on
-that first call and keeps it in its cache directory. Anything else written to stdout, by
-DeepGEMM's C++ (printf: NVCC's errors) or by Python, goes to stderr, which the pool writes to
-the run's precompile.log; the answers have a descriptor of their own.
+loads the subjects as a rank does (built-in, entry points, the run's plugin modules), readies
+each JIT they compile with (ep_harness.subject.jit_of: DeepGEMM imported), says {"ready": true}
+on a line of its own, then reads calls as JSON lines on stdin, {"family": ..., "call": ...}
+(rebuilt by that family's Precompile.call class), and answers each with one JSON line,
+{"ok": true} or {"ok": false, "error": "..."}, after making the call once on zero-valued
+inputs: a JIT compiles (or loads) the kernel on that first call and keeps it in its cache
+directory. Anything else written to stdout, by DeepGEMM's C++ (printf: NVCC's errors) or by
+Python, goes to stderr, which the pool writes to the run's precompile.log; the answers have a
+descriptor of their own.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 import traceback
 
-
-def zero_problem(call, device):
-    """A GemmProblem of the call's shapes, every value zero (scales one); the rows per expert
-    (`counts`) are laid out as ep_harness.gemm_problem.build does (ep_harness.contracts)."""
-    import torch
-
-    from ep_harness.contracts import GemmProblem, contiguous_segments
-    from ep_harness.precompile import FP8
-
-    base = torch.float8_e4m3fn if call.dtype == FP8 else torch.bfloat16
-    a = torch.zeros(call.a, dtype=base, device=device)
-    b = torch.zeros(call.b, dtype=base, device=device)
-    counts = list(call.counts)
-    problem = GemmProblem(call.layout, a, b, counts, [0] * max(len(counts), 1))
-    if call.layout == "contiguous":
-        problem.starts, problem.grouped_layout = contiguous_segments(counts, call.alignment, device)
-    elif call.layout == "masked":
-        problem.masked_m = torch.tensor(counts, dtype=torch.int32, device=device)
-        problem.expected_m = call.expected_m
-    if call.a_scale is not None:
-        problem.a_scale = torch.ones(call.a_scale, dtype=torch.float32, device=device)
-        problem.b_scale = torch.ones(call.b_scale, dtype=torch.float32, device=device)
-    return problem
+WORKERS_ENV = "EP_HARNESS_PRECOMPILE_WORKERS"
+NICENESS = 10  # added to the head's: the compile runs beside the ranks (harness/precompile.py)
 
 
-def make(call, device: str) -> None:
-    import torch
+# -- the head's side ------------------------------------------------------------------------
 
+def worker_count(ranks: int = 0) -> int:
+    """EP_HARNESS_PRECOMPILE_WORKERS processes, or one per CPU core this process may use less
+    one per local rank running meanwhile (at least one)."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if value:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            from ep_harness.errors import HarnessError
+
+            raise HarnessError(f"{WORKERS_ENV}={value!r} needs a positive integer (the number of DeepGEMM compile "
+                               f"processes); unset it for one per CPU core, or set EP_HARNESS_PRECOMPILE=0 to "
+                               f"compile in the checks")
+        return count
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores - ranks)
+
+
+class GaveUp(Exception):
+    """A worker that did not answer in time (it has been ended)."""
+
+
+class Worker:
+    """One worker process (its own process group: ended with everything it started, NVCC
+    included) and the calls it makes, one at a time. A thread of its own reads its answers,
+    so that waiting for one has a limit: a hung NVCC or kernel launch must not hang the run."""
+
+    def __init__(self, env: dict, device: str, log, plugins: list[str], startup_s: float):
+        self.proc = subprocess.Popen([sys.executable, "-m", "ep_harness.precompile_worker", device, *plugins],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.started = False  # whether it said it is ready for calls
+        self.startup_s = startup_s  # its limit on saying so
+        threading.Thread(target=self._read, daemon=True, name=f"precompile-answers-{self.proc.pid}").start()
+
+    def _read(self) -> None:
+        with self.proc.stdout as stream:
+            for line in stream:
+                self.lines.put(line)
+        self.lines.put("")  # end of file: the worker has ended
+
+    def _next_line(self, limit_s: float, failure: str) -> str:
+        try:
+            return self.lines.get(timeout=limit_s)
+        except queue.Empty:
+            self.end()
+            raise GaveUp(failure) from None
+
+    def call(self, call) -> dict | None:
+        """The worker's answer, or None when it died (its exit code is then in self.proc).
+        Raises GaveUp when it did not start within startup_s or did not answer within
+        the call's timeout_s (the worker is ended then)."""
+        if not self.started:
+            line = self._next_line(self.startup_s, f"the worker process did not start within {self.startup_s:g} s")
+            if not line:
+                return self._died()
+            if json.loads(line) != {"ready": True}:
+                raise RuntimeError(f"the worker process began with {line.strip()[:200]!r}, not its ready line")
+            self.started = True
+        try:
+            self.proc.stdin.write(json.dumps({"family": call.family, "call": call.to_json()}) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # it died (or was ended): its end of file follows
+            pass
+        line = self._next_line(call.timeout_s, f"timed out after {call.timeout_s:g} s")
+        return json.loads(line) if line else self._died()
+
+    def _died(self) -> None:
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:  # closed its answers but lives on: end it
+            self.end()
+        return None
+
+    def end(self) -> None:
+        """End the worker's process group (and anything it started elsewhere): also when the
+        worker itself has died, as its NVCC may still run. SIGTERM, then SIGKILL to whatever
+        is left after 2 s; returns once the worker has been reaped."""
+        from ep_harness.processes import kill_launch
+
+        kill_launch(self.proc, grace_s=2.0)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+def reason(exc: BaseException) -> str:
+    """One line for what ended a call (or the compile)."""
+    return str(exc) if isinstance(exc, GaveUp) else (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:300]
+
+
+
+# -- the worker process ---------------------------------------------------------------------
+
+def unready_jits() -> dict[int, str]:
+    """Every JIT of the registered subjects readied: why one cannot be, by its id."""
     from ep_harness import subject as registry
 
-    subject = registry.get(call.subject)
-    out = torch.zeros(call.out, dtype=torch.bfloat16, device=device)
-    subject.run(zero_problem(call, device), out)
-    if device == "cuda":
-        torch.cuda.synchronize()  # a kernel that fails to launch fails here, not in the check
-
-
-NICENESS = 10  # added to the head's: the compile runs beside the ranks (harness/precompile.py)
+    jits = {id(j): j for j in map(registry.jit_of, registry.load_all().values()) if j is not None}
+    return {key: why for key, why in ((key, jit.ready()) for key, jit in jits.items()) if why}
 
 
 def main() -> None:
@@ -67,30 +147,31 @@ def main() -> None:
     os.dup2(2, 1)  # whatever else is printed goes to the log
     sys.stdout = sys.stderr
     device, plugins = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("cuda", [])
+    from ep_harness import families
     from ep_harness import subject as registry
-    from ep_harness.precompile import KernelCall
-    from ep_harness.subjects.gemm.deepgemm import deep_gemm
 
-    broken = None
+    broken, unready = None, {}
     try:  # every call fails with the reason (the run's own loading reports it)
         registry.load_all(plugins)
     except Exception as exc:
         broken = f"the subjects cannot be loaded here: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
     if not broken:
-        try:
-            deep_gemm()  # imported (and its determinism switch set) as in a rank, before the first call
-        except ImportError as exc:  # every call fails with the reason (the checks are skipped for it)
-            broken = f"deep_gemm cannot be imported here: {exc}"
+        unready = unready_jits()  # each call of theirs fails with the reason (its checks are skipped for it)
     answers.write(json.dumps({"ready": True}) + "\n")  # the pool's limit on a call starts now
     for line in sys.stdin:
-        call = KernelCall.from_json(json.loads(line))
+        sent, call = json.loads(line), None
         try:
+            call = families.get(sent["family"]).precompile.call.from_json(sent["call"])
             if broken:
                 raise RuntimeError(broken)
-            make(call, device)
+            subject = registry.get(call.subject)
+            if id(registry.jit_of(subject)) in unready:
+                raise RuntimeError(unready[id(registry.jit_of(subject))])
+            call.make(subject, device)
             answer = {"ok": True}
         except Exception as exc:
-            print(f"[precompile pid {os.getpid()}] {call.describe()} failed:", file=sys.stderr)
+            what = call.describe() if call is not None else json.dumps(sent)[:300]
+            print(f"[precompile pid {os.getpid()}] {what} failed:", file=sys.stderr)
             traceback.print_exc()
             answer = {"ok": False, "error": (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:300]}
         sys.stderr.flush()

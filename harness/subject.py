@@ -89,6 +89,17 @@ def compiles_kernels(subject, params) -> bool:
     return bool(hook(params)) if hook is not None else False
 
 
+# Optional: `jit`, for a subject whose kernels a JIT compiles per shape into a cache that every
+# process of the run shares (DeepGEMM): its families plan the calls of its checks
+# (Family.precompile) and harness/precompile.py makes them once, in worker processes, before
+# the checks. `jit.ready()` runs in such a worker before its first call (None, or why no call
+# can be made there); `jit.identity(platform)` says what decides the kernels besides the shapes.
+
+def jit_of(subject):
+    """The subject's `jit`, or None."""
+    return getattr(subject, "jit", None)
+
+
 class CollectiveSubject(Subject, Protocol):
     def reduce_scatter(self, out, inp, sizes: list[int], group) -> None:
         """Sum rows [offset(d), offset(d) + sizes[d]) of every rank's `inp` into rank d's `out`.
@@ -230,11 +241,16 @@ def import_plugins(modules: list[str]) -> None:
             ) from None
 
 
+def import_built_in() -> None:
+    """Register the built-in subjects (the ep_harness.subjects package)."""
+    importlib.import_module("ep_harness.subjects")
+
+
 def load_all(plugins: list[str] = ()) -> dict[str, Subject]:
     """Import built-in subjects, entry-point subjects and explicit plugin modules."""
     global _loaded
     if not _loaded:
-        importlib.import_module("ep_harness.subjects")
+        import_built_in()
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.dist is not None:
                 _ENTRY_POINT_DISTRIBUTIONS[ep.module.partition(".")[0]] = {"distribution": ep.dist.name,

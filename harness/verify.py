@@ -13,6 +13,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ep_harness import subject as registry
 from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite_argument
@@ -20,7 +21,7 @@ from ep_harness.check import Check
 from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
 from ep_harness.environment import applicable_env, pinned_env, platform_for
-from ep_harness.fresh import compare_launches
+from ep_harness.fresh import compared_records
 from ep_harness.launch import Head, Outcome, run_job
 from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
@@ -184,22 +185,6 @@ def unmeasured_cases(records: list[dict]) -> list[str]:
     return lines
 
 
-def compared_across_launches(record: dict, check: Check, relaunched: list[dict[str, Outcome]], launches: int,
-                             interrupted: BaseException | None) -> dict:
-    """A --fresh-processes record: its bits compared with every relaunch's, or `interrupted`
-    when a signal came before all of its relaunches finished (the first launch alone shows
-    nothing about fresh processes, so it never stands as the check's verdict)."""
-    later = [o.get(check.id) for o in relaunched]
-    if interrupted is None or (len(later) == launches - 1 and None not in later):
-        return compare_launches(record, later)
-    if record["status"] in ("skipped", "interrupted"):
-        return record
-    done = sum(o is not None for o in later)
-    return {**record, "status": "interrupted", "held": None,
-            "reason": f"the run was interrupted by {interrupted} before this check's relaunches in fresh processes "
-                      f"finished ({done} of {launches - 1}); its first launch was {record['status']}: {record['reason']}"}
-
-
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
                      summary_md: Path | None, quiet: bool = False, regressions: list[dict] = (),
                      annotate: bool = True) -> None:
@@ -277,6 +262,85 @@ def launch_grouping(options: RunOptions, platform, nodes: Nodes) -> str:
     return "one" if platform.backend == "gloo" else "per-world-size"
 
 
+@dataclass(frozen=True)
+class Launches:
+    """A run's launches: its checks grouped into jobs (launch_grouping), each launched on
+    its world size, with the compile beside them (harness/precompile.py) once it started."""
+
+    checks: list[Check]
+    platform: Any
+    nodes: Nodes
+    environment: EnvironmentRecord
+    run_dir: Path
+    plugins: list[str]
+    options: RunOptions
+
+    def start_compile(self):
+        """The compile beside the launches (a Background), or None; each local rank takes a
+        compile process's place."""
+        from ep_harness import precompile
+
+        grouping = launch_grouping(self.options, self.platform, self.nodes)
+        local_ranks = max((self.nodes.ranks or ws for ws, _, _ in jobs(self.checks, grouping)), default=1)
+        return precompile.start(self.checks, self.platform, self.run_dir, self.options.quiet,
+                                multi_node=self.nodes.multi, plugins=self.plugins, ranks=local_ranks)
+
+    def run(self, head: Head, background, tag: str, on_outcome) -> dict[str, Outcome]:
+        """Every job once, in new processes (`tag` names a relaunch's job directories)."""
+        from ep_harness.precompile import arranged
+
+        done: dict[str, Outcome] = {}
+        platform = self.platform
+        for n, (world_size, env_overrides, job_checks) in enumerate(
+                jobs(self.checks, launch_grouping(self.options, platform, self.nodes))):
+            world_size = self.nodes.ranks or world_size
+            env = pinned_env(platform, env_overrides)
+            job_dir = self.run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
+            self.environment.launched(job_dir.name, env)
+            job_checks, wait, later = arranged(background, job_checks)
+            if not self.options.quiet:
+                from ep_harness.reports.terminal import launch_line
+
+                say_line(launch_line(len(job_checks), world_size, platform.backend, f"{tag.replace('-', ' ')}{later}"))
+            done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, self.plugins,
+                                platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
+        return done
+
+
+def launch_all(head: Head, launches: Launches, on_outcome
+               ) -> tuple[dict[str, Outcome], list[dict[str, Outcome]], Interrupted | None]:
+    """Every launch once the nodes are there, with the compile beside them, and with
+    --fresh-processes K every launch again K-1 times (harness/fresh.py): the first launches'
+    outcomes, each relaunch's, and the interrupt that ended them early (what finished is
+    kept). The head is closed on the way out."""
+    outcomes: dict[str, Outcome] = {}
+    relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
+    interrupted = None
+    background = None  # the DeepGEMM compile beside the launches (harness/precompile.py)
+    with interruptible():
+        try:
+            head.wait_for_nodes()
+            background = launches.start_compile()
+            outcomes.update(launches.run(head, background, "", on_outcome))
+            for k in range(1, launches.options.fresh_processes):  # the same checks again, each launch in new processes
+                relaunched.append({})  # filled when done; an interrupt leaves it holding what finished
+                relaunched[-1] = launches.run(head, background, f"-fresh{k}", None)
+            if background is not None:  # nothing waits for it any more (a launch that died before its checks)
+                background.finish(stop_because="every launch has ended")
+        except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
+            if relaunched:  # the interrupted launch was a relaunch: its outcomes are not the first launch's
+                relaunched[-1] = exc.outcomes
+            else:
+                outcomes.update(exc.outcomes)
+            interrupted = exc
+            say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
+        finally:
+            if background is not None:  # interrupted or failed: its workers and their NVCC end too
+                background.finish(stop_because="")
+            head.close()
+    return outcomes, relaunched, interrupted
+
+
 def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
@@ -318,10 +382,6 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                              options.from_record is not None, nodes, of_env(c.env))
 
     stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
-    outcomes: dict[str, Outcome] = {}
-    relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
-    interrupted = None
-    background = None  # the DeepGEMM compile beside the launches (harness/precompile.py)
     try:
         head = Head(nodes, run_id)
     except HarnessError:
@@ -333,54 +393,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         if nodes.launcher == "torchrun":
             print(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}",
                   flush=True)
-    with interruptible():
-        try:
-            head.wait_for_nodes()
-            from ep_harness.precompile import compiled_last, start
-
-            grouping = launch_grouping(options, platform, nodes)
-            local_ranks = max((nodes.ranks or ws for ws, _, _ in jobs(checks, grouping)), default=1)
-            background = start(checks, platform, run_dir, options.quiet, multi_node=nodes.multi, plugins=plugins,
-                               ranks=local_ranks)
-
-            def run_all(tag: str, on_outcome) -> dict[str, Outcome]:
-                done: dict[str, Outcome] = {}
-                for n, (world_size, env_overrides, job_checks) in enumerate(jobs(checks, grouping)):
-                    world_size = nodes.ranks or world_size
-                    env = pinned_env(platform, env_overrides)
-                    job_dir = run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
-                    environment.launched(job_dir.name, env)
-                    wait, later = None, ""
-                    if background is not None and any(c.id in background.waits_for for c in job_checks):
-                        job_checks, wait = compiled_last(job_checks, background.waits_for), background.rank_wait()
-                        later = (f"; the {sum(c.id in background.waits_for for c in job_checks)} needing the "
-                                 f"DeepGEMM kernels last, once they are compiled")
-                    if not options.quiet:
-                        from ep_harness.reports.terminal import launch_line
-
-                        say_line(launch_line(len(job_checks), world_size, platform.backend,
-                                             f"{tag.replace('-', ' ')}{later}"))
-                    done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, plugins,
-                                        platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
-                return done
-
-            outcomes.update(run_all("", stream.finished))
-            for k in range(1, options.fresh_processes):  # the same checks again, each launch in new processes
-                relaunched.append({})  # filled when done; an interrupt leaves it holding what finished
-                relaunched[-1] = run_all(f"-fresh{k}", None)
-            if background is not None:  # nothing waits for it any more (a launch that died before its checks)
-                background.finish(stop_because="every launch has ended")
-        except Interrupted as exc:  # every process is gone; keep what finished, mark the rest
-            if relaunched:  # the interrupted launch was a relaunch: its outcomes are not the first launch's
-                relaunched[-1] = exc.outcomes
-            else:
-                outcomes.update(exc.outcomes)
-            interrupted = exc
-            say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
-        finally:
-            if background is not None:  # interrupted or failed: its workers and their NVCC end too
-                background.finish(stop_because="")
-            head.close()
+    outcomes, relaunched, interrupted = launch_all(head, Launches(checks, platform, nodes, environment, run_dir,
+                                                                  plugins, options), stream.finished)
     differ = environment.finish(head.reported, run_dir, interrupted, timing(stream.records.values(),
                                                                            time.time() - stream.began,
                                                                            head.precompile_wait_s))
@@ -390,9 +404,7 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
-    if options.fresh_processes > 1:
-        records = [compared_across_launches(r, c, relaunched, options.fresh_processes, interrupted)
-                   for r, c in zip(records, checks)]
+    records = compared_records(records, checks, relaunched, options.fresh_processes, interrupted)
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)

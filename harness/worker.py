@@ -32,16 +32,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import ep_harness.subjects  # noqa: F401  (the built-in subjects, imported before the ranks fork)
 from ep_harness import subject as registry
 from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from ep_harness.check import Check
 from ep_harness.context import RankContext
 from ep_harness.run_environment import rank_fingerprint
-from ep_harness.families import execute, warm_up
+from ep_harness.families import execute, sizes_of, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels
 from ep_harness.threads import THREADS_VAR, apply_in_rank
+
+registry.import_built_in()  # the built-in subjects, imported before the ranks fork
 
 WATCH_S = 0.2
 MARKER_POLL_S = 0.05
@@ -295,8 +296,6 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
 def layout_sizes(checks: list[dict]) -> set[int]:
     """The world sizes the launch's layout-size checks run through (params `layout_sizes`,
     harness/families/layout.py), beside the checks' own world sizes."""
-    from ep_harness.families.layout import sizes_of
-
     return {w for c in checks for w in sizes_of(c)}
 
 

@@ -9,6 +9,7 @@ batch size is odd, so the probe's bits move with the batch and with its row (vio
 """
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,205 @@ def test_an_unregistered_property_or_a_bad_family_is_refused_in_one_line():
     with pytest.raises(HarnessError, match="not a dataclass derived from ep_harness.params.CommonParams"):
         families.register(replace(gemm.FAMILY, name="toy-bad", params=dict))
     assert "toy-bad" not in families.FAMILIES
+
+
+# -- a family whose checks compile kernels: one module and its registry line ----------------
+
+# A toy JIT: `kernel(cols)` "compiles" (half a second) on its first call in the cache directory
+# every process of the run shares, and notes which process compiled or loaded it, and when.
+TOY_KERNELS = '''
+import json, os, time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import torch
+
+from ep_harness import families
+from ep_harness.compare import compare_bitwise
+from ep_harness.families.driver import Copy, Family, Precompile, Run, kept
+from ep_harness.measurement import Measurement
+from ep_harness.params import CommonParams
+from ep_harness.subject import Subject, register
+
+def kernel(cols):
+    built = Path(os.environ["TOY_KERNEL_CACHE"]) / f"sum-{cols}"
+    compiled = not built.exists()
+    if compiled:
+        time.sleep(0.5)
+        built.write_text("a kernel")
+    with open(built.with_name("events.jsonl"), "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "cols": cols, "compiled": compiled, "time": time.time()}) + "\\n")
+
+@dataclass(frozen=True, kw_only=True)
+class SumParams(CommonParams):
+    cols: int = 16
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 3])
+
+class SumSubject(Subject, Protocol):
+    def row_sums(self, x):
+        """x [rows, cols] float32 -> [rows]."""
+
+@dataclass(frozen=True)
+class SumKernel:
+    family: ClassVar[str] = "toy_jit"
+    subject: str
+    cols: int
+    needed_by: str = field(default="", compare=False)
+    timeout_s: float = field(default=60.0, compare=False)
+
+    def key(self):
+        return json.dumps([self.subject, self.cols])
+
+    def group(self):
+        return (self.subject,)
+
+    def describe(self):
+        return f"{self.subject} cols={self.cols} (for {self.needed_by})"
+
+    def to_json(self):
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d):
+        return cls(**d)
+
+    def make(self, subject, device):
+        subject.row_sums(torch.zeros(1, self.cols, device=device))
+
+def kernel_calls(check):
+    return [SumKernel(check.subject, check.params.cols, needed_by=check.id)]
+
+def runs(prop, p, world_size):
+    return [Run(f"batch {n}", (Copy(("batch", n)),), n) for n in p.batch_sizes]
+
+def observe(subject, ctx, p, prop, runs):
+    g = lambda n: torch.Generator().manual_seed(p.seed + n)  # noqa: E731
+    return [kept(subject.row_sums(torch.randn(run.spec, p.cols, generator=g(0)))[0]) for run in runs]
+
+def measure(check, subject, ctx, p, runs, gathered):
+    copies = torch.stack(gathered[0]).unsqueeze(1)
+    return Measurement.bitwise(compare_bitwise(copies, copies[0], [r.label for r in runs]))
+
+FAMILY = Family("toy_jit", ("batch-invariance",), SumParams, runs, observe, measure, protocol=SumSubject,
+                precompile=Precompile(kernel_calls, call=SumKernel))
+families.register(FAMILY)
+
+@register
+class JitSums:
+    name, family, summary = "toy_jit_sums", "toy_jit", "row sums by a kernel compiled on first use"
+
+    def unavailable(self, platform, params):
+        return None
+
+    def row_sums(self, x):
+        kernel(x.shape[1])
+        return x.sum(dim=1)
+'''
+
+# A GPU run's compile on the CPU: start() told the platform is a GPU, its workers allocating on the CPU.
+COMPILED_RUN = '''
+import dataclasses, sys
+from pathlib import Path
+from ep_harness import precompile
+from ep_harness.verify import RunOptions, verify
+
+gpu_start = precompile.start
+precompile.start = lambda checks, platform, run_dir, quiet, **kw: gpu_start(
+    checks, dataclasses.replace(platform, device="cuda"), run_dir, quiet, device="cpu", **kw)
+code, _ = verify(RunOptions(suite=sys.argv[1], gpus=0, cpu_ranks=2, out_root=Path(sys.argv[2]), render=False))
+sys.exit(code)
+'''
+
+
+def compiled_run(tmp_path, **env):
+    """The toy family's two checks (one kernel between them) through verify; the kernel
+    events and the ranks' pids."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import rank_pids
+
+    (tmp_path / "toy_jit.py").write_text(TOY_KERNELS)
+    (tmp_path / "cache").mkdir()
+    suite = tmp_path / "jit.toml"
+    suite.write_text('[suite]\nname = "jit"\nplugins = ["toy_jit"]\n\n' + "\n".join(
+        case(name, "toy_jit_sums", "batch-invariance", "holds", batch_sizes=sizes)
+        for name, sizes in (("small", [1, 3]), ("large", [2, 8]))))
+    proc = subprocess.run([sys.executable, "-c", COMPILED_RUN, str(suite), str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]),
+                               "TOY_KERNEL_CACHE": str(tmp_path / "cache"), "DG_JIT_CACHE_DIR": str(tmp_path / "dg"),
+                               **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "cache" / "events.jsonl").read_text().splitlines()]
+    return events, set(rank_pids((tmp_path / "out" / "latest").resolve()))
+
+
+@pytest.mark.slow
+def test_a_family_that_declares_its_kernels_has_them_compiled_once_before_its_checks(tmp_path):
+    events, ranks = compiled_run(tmp_path)
+    compiled = [e for e in events if e["compiled"]]
+    assert len(compiled) == 1 and compiled[0]["pid"] not in ranks  # once, by a compile worker, for both checks
+    in_ranks = [e for e in events if e["pid"] in ranks]
+    assert in_ranks and all(e["time"] > compiled[0]["time"] for e in in_ranks)  # the checks found it built
+
+
+@pytest.mark.slow
+def test_without_the_compile_the_ranks_compile_the_kernel_themselves(tmp_path):
+    """Positive control for the test above: the same run with EP_HARNESS_PRECOMPILE=0."""
+    events, ranks = compiled_run(tmp_path, EP_HARNESS_PRECOMPILE="0")
+    compiled = [e for e in events if e["compiled"]]
+    assert compiled and all(e["pid"] in ranks for e in compiled)
+
+
+# -- the launch and run layers reach families and subjects through their registries only ----
+
+LAUNCH_AND_RUN = ["launch.py", "agent", "processes.py", "follower.py", "nodes.py", "channel.py", "verify.py",
+                  "plan.py", "worker.py", "fresh.py", "precompile.py", "precompile_worker.py"]
+FAMILY_OR_SUBJECT = ("ep_harness.families.", "ep_harness.subjects", "ep_harness.gemm_problem",
+                     "ep_harness.moe_scenario", "ep_harness.model_inputs")
+
+
+def is_harness_module(name: str) -> bool:
+    where = REPO / "harness" / Path(*name.split(".")[1:])
+    return name.startswith("ep_harness.") and (where.with_suffix(".py").exists() or (where / "__init__.py").exists())
+
+
+def imported_by_name(path) -> set[str]:
+    """Every module a file imports, `from ep_harness import x` read as ep_harness.x where x is
+    a module (a name a package defines, as ep_harness.families.FAMILIES, is not)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(m for m in (f"{node.module}.{a.name}" for a in node.names) if is_harness_module(m))
+    return found
+
+
+def family_or_subject_imports(paths) -> dict[str, list[str]]:
+    offending = {p.name: sorted(m for m in imported_by_name(p) if m.startswith(FAMILY_OR_SUBJECT)) for p in paths}
+    return {name: found for name, found in offending.items() if found}
+
+
+def test_no_launch_or_run_module_imports_a_family_or_a_subject():
+    harness = REPO / "harness"
+    paths = [p for name in LAUNCH_AND_RUN for p in ([harness / name] if name.endswith(".py")
+                                                    else sorted((harness / name).glob("*.py")))]
+    assert len(paths) > len(LAUNCH_AND_RUN) and all(p.exists() for p in paths)
+    assert family_or_subject_imports(paths) == {}
+
+
+@pytest.mark.parametrize("line", ["from ep_harness.families.gemm import runs_for", "import ep_harness.subjects",
+                                  "from ep_harness import subjects", "from ep_harness.moe_scenario import placements"])
+def test_the_layer_check_sees_a_family_or_subject_import(tmp_path, line):
+    planted = tmp_path / "worker.py"
+    planted.write_text("from ep_harness import families, subject\nfrom ep_harness.families import FAMILIES\n")
+    assert family_or_subject_imports([planted]) == {}  # the registries are the way in
+    planted.write_text(planted.read_text() + line + "\n")
+    assert list(family_or_subject_imports([planted])) == ["worker.py"]

@@ -28,6 +28,7 @@ import pytest
 from ep_harness import precompile, precompile_worker
 from ep_harness.cases import load_suite
 from ep_harness.check import single_check
+from ep_harness.families.gemm_calls import KernelCall
 from ep_harness.subject import Platform, get, load_all
 from tests.conftest import REPO
 
@@ -90,7 +91,7 @@ def recorded_key(record: dict) -> tuple:
             None if record["sfb"] is None else tuple(record["sfb"]), record["expected_m"])
 
 
-def planned_key(call: precompile.KernelCall) -> tuple:
+def planned_key(call: KernelCall) -> tuple:
     return (FUNCTION[call.subject], call.a, call.b, call.out, call.a_scale, call.b_scale, call.expected_m)
 
 
@@ -366,7 +367,7 @@ def test_a_call_is_given_the_largest_timeout_of_the_checks_that_need_it():
         assert call.timeout_s == 7.0
     (call,) = precompile.planned_calls([short])[0]
     assert call.timeout_s == 3.0 and call.needed_by == dg.id
-    assert precompile.KernelCall.from_json(call.to_json()).timeout_s == 3.0  # what the worker receives
+    assert KernelCall.from_json(call.to_json()).timeout_s == 3.0  # what the worker receives
 
 
 def test_a_hung_precompile_call_does_not_hang_the_run(fake_deep_gemm, tmp_path, monkeypatch, ends_its_workers):

@@ -18,6 +18,7 @@ from ep_harness import properties
 from ep_harness.errors import HarnessError, did_you_mean, registered
 from ep_harness.families import driver
 from ep_harness.families.driver import Family
+from ep_harness.families.layout import sizes_of  # noqa: F401  (a launch's subgroups: harness/worker.py)
 
 # One line per built-in family: harness/families/<module>.py defines FAMILY.
 BUILT_IN = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")

@@ -66,12 +66,32 @@ class Run:
 
 
 @dataclass(frozen=True)
+class Precompile:
+    """The kernels a family's checks compile on their first call, made once before the checks
+    (Family.precompile; harness/precompile.py makes them in worker processes beside the
+    launches, and the checks find them cached).
+
+    `calls(check)`: the calls the check will make, [] for none, None when they are decided only
+    at run time (the check compiles its own, after the others). A call is a frozen dataclass
+    naming its `subject`, with `needed_by` (the check, for messages) and `timeout_s`, compared
+    on what decides its kernel, with `key()` (a stable string), `describe()`, `group()` (calls
+    likely to build one kernel share it), `to_json()` and the class's `from_json(d)`, and
+    `make(subject, device)`: in a worker, the call once on zero-valued inputs; its class's
+    `family` names the family whose `call` it is. `call`: the class of the calls made on this
+    family's subjects (a worker rebuilds them with it), whichever family planned them."""
+
+    calls: Callable[[Any], list | None]
+    call: type | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """One family, registered by ep_harness.families.register: its name, the names of the
     properties it supports (harness/properties.py), its parameter dataclass (a subclass of
     ep_harness.params.CommonParams), how it runs and measures a check, and the Protocol its
     subjects implement (harness/subject.py checks each subject against it when registered;
-    `optional` names the Protocol's members a subject may leave out)."""
+    `optional` names the Protocol's members a subject may leave out), and, optionally, the
+    kernels its checks compile (`precompile`, a Precompile)."""
 
     name: str
     properties: tuple[str, ...]
@@ -81,6 +101,7 @@ class Family:
     measure: Callable
     protocol: type | None = None  # None: only the members every subject has (ep_harness.subject.Subject)
     optional: tuple[str, ...] = ()
+    precompile: Precompile | None = None  # the kernels its checks compile, made before them
 
 
 def kept(t: torch.Tensor) -> torch.Tensor:

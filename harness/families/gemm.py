@@ -22,7 +22,8 @@ from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise, json_float
 from ep_harness.context import RankContext
 from ep_harness.contracts import GemmProblem
-from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
+from ep_harness.families.driver import Copy, Family, Precompile, Run, kept, require_finite, subject_call
+from ep_harness.families.gemm_calls import KernelCall, compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.params import GemmParams
 from ep_harness.subject import GemmSubject
@@ -176,8 +177,18 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
     return m
 
 
+def _kernel_calls(check) -> list[KernelCall]:
+    """The calls of a check whose subject's JIT compiles ahead (harness/precompile.py)."""
+    if not compiled_ahead(check.subject):
+        return []
+    p = check.params
+    return [gemm_call(check.subject, p.layout, p.dtype, run.counts, p.n, p.k, p.groups, p.alignment, run.expected_m,
+                      check.id)
+            for run in runs_for(check.property, p)]
+
+
 FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost,
-                protocol=GemmSubject)
+                protocol=GemmSubject, precompile=Precompile(_kernel_calls, call=KernelCall))
 
 
 def probe_operands(p: GemmParams, w, w_scale) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,16 +35,18 @@ import torch
 
 from ep_harness import inputs as gen
 from ep_harness import properties
+from ep_harness import subject as registry
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.divergence import Tracer, localise
 from ep_harness.families import model_layout
-from ep_harness.families.driver import Copy, Family, Run, require_finite, subject_call
+from ep_harness.families.driver import Copy, Family, Precompile, Run, require_finite, subject_call
+from ep_harness.families.gemm_calls import compiled_ahead
 from ep_harness.families.moe_layer import router_flips, within_router_margin
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.model_inputs import prompts, to_device, weights
 from ep_harness.params import ModelParams
-from ep_harness.subject import ModelSubject
+from ep_harness.subject import ModelSubject, compiles_kernels
 from ep_harness.tolerances import MODEL, model_factor
 from ep_harness.reference import model as ref
 from ep_harness.reference.orders import order_sensitive
@@ -266,5 +268,15 @@ def _measure_reference(p: ModelParams, b: Batch, gathered) -> Measurement:
                                                      f"float64 router's rounding margin of a tie")
 
 
+def _kernel_calls(check) -> list | None:
+    """None for a model whose GEMM stages' JIT compiles ahead (harness/precompile.py): the
+    rows each expert receives are decided inside the model's layers at run time."""
+    p = check.params
+    if compiles_kernels(registry.get(check.subject), p) and any(
+            name in registry.load_all() and compiled_ahead(name) for name in (p.gemm, p.dense_gemm)):
+        return None
+    return []
+
+
 FAMILY = Family("model", PROPERTIES, ModelParams, _runs, _observe, _measure,
-                protocol=ModelSubject)
+                protocol=ModelSubject, precompile=Precompile(_kernel_calls))

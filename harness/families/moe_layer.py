@@ -29,8 +29,10 @@ import torch
 from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
+from ep_harness.contracts import route
 from ep_harness.families import layout, moe_layout
-from ep_harness.families.driver import Family, kept, require_finite, subject_call
+from ep_harness.families.driver import Family, Precompile, kept, require_finite, subject_call
+from ep_harness.families.gemm_calls import compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.moe_scenario import Placement, placement_runs, probe_copies
 from ep_harness.params import MoeParams
@@ -58,7 +60,7 @@ def layer_weights(p: MoeParams) -> dict:
 
 def router_weights(p: MoeParams) -> torch.Tensor:
     """The router [E, H] fp32 alone (cheap): what decides the routing, and so the experts'
-    row counts (harness/precompile.py plans the GEMM shapes from it before a launch)."""
+    row counts (`_kernel_calls` plans the GEMM shapes from it before a launch)."""
     return _router(p.num_experts, p.hidden, p.seed, p.cancel)
 
 
@@ -282,5 +284,25 @@ def _runs(prop: str, p: MoeParams, world: int) -> list:
     return layout.runs(prop, p, world) if prop in layout.LAYOUT_PROPERTIES else placement_runs(prop, p, world)
 
 
+def _kernel_calls(check) -> list | None:
+    """The layer's two expert GEMMs per run, when its GEMM's JIT compiles ahead
+    (harness/precompile.py), at world size 1 with torch's dispatcher: the experts' row counts
+    follow from routing the run's tokens (cheap: the router alone). None on more ranks or
+    another dispatcher: the rows each rank receives are decided by the other ranks."""
+    p = check.params
+    if not compiled_ahead(p.gemm):
+        return []
+    if check.world_size != 1 or p.dispatch != "torch_a2a_dispatch":
+        return None
+    router, calls = router_weights(p), []
+    for run in placement_runs(check.property, p, 1):
+        idx, _ = route(partials(p, run.spec, 0, 1), router, p.topk, p.scoring)
+        counts = [int((idx == e).sum()) for e in range(p.num_experts)]
+        for n, k in ((2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)):  # gate-up, then down
+            calls.append(gemm_call(p.gemm, p.layout, "bfloat16", counts, n, k, p.num_experts, p.alignment, None,
+                                   check.id))
+    return calls
+
+
 FAMILY = Family("moe_layer", PROPERTIES, MoeParams, _runs, _observe, _measure,
-                protocol=MoeLayerSubject)
+                protocol=MoeLayerSubject, precompile=Precompile(_kernel_calls))

@@ -64,8 +64,37 @@ def import_refusal() -> str | None:
     return None
 
 
+class DeepGemmJit:
+    """DeepGEMM's JIT as ep_harness.subject.jit_of sees it: a kernel per shape, compiled on the
+    first call into DG_JIT_CACHE_DIR, which every process of a run shares (harness/precompile.py
+    compiles the planned calls there before the checks)."""
+
+    @staticmethod
+    def ready() -> str | None:
+        """In a compile worker, before its first call: deep_gemm imported (and its determinism
+        switch set) as in a rank; why no call can be made there, or None."""
+        try:
+            deep_gemm()
+        except ImportError as exc:
+            return f"deep_gemm cannot be imported here: {exc}"
+        return None
+
+    @staticmethod
+    def identity(platform) -> dict:
+        """What decides which kernel a call builds, besides its shapes."""
+        import os
+
+        import torch
+
+        return {"deep_gemm": settings().get("version"), "gpu": platform.gpu_name,
+                "capability": list(platform.capability or ()), "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DG_") and k != "DG_JIT_CACHE_DIR"}}
+
+
 class _DeepGemm:
     family = "gemm"
+    jit = DeepGemmJit()
 
     def unavailable(self, platform, params):
         reason = unsupported(self, params)

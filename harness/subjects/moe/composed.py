@@ -14,7 +14,7 @@ from dataclasses import fields
 import torch
 
 from ep_harness import subject as registry
-from ep_harness.contracts import DispatchConfig, GemmProblem, expected_m_hint
+from ep_harness.contracts import DispatchConfig, GemmProblem, expected_m_hint, route
 from ep_harness.errors import HarnessError
 from ep_harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
 from ep_harness.subject import register
@@ -78,15 +78,6 @@ class Composed:
         return {stage: {"subject": s.name,
                         **(s.describe(STAGE_PARAMS[stage](params)) if hasattr(s, "describe") else {})}
                 for stage, s in self.stages(params).items()}
-
-
-def route(x: torch.Tensor, w_router: torch.Tensor, k: int, scoring: str = "softmax"):
-    """fp32 router logits (computed in float64, rounded once, so no row depends on the batch),
-    softmax or sigmoid scores, top-k, renormalised. Returns (topk_idx, weights)."""
-    logits = (x.double() @ w_router.double().T).float()
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
-    return idx, vals / vals.sum(dim=-1, keepdim=True)
 
 
 @register
