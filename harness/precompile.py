@@ -39,7 +39,7 @@ from typing import Callable
 
 from ep_harness import families
 from ep_harness import subject as registry
-from ep_harness.precompile_worker import Worker as _Worker, reason as _reason, worker_count  # noqa: F401
+from ep_harness.precompile_worker import Worker as _Worker, reason as _reason, worker_count
 
 MANIFEST = "ep-harness-precompiled.json"  # in the DeepGEMM cache directory: calls compiled there
 PROGRESS_EVERY_S = 2.0
