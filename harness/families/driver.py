@@ -68,17 +68,20 @@ class Run:
 @dataclass(frozen=True)
 class Precompile:
     """The kernels a family's checks compile on their first call, made once before the checks
-    (Family.precompile; harness/precompile.py makes them in worker processes beside the
-    launches, and the checks find them cached).
+    (Family.precompile): harness/precompile.py makes the planned calls in worker processes
+    beside the launches, and the checks find the kernels cached.
 
-    `calls(check)`: the calls the check will make, [] for none, None when they are decided only
-    at run time (the check compiles its own, after the others). A call is a frozen dataclass
-    naming its `subject`, with `needed_by` (the check, for messages) and `timeout_s`, compared
-    on what decides its kernel, with `key()` (a stable string), `describe()`, `group()` (calls
-    likely to build one kernel share it), `to_json()` and the class's `from_json(d)`, and
-    `make(subject, device)`: in a worker, the call once on zero-valued inputs; its class's
-    `family` names the family whose `call` it is. `call`: the class of the calls made on this
-    family's subjects (a worker rebuilds them with it), whichever family planned them."""
+    * `calls(check)`: the calls the check will make ([] for none), or None when they are
+      decided only at run time (the check then compiles its own, after the others);
+    * `call`: the class of the calls made on this family's subjects (a worker rebuilds them
+      with it), whichever family planned them (moe_layer plans calls of its GEMM subject).
+
+    A call is a frozen dataclass, equal to another where they build the same kernel, naming
+    its `subject`, with `needed_by` (the first check that makes it) and `timeout_s`; it has
+    `key()` (a stable string, which the cache's manifest remembers), `describe()`, `group()`
+    (calls likely to build one kernel share it), `to_json()`, `from_json(d)` on its class,
+    `family` (the family whose `call` it is) and `make(subject, device)`: in a worker, the
+    call once on zero-valued inputs (harness/families/gemm_calls.py is one)."""
 
     calls: Callable[[Any], list | None]
     call: type | None = None
