@@ -44,7 +44,7 @@ from ep_harness.precompile_worker import Worker as _Worker, reason as _reason, w
 MANIFEST = "ep-harness-precompiled.json"  # in the DeepGEMM cache directory: calls compiled there
 PROGRESS_EVERY_S = 2.0
 STARTUP_LIMIT_S = 300.0  # a worker's start: torch, CUDA and DeepGEMM imported, 16 at once on one GPU
-LABEL = "compiling DeepGEMM kernels"
+LABEL = "compiling DeepGEMM kernels"  # the lines' wording: DeepGEMM's are the built-in families' kernels
 WAIT_ENV = "EP_HARNESS_PRECOMPILE_WAIT_S"
 WAIT_LIMIT_S = 900.0  # the compile's limit while ranks may wait for it (calls have their own)
 RANK_GRACE_S = 60.0  # past the compile's limit, a rank stops waiting for a head that never wrote the marker
@@ -366,11 +366,12 @@ STOPPED = "stopped before it was compiled"
 
 def start(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False, device: str = "cuda",
           plugins: list[str] = (), ranks: int = 0) -> Background | None:
-    """Start compiling the DeepGEMM kernels the checks will need, in the background; None
-    when there is nothing to do (then nothing waits and nothing is reordered). `ranks`: the
-    local ranks that run meanwhile (each takes a compile process's place). `plugins`: the
-    run's plugin modules, which the workers load as the ranks do (a plugin subject may be a
-    DeepGEMM one). (`device`: where the workers allocate, "cpu" only in tests.)"""
+    """Start compiling the kernels the checks will need (the calls their families plan), in
+    the background; None when there is nothing to do (then nothing waits and nothing is
+    reordered). `ranks`: the local ranks that run meanwhile (each takes a compile process's
+    place). `plugins`: the run's plugin modules, which the workers load as the ranks do (a
+    plugin may add a family or a DeepGEMM subject). (`device`: where the workers allocate,
+    "cpu" only in tests.)"""
     if platform.device != "cuda" or multi_node or os.environ.get("EP_HARNESS_PRECOMPILE", "1") == "0":
         return None
     processes = worker_count(ranks)  # a bad setting is refused on every GPU run, not only a cold one
