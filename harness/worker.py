@@ -40,7 +40,7 @@ from ep_harness.context import RankContext
 from ep_harness.run_environment import rank_fingerprint
 from ep_harness.families import execute, warm_up
 from ep_harness.measurement import Measurement
-from ep_harness.subject import compiles_kernels
+from ep_harness.subject import compiles_kernels, set_up, tear_down
 from ep_harness.threads import THREADS_VAR, apply_in_rank
 
 WATCH_S = 0.2
@@ -207,8 +207,7 @@ def rank_main() -> None:
                 continue
             subject = registry.get(check.subject)
             if subject.name not in prepared:  # once per launch per rank, before its first check
-                if hasattr(subject, "setup"):
-                    subject.setup(check_ctx)
+                set_up(subject, check_ctx)
                 prepared[subject.name] = subject
             warm_s = 0.0
             if compiles_kernels(subject, check.params):  # compile (or load) its kernels before timing
@@ -234,8 +233,7 @@ def rank_main() -> None:
                 "warm_up_seconds": round(warm_s, 4) if warm_s else None, "measured": measured,
             })
     for subject in prepared.values():
-        if hasattr(subject, "teardown"):
-            subject.teardown(ctx)
+        tear_down(subject, ctx)
     progress(len(checks))
     dist.barrier()
     # Every result is in the store already. The process group is not torn down: a forked

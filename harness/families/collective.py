@@ -358,4 +358,4 @@ def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
 
 
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
-                protocol=CollectiveSubject, optional=("order_model",))
+                protocol=CollectiveSubject)

@@ -46,6 +46,7 @@ from ep_harness.bits import int_view
 from ep_harness.compare import nonfinite_counts
 from ep_harness.context import RankContext
 from ep_harness.measurement import Measurement
+from ep_harness.subject import description, hook
 
 @dataclass(frozen=True)
 class Copy:
@@ -279,8 +280,8 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
         judge_vacuity(result, prop, runs)
         if trace:
             _prove_kernels(result, subject, p, kernels)
-        if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration
-            result.detail["subject_info"] = subject.describe(p)
+        if hook(subject, "describe") is not None:  # what exactly ran: library version, its configuration
+            result.detail["subject_info"] = description(subject, p)
     return ctx.share_from_rank0(result)  # every rank reaches the same verdict
 
 
