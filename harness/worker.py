@@ -37,7 +37,7 @@ from ep_harness import subject as registry
 from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from ep_harness.check import Check
 from ep_harness.context import RankContext
-from ep_harness.run_environment import rank_fingerprint
+from ep_harness.run_environment import rank_environment
 from ep_harness.families import execute, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels, set_up, tear_down
@@ -164,7 +164,7 @@ def rank_main() -> None:
         dist.init_process_group(job["backend"], timeout=timeout)
     ctx = RankContext(rank=rank, world_size=world_size, backend=job["backend"], device=device,
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
-    fingerprints = ctx.gather(rank_fingerprint())
+    fingerprints = ctx.gather(rank_environment())
     if rank == 0:
         channel.put("ranks", fingerprints)
     pinned = job.get("pinned_env") or {}
