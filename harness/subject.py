@@ -289,6 +289,7 @@ def _contract_problems(subject, protocol, optional=()) -> list[str]:
             continue
         if wanted is None:  # an attribute hook
             kind = OptionalHooks.__annotations__[name]
+            kind = getattr(kind, "__name__", kind)  # a string under `from __future__ import annotations`
             if type(have).__name__ != kind:
                 problems.append(f"{name} is a {type(have).__name__}, the contract reads a {kind} "
                                 f"(expected {name}: {kind})")
