@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ep_harness.bits import hex_bits, int_view, ulp_distance
-from ep_harness.fingerprint import block_fingerprints, fingerprint
+from ep_harness.fingerprint import bits_blocks, bits_fingerprint
 from ep_harness.kernels.bitcompare import bitwise_stats
 
 MAP_COLUMNS = 64
@@ -124,7 +124,7 @@ def compare_bitwise(
     labels = row_labels or [str(r) for r in range(actual.shape[0])]
     mismatched, _, _ = bitwise_stats(actual, expected.contiguous())  # fused on CUDA
     result = Mismatch(mismatched=mismatched, total=actual.numel(), rows=actual.shape[0],
-                      bits_fingerprint=fingerprint(actual), bits_blocks=block_fingerprints(actual))
+                      bits_fingerprint=bits_fingerprint(actual), bits_blocks=bits_blocks(actual))
     if not mismatched:
         result.max_abs, result.max_ulp, result.rows_differing = 0.0, 0, 0
         return result

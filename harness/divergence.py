@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ep_harness.fingerprint import DIGEST_BYTES, combine, fingerprint
+from ep_harness.fingerprint import DIGEST_BYTES, bits_fingerprint, combine
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Tracer:
         for item, row in zip(items, rows):
             if item is None:
                 continue
-            fp = row if isinstance(row, str) else fingerprint(row)
+            fp = row if isinstance(row, str) else bits_fingerprint(row)
             per_op.setdefault(item, {"in": {}, "out": {}})[side][part] = (fp, self.rank)
 
     def chain(self, key, rows) -> list[str]:
@@ -75,7 +75,7 @@ class Tracer:
         order (a sequence's keys and values up to a token). rows: tensor rows or fingerprints."""
         out = []
         for row in rows:
-            fp = row if isinstance(row, str) else fingerprint(row)
+            fp = row if isinstance(row, str) else bits_fingerprint(row)
             self._chains[key] = combine([self._chains.get(key, ""), fp])
             out.append(self._chains[key])
         return out
@@ -155,9 +155,9 @@ def localise(traces_a: list[dict], traces_b: list[dict]) -> dict:
 
 
 def rows_of(t: torch.Tensor, wanted: list[bool] | None = None) -> list[str | None]:
-    """fingerprint(t[i]) for each row i (None where not wanted), from one transfer to the
+    """bits_fingerprint(t[i]) for each row i (None where not wanted), from one transfer to the
     CPU and one byte view: the per-row cost is the digest alone (tested equal to
-    ep_harness.fingerprint.fingerprint row by row)."""
+    ep_harness.fingerprint.bits_fingerprint row by row)."""
     cpu = t.detach().contiguous().cpu()
     if cpu.dim() == 0 or cpu.shape[0] == 0:
         return []

@@ -104,10 +104,10 @@ def torch_findings() -> tuple[list[Finding], int, bool]:
 def cpu_finding(cpu: dict | None = None) -> Finding:
     """The CPU, its vector ISA, the thread count every rank will be pinned to, and what that
     means for the CPU GEMM checks (a oneDNN bf16 GEMM's bits depend on all three)."""
-    from ep_harness.run_environment import cpu_fingerprint
+    from ep_harness.run_environment import cpu_environment
     from ep_harness.threads import DEFAULT_THREADS
 
-    cpu = cpu_fingerprint() if cpu is None else cpu
+    cpu = cpu_environment() if cpu is None else cpu
     isa = cpu.get("isa") or []
     cap = f", ONEDNN_MAX_CPU_ISA={cpu['onednn_max_cpu_isa']}" if cpu.get("onednn_max_cpu_isa") else ""
     if "amx_bf16" in isa:

@@ -27,7 +27,7 @@ def searchable(family: str) -> list[str]:
     from ep_harness import families, properties
 
     found = [p for p in families.get(family).properties if properties.get(p).searchable]
-    return sorted(found, key=lambda p: properties.get(p).comparison != "destination")
+    return sorted(found, key=lambda p: properties.get(p).compares != "destination")
 
 
 def _dispatch_space(st):

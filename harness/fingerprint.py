@@ -1,6 +1,7 @@
-"""Order-sensitive fingerprints of tensor bits.
+"""Order-sensitive fingerprints of tensor bits (a record's `bits_fingerprint` and `bits_blocks`;
+not the run's fingerprint that picks a baseline, harness/gate.py).
 
-A fingerprint is a digest of every byte of the tensor in its logical (row-major) order,
+A bits fingerprint is a digest of every byte of the tensor in its logical (row-major) order,
 together with its dtype and shape: two tensors share one only if they hold the same bits in
 the same places. An xor or a sum of elements would miss a reordering; a digest of the bytes
 cannot. Used for golden bits kept in runs and baselines, and for naming the first op whose
@@ -15,7 +16,7 @@ import torch
 DIGEST_BYTES = 16
 
 
-def fingerprint(t: torch.Tensor) -> str:
+def bits_fingerprint(t: torch.Tensor) -> str:
     """'blake2b:<hex>' over dtype, shape and the raw bytes of `t` (copied to the CPU)."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
@@ -29,7 +30,7 @@ BLOCKS = 32
 BLOCK_DIGEST_HEX = 8
 
 
-def block_fingerprints(t: torch.Tensor, blocks: int = BLOCKS) -> dict:
+def bits_blocks(t: torch.Tensor, blocks: int = BLOCKS) -> dict:
     """Short digests of consecutive blocks of the flattened tensor: two runs whose whole
     fingerprints differ can then say where (the first differing block's element range)
     without either keeping its outputs. {"block": elements per block, "digests": [...]}."""

@@ -1,12 +1,9 @@
 """Proof that the path under test ran: the kernels launched during a check's measured calls.
 
 On a GPU every check is traced with PyTorch's profiler (CUDA activity): the record lists the
-CUDA kernels that ran. A subject may declare the kernels it must launch,
-
-    def kernels(self, params) -> tuple[str, ...]:  # substrings of kernel names
-
-(DeepGEMM's, DeepEP's, NCCL's); a check during which one of them did not run on any rank,
-a silent fallback to another implementation, is an `error`. On the CPU there are no
+CUDA kernels that ran. A subject may declare the kernels it must launch
+(`kernels(params)`, ep_harness.subject.OptionalHooks); a check during which one of them did
+not run on any rank, a silent fallback to another implementation, is an `error`. On the CPU there are no
 kernels: only a subject that declares some is traced there, by the profiler's CPU events,
 whose names include `torch.profiler.record_function` labels (what the test fakes emit), so
 a fake that does not emit its label fails the same way.
@@ -17,6 +14,8 @@ import contextlib
 
 import torch
 
+from ep_harness.subject import hook
+
 MAX_NAMES = 32  # distinct kernel names kept in a record
 MAX_NAME_CHARS = 160
 
@@ -24,10 +23,10 @@ MAX_NAME_CHARS = 160
 def declared(subject, params: dict) -> tuple[str, ...]:
     """The kernel-name substrings `subject` declares. A bare string would be taken letter by
     letter, and an empty name is in every name: either would prove any check ran its kernel."""
-    hook = getattr(subject, "kernels", None)
-    if not callable(hook):
+    own = hook(subject, "kernels")
+    if not callable(own):
         return ()
-    names = hook(params)
+    names = own(params)
     names = names if isinstance(names, str) else tuple(names)  # a generator is read once, here
     if isinstance(names, str) or not all(isinstance(n, str) and n.strip() for n in names):
         raise TypeError(f"{getattr(subject, 'name', subject)}.kernels(params) returned {names!r}; "

@@ -18,7 +18,7 @@ import torch
 
 from ep_harness.compare import Mismatch, json_float, nonfinite_counts
 from ep_harness.fingerprint import combine as combine_fingerprints
-from ep_harness.fingerprint import block_fingerprints, fingerprint
+from ep_harness.fingerprint import bits_blocks, bits_fingerprint
 
 COMPARISONS = ("bitwise", "bounded")
 
@@ -95,8 +95,8 @@ class Measurement(Mismatch):
                    held=not bool(over.any()), bound=rule,
                    max_abs=json_float(float(torch.where(valid, err, zero).max())) if err.numel() else 0.0,
                    error_vs_reference=json_float(float(torch.where(valid, ratio, zero).max())) if err.numel() else 0.0,
-                   nonfinite=nonfinite or None, bits_fingerprint=fingerprint(observed),
-                   bits_blocks=block_fingerprints(observed), **extra)
+                   nonfinite=nonfinite or None, bits_fingerprint=bits_fingerprint(observed),
+                   bits_blocks=bits_blocks(observed), **extra)
 
     def to_record(self) -> dict:
         """The record's measured fields (docs/records.md's schema): counts, comparison and bound at

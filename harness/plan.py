@@ -104,7 +104,7 @@ def expand(suite: Suite, platform: Platform, selection: list[str] | None = None,
     for case in suite.cases:
         subject = registry.get(case.subject)
         if "model" in case.expect.values() and subject.family == "collective" and \
-                getattr(subject, "order_model", None) is None:  # optional, but then nothing can predict
+                registry.hook(subject, "order_model") is None:  # optional, but then nothing can predict
             raise HarnessError(f"{suite.path}: case {case.name!r}: expect = \"model\" needs an order model and "
                                f"subject {subject.name!r} has none; write expect = \"holds\" or \"violated\", or "
                                f"give the subject order_model(backend)")

@@ -5,8 +5,9 @@ A family lists the names of the properties it supports (harness/families/<name>.
 decides how to run each; everything that is the same for every family is read here, never
 from a test on the property's name:
 
-* `comparison` says what is compared, and so when a check could not have failed
-  (harness/families/driver.py `vacuity`):
+* `compares` says what the probe is compared with, and so when a check could not have
+  failed (harness/families/driver.py `vacuity`); not a record's `comparison`, which says how
+  the bits were compared (bitwise or within a bound, harness/measurement.py):
   - "reference": every element against a float64 (or exact) reference; one run suffices;
   - "repeat": one placement of the probe run again (a second call, a CUDA-graph replay);
     at least two runs;
@@ -34,34 +35,34 @@ from dataclasses import dataclass
 
 from ep_harness.errors import HarnessError, registered
 
-COMPARISONS = ("reference", "repeat", "placement", "destination")
+COMPARES = ("reference", "repeat", "placement", "destination")
 
 
 @dataclass(frozen=True)
 class Property:
     name: str
-    comparison: str  # one of COMPARISONS
+    compares: str  # one of COMPARES
     must_catch: frozenset[str] | None = None
     gpu: str | None = None
     searchable: bool = False
     counts_runs: bool = False
 
     def __post_init__(self):
-        if self.comparison not in COMPARISONS:
-            raise HarnessError(f"property {self.name!r}: comparison {self.comparison!r} is unknown; "
-                               f"use one of {', '.join(COMPARISONS)}")
+        if self.compares not in COMPARES:
+            raise HarnessError(f"property {self.name!r}: compares {self.compares!r}, which is unknown; "
+                               f"use one of {', '.join(COMPARES)}")
         if self.must_catch is not None:
             object.__setattr__(self, "must_catch", frozenset(self.must_catch))
 
     @property
     def needs_reference(self) -> bool:
-        return self.comparison == "reference"
+        return self.compares == "reference"
 
     @property
     def min_runs(self) -> int:
         """How many runs a check of it compares at least (copies may share one run, except
         where the property repeats a run)."""
-        return 2 if self.comparison == "repeat" else 1
+        return 2 if self.compares == "repeat" else 1
 
 
 PROPERTIES: dict[str, Property] = {}

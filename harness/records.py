@@ -1,6 +1,9 @@
 """The record: one JSON object per check in `results.jsonl` (docs/records.md lists the keys).
 
-Files are written to a temporary name and renamed, so a reader never sees half a run.
+Files are written to a temporary name and renamed, so a reader never sees half a run. The
+schema sits on the ground floor: it imports no harness module but errors.py, so whatever it
+needs of the environment, the subject registry or the version is passed in by the caller
+(harness/verify.py `base_record`); tests/test_records_floor.py keeps it so.
 """
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
+from ep_harness.errors import HarnessError
 
 REQUIRED = (
     "run_id", "check", "case", "subject", "family", "property", "params", "expect", "held",
@@ -58,8 +63,6 @@ def numbered_jsonl(path: Path, fix: str = "the file is truncated or corrupted") 
     """The JSON objects of a file, one a line, with their line numbers; anything else is one
     HarnessError naming the file's own line (json.loads of one line would always say line 1)
     and `fix`."""
-    from ep_harness.errors import HarnessError
-
     if not path.exists():
         return []
     try:
@@ -81,12 +84,11 @@ def numbered_jsonl(path: Path, fix: str = "the file is truncated or corrupted") 
     return objects
 
 
-def base_record(check, run_id: str, rerun: str) -> dict:
-    """The record's fields that an ep_harness.check.Check decides, before anything is measured."""
-    from ep_harness.environment import redacted
-    from ep_harness.subject import plugin_distribution
-    from ep_harness.version import harness_version
-
+def new_record(check, run_id: str, rerun: str, *, launch_env: dict, harness_version: str,
+               subject_distribution: dict | None = None) -> dict:
+    """The record's fields that an ep_harness.check.Check decides, before anything is measured.
+    `launch_env`: the check's environment as it may be written (credentials redacted);
+    `subject_distribution`: the package and version of a third-party subject (None: built in)."""
     record = {
         "run_id": run_id,
         "check": check.id,
@@ -99,7 +101,7 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         **({"nccl": check.nccl} if check.nccl else {}),  # what ran, read from NCCL (every rank checks it)
         "expect": check.expect,
         "timeout_s": check.timeout_s,
-        "launch_env": redacted(check.env),  # a credential's value never reaches a results file
+        "launch_env": launch_env,
         "held": None,
         "mismatched": None,
         "total": None,
@@ -107,9 +109,8 @@ def base_record(check, run_id: str, rerun: str) -> dict:
         "reason": None,
         "rerun": rerun,
         "seconds": 0.0,
-        "harness_version": harness_version(),
+        "harness_version": harness_version,
     }
-    distribution = plugin_distribution(check.subject)
-    if distribution:  # a third-party subject: which package, at which version, was measured
-        record["subject_distribution"] = distribution
+    if subject_distribution:  # a third-party subject: which package, at which version, was measured
+        record["subject_distribution"] = subject_distribution
     return record

@@ -1,9 +1,10 @@
-"""environment.json: what a run ran on, assembled as it goes. The launcher's fingerprint
+"""environment.json: what a run ran on, assembled as it goes. The launcher's part
 when the run is planned (versions, libraries, host, GPUs, CPU ISA; the suite, its name and
 the selection run), each launch's pinned environment, what every rank reported and the
 nodes they make up (and how those differ), the NCCL topology, the TP-reduction statement
 (harness/nccl/statement.py), an interruption and where the time went. Each rank's own part
-is `rank_fingerprint` (harness/worker.py).
+is `rank_environment` (harness/worker.py). The run's fingerprint, the part of this that decides
+its bits and picks its baseline, is harness/gate.py's.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def gpu_driver() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def rank_fingerprint() -> dict:
+def rank_environment() -> dict:
     """What one rank sees: host, device, versions, and every pinned variable."""
     import torch
 
@@ -84,9 +85,9 @@ BIT_RELEVANT = ("torch", "cuda", "nccl", "device", "driver")  # what makes two n
 def nodes_of(ranks: dict[str, list[dict]]) -> dict[str, dict]:
     """Every node of the run as its ranks saw it (first launch that reported), with its ranks."""
     nodes: dict[str, dict] = {}
-    for fingerprints in ranks.values():
-        for rank, fp in enumerate(fingerprints or []):
-            node = nodes.setdefault(str(fp.get("node", "0")), {k: fp.get(k) for k in NODE_KEYS} | {"ranks": []})
+    for launch in ranks.values():
+        for rank, seen in enumerate(launch or []):
+            node = nodes.setdefault(str(seen.get("node", "0")), {k: seen.get(k) for k in NODE_KEYS} | {"ranks": []})
             if rank not in node["ranks"]:
                 node["ranks"].append(rank)
         if nodes:
@@ -105,8 +106,8 @@ def node_differences(nodes: dict[str, dict]) -> list[str]:
     return lines
 
 
-def run_fingerprint(platform: Platform, command: list[str]) -> dict:
-    """The launcher's part of the fingerprint; ranks add theirs under `ranks`."""
+def launcher_environment(platform: Platform, command: list[str]) -> dict:
+    """The launcher's part of environment.json; ranks add theirs under `ranks`."""
     import torch
 
     nccl = nccl_library.loaded() if platform.backend == "nccl" else None
@@ -128,7 +129,7 @@ def run_fingerprint(platform: Platform, command: list[str]) -> dict:
         "backend": platform.backend,
         "max_ranks": platform.ranks,
         "libraries": library_versions(),
-        "cpu": cpu_fingerprint(),
+        "cpu": cpu_environment(),
     }
 
 
@@ -136,7 +137,7 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
 
-def cpu_fingerprint() -> dict:
+def cpu_environment() -> dict:
     """What decides a CPU GEMM's bits: the CPU model, its vector ISA, the kernel level torch
     dispatches to, and the oneDNN ISA cap (ONEDNN_MAX_CPU_ISA changes bits on one machine)."""
     import torch
@@ -176,7 +177,7 @@ class EnvironmentRecord:
         its source run's); `selection`: the --check patterns, where the run is a part of the
         suite (never recorded or gated as the whole: harness/gate.py)."""
         self.platform = platform
-        self.data = run_fingerprint(platform, list(command))
+        self.data = launcher_environment(platform, list(command))
         self.data["suite"] = str(suite_path)
         self.data["suite_name"] = suite_name
         if selection:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ep_harness.subject import hook
+
 
 def local_partial(shards: torch.Tensor) -> torch.Tensor:
     """[k, ...] -> [...]: the rank's shards summed in float32 in order, rounded once (as
@@ -19,7 +21,7 @@ def local_partial(shards: torch.Tensor) -> torch.Tensor:
 
 def reduce_shards(subject, out: torch.Tensor, shards: torch.Tensor, sizes_: list[int], group) -> None:
     """The TP reduction of this rank's virtual shards [k, rows, H] into `out` (its rows)."""
-    own = getattr(subject, "reduce_shards", None)
+    own = hook(subject, "reduce_shards")
     if own is not None:
         own(out, shards, sizes_, group)
     else:

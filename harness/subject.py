@@ -4,13 +4,13 @@ A subject is a small adapter around one production implementation. It knows noth
 the properties that check it. The built-in families' Protocols are declared here; each
 family names its own in its `Family` (harness/families), and `register` checks a subject
 against the Protocol of the family it names (the data they exchange: harness/contracts.py).
-Optionally a subject has `setup(ctx)` and `teardown(ctx)`, called once per launch on every
-rank (before its first check, after the last) with the rank's
-ep_harness.context.RankContext: where an engine creates its own parallel state (e.g. its
-`initialize_model_parallel`) once and reuses it for every check of the launch. Built-in
-subjects live in `harness/subjects/`, one file each; third-party packages add theirs
-through the entry-point group `ep_harness.subjects` (each entry point names a module that
-registers on import).
+Beyond its family's contract a subject may define the hooks of `OptionalHooks` (per-launch
+`setup` and `teardown`, the kernels it must launch, what exactly ran, its order models,
+...): that Protocol is the one place they are documented, `register` checks the signature of
+each one a subject defines, and the harness reaches them only through the accessors below
+it. Built-in subjects live in `harness/subjects/`, one file each; third-party packages add
+theirs through the entry-point group `ep_harness.subjects` (each entry point names a module
+that registers on import).
 """
 from __future__ import annotations
 
@@ -79,14 +79,116 @@ class Subject(Protocol):
         """Why this subject cannot run here with these params (None when it can). `params`: the
         family's parameter dataclass (ep_harness.params), read by attribute (`params.hidden`)."""
 
-    # Optional: `compiles_kernels(params) -> bool`, True where the first call of a shape
-    # compiles a kernel (DeepGEMM's JIT). Such a check is run once untimed before it is timed,
-    # and the warm-up's seconds are recorded apart (ep_harness.families.driver.warm_up).
+
+class OptionalHooks(Protocol):
+    """What a subject may define beyond its family's contract; without a hook the harness does
+    what each docstring says. `params` is always the check's parameter dataclass, read by
+    attribute; `ctx` an ep_harness.context.RankContext. A hook set to None counts as absent.
+    `register` checks the arity of every hook a subject defines (and that an attribute hook
+    has its type); the harness calls them only through the accessors below."""
+
+    def setup(self, ctx) -> None:
+        """Called once per launch on every rank, before the subject's first check: where an engine
+        creates its own parallel state (its `initialize_model_parallel`) once and reuses it for
+        every check of the launch."""
+
+    def teardown(self, ctx) -> None:
+        """Called once per launch on every rank, after its last check (a collective call is safe:
+        every rank of the launch makes it)."""
+
+    def compiles_kernels(self, params) -> bool:
+        """True where the first call of this shape compiles a kernel (DeepGEMM's JIT): the check
+        is run once untimed before it is timed, and the warm-up's seconds are recorded apart
+        (ep_harness.families.driver.warm_up). Without it: False."""
+
+    def kernels(self, params) -> tuple[str, ...]:
+        """Substrings of the names of kernels the measured calls must launch (DeepGEMM's, DeepEP's,
+        NCCL's): a check during which one of them ran on no rank, a silent fallback, is an
+        `error` (harness/kernel_trace.py). On the CPU only a subject that declares some is
+        traced, by profiler events (`torch.profiler.record_function` labels)."""
+
+    def describe(self, params) -> dict:
+        """What exactly ran (library version, its configuration), kept in the record's
+        `detail.subject_info`."""
+
+    def order_model(self, backend: str) -> OrderModel | None:
+        """Collective: the accumulation order this implementation follows on `backend`, if known.
+        Without it counts are measured but not predicted, and `expect = "model"` is refused."""
+
+    def reduce_shards(self, out, shards, sizes, group) -> None:
+        """Collective, the layout-size properties (docs/layout-invariance.md): reduce this rank's
+        virtual shards [k, rows, H] into `out` itself. Without it the rank's shards are summed
+        in float32 and rounded once (harness/shards.py local_partial), then `reduce_scatter`."""
+
+    def shards_order_model(self, backend: str) -> OrderModel | None:
+        """Collective, the layout-size properties: the order `reduce_shards` follows over all
+        virtual shards. Without it the prediction folds the ranks' partials by `order_model`."""
+
+    def forward_shards(self, shards, weights: dict, params, group):
+        """MoE layer, the layout-size properties: `forward` from this rank's virtual TP shards
+        [k, T, H] instead of its partial sums; a moe_layer subject that runs those properties
+        needs it."""
+
+    def combine_model(self) -> Callable:
+        """Dispatch: the exact order of combine, `model(expert_outputs [k, H], weights [k],
+        experts [k], experts_per_rank) -> [H]` (reference/deepep.py), which predicts the
+        invariance checks' bits from the inputs alone. Without it nothing is predicted."""
+
+    rounds_partials: bool
+    """Dispatch: True where combine rounds each weighted row (or per-rank partial) to bf16
+    before the reduction, one more rounding the combine-reference bound allows. Default False."""
+
+
+HOOKS = tuple(name for name in OptionalHooks.__dict__ if not name.startswith("_")) + tuple(
+    OptionalHooks.__annotations__)
+
+
+def hook(subject, name: str):
+    """The subject's hook `name` of OptionalHooks, or None where it has none."""
+    if name not in HOOKS:
+        raise KeyError(f"{name!r} is not an optional hook; known: {', '.join(HOOKS)}")
+    return getattr(subject, name, None)
+
+
+def set_up(subject, ctx) -> None:
+    if (own := hook(subject, "setup")) is not None:
+        own(ctx)
+
+
+def tear_down(subject, ctx) -> None:
+    if (own := hook(subject, "teardown")) is not None:
+        own(ctx)
 
 
 def compiles_kernels(subject, params) -> bool:
-    hook = getattr(subject, "compiles_kernels", None)
-    return bool(hook(params)) if hook is not None else False
+    own = hook(subject, "compiles_kernels")
+    return bool(own(params)) if own is not None else False
+
+
+def description(subject, params) -> dict:
+    """What the subject says ran (its `describe`); {} where it has no `describe`."""
+    own = hook(subject, "describe")
+    return own(params) if own is not None else {}
+
+
+def order_model_of(subject, backend: str) -> OrderModel | None:
+    """The subject's order model on `backend`; None where it has none."""
+    own = hook(subject, "order_model")
+    return own(backend) if own is not None else None
+
+
+def shards_order_model_of(subject, backend: str) -> OrderModel | None:
+    own = hook(subject, "shards_order_model")
+    return own(backend) if own is not None else None
+
+
+def combine_model_of(subject) -> Callable | None:
+    own = hook(subject, "combine_model")
+    return own() if own is not None else None
+
+
+def rounds_partials(subject) -> bool:
+    return bool(hook(subject, "rounds_partials"))
 
 
 # Optional: `jit`, for a subject whose kernels a JIT compiles per shape into a cache that every
@@ -108,8 +210,6 @@ class CollectiveSubject(Subject, Protocol):
         a slice of `inp`. Must not modify `inp` except through such an alias.
         """
 
-    def order_model(self, backend: str) -> OrderModel | None:
-        """Optional: the accumulation order this implementation follows on `backend`, if known."""
 
 
 class GemmSubject(Subject, Protocol):
@@ -162,9 +262,24 @@ def _signature_text(name: str, method) -> str:
     return f"{name}{inspect.signature(method)}".replace("'", "")
 
 
+def _arity_problem(name: str, wanted, have) -> str | None:
+    """Why `have` cannot be called as the contract's method `wanted` is (None: it can)."""
+    need = len(inspect.signature(wanted).parameters) - 1  # without self
+    try:
+        params = inspect.signature(have).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not any(p.kind == p.VAR_POSITIONAL for p in params) and len(positional) != need:
+        return (f"{name}() takes {len(positional)} argument(s), the contract passes {need} "
+                f"(expected def {_signature_text(name, wanted)})")
+    return None
+
+
 def _contract_problems(subject, protocol, optional=()) -> list[str]:
     """What `subject` lacks of its family's Protocol: members, and the arity of each method
-    (each problem names the expected signature); the `optional` ones may be absent."""
+    (each problem names the expected signature); the `optional` ones may be absent. Then the
+    optional hooks it defines (OptionalHooks): each one's arity, or an attribute's type."""
     problems = []
     for klass in protocol.__mro__:
         if klass in (Protocol, object) or not getattr(klass, "_is_protocol", False):
@@ -178,22 +293,23 @@ def _contract_problems(subject, protocol, optional=()) -> list[str]:
                     expected = f"def {_signature_text(name, wanted)}" if callable(wanted) else f"{name} = ..."
                     problems.append(f"missing {name!r} (expected {expected})")
             elif callable(wanted):
-                need = len(inspect.signature(wanted).parameters) - 1  # without self
-                try:
-                    params = inspect.signature(getattr(subject, name)).parameters.values()
-                except (TypeError, ValueError):
-                    continue
-                positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-                if not any(p.kind == p.VAR_POSITIONAL for p in params) and len(positional) != need:
-                    problems.append(f"{name}() takes {len(positional)} argument(s), the contract passes {need} "
-                                    f"(expected def {_signature_text(name, wanted)})")
-    return list(dict.fromkeys(problems))
-
-
-def order_model_of(subject, backend: str) -> OrderModel | None:
-    """The subject's order model on `backend`; None where it has none (order_model is optional)."""
-    hook = getattr(subject, "order_model", None)
-    return hook(backend) if hook is not None else None
+                problems.append(_arity_problem(name, wanted, getattr(subject, name)))
+    for name in HOOKS:
+        have, wanted = getattr(subject, name, None), vars(OptionalHooks).get(name)
+        if have is None:
+            continue
+        if wanted is None:  # an attribute hook
+            kind = OptionalHooks.__annotations__[name]
+            kind = getattr(kind, "__name__", kind)  # a string under `from __future__ import annotations`
+            if type(have).__name__ != kind:
+                problems.append(f"{name} is a {type(have).__name__}, the contract reads a {kind} "
+                                f"(expected {name}: {kind})")
+        elif not callable(have):
+            problems.append(f"{name} is a {type(have).__name__}, not a method (expected def "
+                            f"{_signature_text(name, wanted)})")
+        else:
+            problems.append(_arity_problem(name, wanted, have))
+    return list(dict.fromkeys(p for p in problems if p))
 
 
 def register(cls):

@@ -20,16 +20,17 @@ from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite
 from ep_harness.check import Check
 from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
-from ep_harness.environment import applicable_env, pinned_env, platform_for
+from ep_harness.environment import applicable_env, pinned_env, platform_for, redacted
 from ep_harness.fresh import compared_records
 from ep_harness.launch import Head, Outcome, run_job
 from ep_harness.nodes import Nodes
 from ep_harness.plan import expand, jobs, literal, planned, selected
 from ep_harness.processes import Interrupted, interruptible
-from ep_harness.records import append_line, base_record, numbered_jsonl, write_atomic, write_json, write_jsonl
+from ep_harness.records import append_line, new_record, numbered_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
 from ep_harness.threads import of_env, user_setting_note
 from ep_harness.verdict import decide
+from ep_harness.version import harness_version
 from ep_harness.reports.analysis import FAILING, nothing_shown
 
 
@@ -56,6 +57,14 @@ def rerun_command(suite: str, check_id: str, gpus: int | None, plugins: list[str
     for p in plugins:
         cmd += ["--plugin", p]
     return shlex.join(cmd)
+
+
+def base_record(check: Check, run_id: str, rerun: str) -> dict:
+    """The check's record before anything is measured, with what this process adds to it: the
+    launch environment redacted (a credential's value never reaches a results file), the
+    harness's version, and the package of a third-party subject."""
+    return new_record(check, run_id, rerun, launch_env=redacted(check.env), harness_version=harness_version(),
+                      subject_distribution=registry.plugin_distribution(check.subject))
 
 
 def finalize(check: Check, outcome: Outcome | None, run_id: str, rerun: str,

@@ -36,10 +36,10 @@ from ep_harness import subject as registry
 from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from ep_harness.check import Check
 from ep_harness.context import RankContext
-from ep_harness.run_environment import rank_fingerprint
+from ep_harness.run_environment import rank_environment
 from ep_harness.families import execute, sizes_of, warm_up
 from ep_harness.measurement import Measurement
-from ep_harness.subject import compiles_kernels
+from ep_harness.subject import compiles_kernels, set_up, tear_down
 from ep_harness.threads import THREADS_VAR, apply_in_rank
 
 registry.import_built_in()  # the built-in subjects, imported before the ranks fork
@@ -165,7 +165,7 @@ def rank_main() -> None:
         dist.init_process_group(job["backend"], timeout=timeout)
     ctx = RankContext(rank=rank, world_size=world_size, backend=job["backend"], device=device,
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
-    fingerprints = ctx.gather(rank_fingerprint())
+    fingerprints = ctx.gather(rank_environment())
     if rank == 0:
         channel.put("ranks", fingerprints)
     pinned = job.get("pinned_env") or {}
@@ -208,8 +208,7 @@ def rank_main() -> None:
                 continue
             subject = registry.get(check.subject)
             if subject.name not in prepared:  # once per launch per rank, before its first check
-                if hasattr(subject, "setup"):
-                    subject.setup(check_ctx)
+                set_up(subject, check_ctx)
                 prepared[subject.name] = subject
             warm_s = 0.0
             if compiles_kernels(subject, check.params):  # compile (or load) its kernels before timing
@@ -235,8 +234,7 @@ def rank_main() -> None:
                 "warm_up_seconds": round(warm_s, 4) if warm_s else None, "measured": measured,
             })
     for subject in prepared.values():
-        if hasattr(subject, "teardown"):
-            subject.teardown(ctx)
+        tear_down(subject, ctx)
     progress(len(checks))
     dist.barrier()
     # Every result is in the store already. The process group is not torn down: a forked

@@ -125,7 +125,7 @@ def divergence(r: dict) -> str:
     return f"; {_one_line(note)}"
 
 
-def comparison_summary(records: list[dict], changes: list[dict]) -> str:
+def changes_summary(records: list[dict], changes: list[dict]) -> str:
     """'0 regressions, 0 improvements, 0 other changes; 164 checks compared' (one line)."""
     kinds = [c["kind"] for c in changes]
     other = len(kinds) - kinds.count("regression") - kinds.count("improvement")
@@ -218,7 +218,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
             lines.append(f"#   ... {len(before_after) - 12} more pairs in report.html")
     if changes is not None:  # compared with an earlier run: say so, even when nothing changed
         lines.append("#")
-        lines.append(f"# against the earlier run: {comparison_summary(records, changes)}")
+        lines.append(f"# against the earlier run: {changes_summary(records, changes)}")
     if changes:
         lines.append("# changes against the earlier run:")
         for ch in changes:

@@ -94,10 +94,10 @@ def test_gpu_and_emulation_lines_when_gpus_are_there():
 
 
 def test_the_cpu_line_names_the_model_isa_threads_and_what_it_means_for_gemms(tmp_path):
-    from ep_harness.run_environment import cpu_fingerprint
+    from ep_harness.run_environment import cpu_environment
 
     _, _, by_component = run_doctor(tmp_path)
-    here = cpu_fingerprint()
+    here = cpu_environment()
     line = by_component["cpu"]
     assert line.startswith(f"ok    cpu         {here['model']}; ISA {' '.join(here['isa'])}"), line
     assert "every rank runs on 1 thread(s), pinned (--threads N)" in line

@@ -11,7 +11,7 @@ import torch
 
 from ep_harness.divergence import Op, Tracer, first_divergence, localise, merge, rows_of
 from ep_harness.errors import HarnessError
-from ep_harness.fingerprint import fingerprint
+from ep_harness.fingerprint import bits_fingerprint
 from tests.conftest import _shared_run
 
 
@@ -86,8 +86,8 @@ def _trace(values: dict) -> dict:
     for (layer, i, stage), items in values.items():
         op = Op((layer, i), stage, layer)
         for item, (ins, outs) in items.items():
-            t.record(op, [item], "in", "x", [fingerprint(torch.tensor(ins))])
-            t.record(op, [item], "out", "y", [fingerprint(torch.tensor(outs))])
+            t.record(op, [item], "in", "x", [bits_fingerprint(torch.tensor(ins))])
+            t.record(op, [item], "out", "y", [bits_fingerprint(torch.tensor(outs))])
     return t.events
 
 
@@ -122,8 +122,8 @@ def test_untracked_items_are_not_recorded_and_rows_are_fingerprinted_like_finger
     x = torch.randn(3, 8).to(torch.bfloat16)
     t.record(Op((0,), "s"), ["a", None, "c"], "out", "y", x)
     assert set(t.events[Op((0,), "s")]) == {"a", "c"}
-    assert t.events[Op((0,), "s")]["c"]["out"]["y"] == (fingerprint(x[2]), 0)
-    assert rows_of(x) == [fingerprint(r) for r in x]
+    assert t.events[Op((0,), "s")]["c"]["out"]["y"] == (bits_fingerprint(x[2]), 0)
+    assert rows_of(x) == [bits_fingerprint(r) for r in x]
     assert rows_of(x.flip(1))[0] != rows_of(x)[0]  # order-sensitive
     first, second = Tracer(0), Tracer(0)
     assert first.chain("k", [x[0], x[1]]) != second.chain("k", [x[1], x[0]])  # a prefix fingerprint is ordered

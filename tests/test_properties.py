@@ -41,7 +41,7 @@ ONE = runs([(("a",), 0), (("b",), 1)])  # one run holding two copies on two rank
     ("destination", ONE, None), ("destination", MOVED, "only one destination"),
 ])
 def test_vacuity_follows_the_comparison(toy_property, comparison, runs_, vacuous):
-    reason = vacuity(toy_property(comparison=comparison), runs_, None, None)
+    reason = vacuity(toy_property(compares=comparison), runs_, None, None)
     assert (reason is None) if vacuous is None else (vacuous in reason)
 
 
@@ -53,7 +53,7 @@ def test_a_gpu_property_is_skipped_on_the_cpu_with_its_reason(toy_property):
     subject = registry.get("all_gather_fold")
     params = build("collective", {"dtype": "float32"}, subject, "test")
     cpu = Platform("gloo", "cpu", 4)
-    assert skip_reason(cpu, subject, toy_property(comparison="repeat", gpu="needs a toy GPU"), params) == \
+    assert skip_reason(cpu, subject, toy_property(compares="repeat", gpu="needs a toy GPU"), params) == \
         "needs a toy GPU"
     assert skip_reason(cpu, subject, "run-to-run", params) is None
     assert skip_reason(Platform("nccl", "cuda", 4, gpus=4), subject, "test-toy-property", params) is None
@@ -72,7 +72,7 @@ def test_explore_draws_the_searchable_properties_across_ranks_first():
 
 
 def test_an_unknown_comparison_or_property_is_one_line():
-    with pytest.raises(HarnessError, match="comparison 'bitwise' is unknown; use one of reference, repeat"):
+    with pytest.raises(HarnessError, match="compares 'bitwise', which is unknown; use one of reference, repeat"):
         Property("x", "bitwise")
     with pytest.raises(HarnessError, match="unknown property 'rank-invariants' \\(did you mean 'rank-invariance'"):
         properties.get("rank-invariants")

@@ -10,7 +10,7 @@ from ep_harness.cases import load_suite
 from ep_harness.environment import applicable_env, recorded_env, redacted_command
 from ep_harness.errors import HarnessError
 from ep_harness.plan import expand
-from ep_harness.records import base_record
+from ep_harness.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import run_cli
 

@@ -18,7 +18,7 @@ from ep_harness.environment import applicable_env, recorded_env
 from ep_harness.errors import HarnessError
 from ep_harness.gate import gate, read_baseline, update_baseline
 from ep_harness.plan import MAX_CHECKS, expand
-from ep_harness.records import base_record
+from ep_harness.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import REPO, gone, run_cli
 from tests.test_gate import ENV, baseline_records, run_with

@@ -338,7 +338,7 @@ def _predicted_probes(model, ctx: RankContext, p, dtype, layouts_, calls) -> lis
 
 
 def _expected(prop, observed, layouts_):
-    if properties.get(prop).comparison == "repeat":  # every repeat against the first
+    if properties.get(prop).compares == "repeat":  # every repeat against the first
         per_run = len(layouts_[0].probes)
         base = observed[:per_run]
         return base.repeat(len(observed) // per_run, 1)
@@ -358,4 +358,4 @@ def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
 
 
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
-                protocol=CollectiveSubject, optional=("order_model",))
+                protocol=CollectiveSubject)

@@ -29,7 +29,7 @@ from ep_harness.nccl.models import NcclContext, NoPrediction
 from ep_harness.params import CollectiveParams
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import shard_offsets
-from ep_harness.subject import order_model_of
+from ep_harness.subject import order_model_of, shards_order_model_of
 from ep_harness.shards import reduce_shards
 
 
@@ -84,9 +84,8 @@ def predict(subject, ctx: RankContext, p: CollectiveParams, runs: list[Run], cal
     """(the predicted outputs [sizes, rows * hidden], the model's name) from the shards alone."""
     logical = virtual_shards(p)
     flat = logical.reshape(logical.shape[0], -1)
-    own = getattr(subject, "shards_order_model", None)
-    if own is not None:
-        model = own(ctx.backend)
+    model = shards_order_model_of(subject, ctx.backend)
+    if model is not None:
         return torch.stack([torch.cat(model.predict(flat, [flat.shape[1] // w] * w, None)) for w in
                             (r.spec for r in runs)]), model.name
     model = order_model_of(subject, ctx.backend)

@@ -35,7 +35,7 @@ from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.moe_scenario import expert_choice, placement_runs, placements, probe_copies, rank_tokens
 from ep_harness.params import DispatchParams
-from ep_harness.subject import DispatchSubject
+from ep_harness.subject import DispatchSubject, combine_model_of, rounds_partials
 from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant
 
@@ -116,15 +116,15 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
         return _measure_dispatch(p, wire, runs[0].spec, [g.received[0] for g in gathered], world)
     if prop == "combine-reference":
         return _measure_combine(p, runs[0].spec, [g.outputs[0] for g in gathered], world,
-                                getattr(subject, "rounds_partials", False))
+                                rounds_partials(subject))
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
     require_finite(m, observed, _probe_combined(p, runs[0].spec, world))
     m.sensitivity = order_sensitive(p)
     m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
-    model = getattr(subject, "combine_model", None)
+    model = combine_model_of(subject)
     if model is not None:  # an exact order model: the copies' bits predicted from the inputs alone
-        predicted = torch.stack([_predicted_probe(model(), p, run.spec, r, pos, world)
+        predicted = torch.stack([_predicted_probe(model, p, run.spec, r, pos, world)
                                  for run in runs for r, pos in run.spec.probes])
         m.predicted_mismatched = compare_bitwise(predicted, predicted[0]).mismatched
         m.order_model, m.order_model_exact = f"{subject.name} combine order", True

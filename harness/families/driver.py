@@ -16,7 +16,7 @@ A family (harness/families/<name>.py) supplies only what is its own, as a `Famil
 * `measure(check, subject, ctx, p, runs, gathered)`: on rank 0, a `Measurement`, with
   `sensitivity` set to how many probe elements some reordering would change.
 
-Vacuity, decided here for every family and property from the property's comparison
+Vacuity, decided here for every family and property from what the property compares
 (harness/properties.py; a check that could not fail is `vacuous`, never `ok`, and a check
 that measured a difference is never `vacuous`: the rules estimate, the count is measured):
 
@@ -46,6 +46,7 @@ from ep_harness.bits import int_view
 from ep_harness.compare import nonfinite_counts
 from ep_harness.context import RankContext
 from ep_harness.measurement import Measurement
+from ep_harness.subject import description, hook
 
 @dataclass(frozen=True)
 class Copy:
@@ -236,7 +237,7 @@ def require_finite(m: Measurement, observed: torch.Tensor, reference: torch.Tens
 
 def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_what: str | None) -> str | None:
     """Why a check of `prop` over `runs` could not have failed, or None: the rules follow
-    the property's comparison (harness/properties.py), whatever its name."""
+    what the property compares (harness/properties.py), whatever its name."""
     kind = properties.get(prop)
     if kind.needs_reference:
         return None
@@ -244,10 +245,10 @@ def vacuity(prop: str, runs: list[Run], sensitivity: int | None, sensitivity_wha
     if len(copies) < 2 or len(runs) < kind.min_runs:
         return f"only one run ({runs[0].label if runs else 'none'}): nothing to compare " \
                f"(a one-element sweep or repeats = 1)"
-    if kind.comparison != "repeat" and len({c.placement for c in copies}) < 2:
+    if kind.compares != "repeat" and len({c.placement for c in copies}) < 2:
         return (f"the {len(copies)} compared runs are one and the same placement ({runs[0].label}): "
                 f"nothing moved in the dimension {prop} names")
-    if kind.comparison == "destination" and len({c.destination for c in copies}) < 2:
+    if kind.compares == "destination" and len({c.destination for c in copies}) < 2:
         return "the probe lands on only one destination"
     if sensitivity == 0:
         return f"0 {sensitivity_what or 'probe elements change bits under any reordering this check could expose'}"
@@ -303,8 +304,8 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
         judge_vacuity(result, prop, runs)
         if trace:
             _prove_kernels(result, subject, p, kernels)
-        if hasattr(subject, "describe"):  # what exactly ran: library version, its configuration
-            result.detail["subject_info"] = subject.describe(p)
+        if hook(subject, "describe") is not None:  # what exactly ran: library version, its configuration
+            result.detail["subject_info"] = description(subject, p)
     return ctx.share_from_rank0(result)  # every rank reaches the same verdict
 
 

@@ -181,7 +181,7 @@ def _measure(check, subject, ctx: RankContext, p: ModelParams, runs: list[Run], 
             m.note = f"{runs[0].label} vs {runs[other].label}: {found['note']}"
     m.sensitivity, m.sensitivity_what = _sensitivity(p, ctx.world_size), \
         "of the probe's layer-0 TP partials and q/k/v products change bits under another summation order"
-    if properties.get(check.property).comparison != "repeat":
+    if properties.get(check.property).compares != "repeat":
         m.vacuous_reason = _nothing_moved(p, runs, gathered)
     return m
 

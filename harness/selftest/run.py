@@ -22,7 +22,7 @@ from ep_harness import subject as registry
 from ep_harness.cases import load_suite, resolve_suite_path
 from ep_harness.check import Check
 from ep_harness.environment import pinned_env, platform_for
-from ep_harness.run_environment import run_fingerprint
+from ep_harness.run_environment import launcher_environment
 from ep_harness.errors import HarnessError
 from ep_harness.launch import Head, run_job
 from ep_harness.nodes import Nodes
@@ -198,9 +198,9 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
               "checks": rows, "blind": matrix.blind(rows), "broken": matrix.broken_cells(rows), "seconds": seconds,
               "tested": sum(c["state"] in ("caught", "missed", "extra") for r in rows for c in r["cells"].values()),
               "wall_s": round(time.time() - began, 2), "interrupted": str(interrupted) if interrupted else None}
-    fingerprint = run_fingerprint(platform, list(command))
-    fingerprint.update(suite=str(suite_path), topology=platform.topology.to_dict(), selftest=True)
-    write_json(run_dir / "environment.json", fingerprint)
+    environment = launcher_environment(platform, list(command))
+    environment.update(suite=str(suite_path), topology=platform.topology.to_dict(), selftest=True)
+    write_json(run_dir / "environment.json", environment)
     write_jsonl(run_dir / "results.jsonl", [baseline[c.id] for c in checks if c.id in baseline])
     for inj in chosen_injections:  # one file per class, its placements' records together
         records = [r for spot in inj.placements() for r in injected.get(spot.label, {}).values()]

@@ -17,7 +17,8 @@ from ep_harness import subject as registry
 from ep_harness.contracts import DispatchConfig, GemmProblem, expected_m_hint, route
 from ep_harness.errors import HarnessError
 from ep_harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
-from ep_harness.subject import register
+from ep_harness.kernel_trace import declared
+from ep_harness.subject import compiles_kernels, description, register
 
 STAGES = ("tp_reduce", "dispatch", "gemm")  # each a field of the parameters naming a subject
 
@@ -64,19 +65,15 @@ class Composed:
         return None
 
     def compiles_kernels(self, params):
-        from ep_harness.subject import compiles_kernels
-
         return any(compiles_kernels(s, STAGE_PARAMS[stage](params)) for stage, s in self.stages(params).items())
 
     def kernels(self, params):
-        from ep_harness.kernel_trace import declared
-
         return tuple(dict.fromkeys(k for stage, s in self.stages(params).items()
                                    for k in declared(s, STAGE_PARAMS[stage](params))))
 
     def describe(self, params) -> dict:
         return {stage: {"subject": s.name,
-                        **(s.describe(STAGE_PARAMS[stage](params)) if hasattr(s, "describe") else {})}
+                        **description(s, STAGE_PARAMS[stage](params))}
                 for stage, s in self.stages(params).items()}
 
 
