@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.records import read_jsonl, write_json, write_jsonl
 
 
@@ -32,8 +33,8 @@ def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-c
         for mode in modes:
             for _ in range(1 if mode == "per-check" else repeats):
                 began = time.perf_counter()
-                code, run_dir = verify(RunOptions(suite, gpus=0, out_root=Path(tmp), render=False, quiet=True,
-                                                  launches=mode))
+                with console.using(console.Console(quiet=True)):  # timed, not watched
+                    code, run_dir = verify(RunOptions(suite, gpus=0, out_root=Path(tmp), render=False, launches=mode))
                 timings[mode].append(time.perf_counter() - began)
                 checks = sum(r["status"] != "skipped" for r in read_jsonl(run_dir / "results.jsonl"))
                 if code:
@@ -216,41 +217,42 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in args.what if w not in BENCHES]
     if unknown:
         parser.error(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
+    out = console.current()
     results = {}
     if "suite" in args.what:
         results["suite"] = bench_suite(args.repeats, args.suite, args.modes)
         s = results["suite"]
         for mode, median in s["median_s"].items():
-            print(f"suite {s['suite']} ({s['checks_run']} checks), {mode} launches: {median} s "
-                  f"(median of {len(s['seconds'][mode])}), {s['speedup_vs_per_world_size'].get(mode, '-')}x the "
-                  f"per-world-size time")
+            out.line(f"suite {s['suite']} ({s['checks_run']} checks), {mode} launches: {median} s "
+                     f"(median of {len(s['seconds'][mode])}), {s['speedup_vs_per_world_size'].get(mode, '-')}x the "
+                     f"per-world-size time")
     if "startup" in args.what:
         results["startup"] = u = bench_startup(max(args.repeats, 9))
-        print(f"one-test pytest run: {u['with_plugin_s']} s with the plugin, {u['without_plugin_s']} s with "
-              f"-p no:ep_harness (medians of {u['repeats']}): the plugin costs {u['plugin_cost_s']} s")
+        out.line(f"one-test pytest run: {u['with_plugin_s']} s with the plugin, {u['without_plugin_s']} s with "
+                 f"-p no:ep_harness (medians of {u['repeats']}): the plugin costs {u['plugin_cost_s']} s")
     if "ep-suite" in args.what:
         results["ep-suite"] = e = bench_ep_suite(args.repeats, args.suite)
-        print(f"pytest --ep-suite {e['suite']}: {e['pytest_ep_suite_s']} s, ep-harness verify: {e['verify_s']} s "
-              f"(medians of {e['repeats']}): {e['ratio']}x")
+        out.line(f"pytest --ep-suite {e['suite']}: {e['pytest_ep_suite_s']} s, ep-harness verify: {e['verify_s']} s "
+                 f"(medians of {e['repeats']}): {e['ratio']}x")
     if "report" in args.what:
         results["report"] = bench_report(args.records, args.repeats, args.source)
         r = results["report"]
-        print(f"report of {r['records']} records: {r['render_median_s']} s (median of {len(r['render_s'])}), "
-              f"{r['html_bytes'] / 1e6:.2f} MB")
+        out.line(f"report of {r['records']} records: {r['render_median_s']} s (median of {len(r['render_s'])}), "
+                 f"{r['html_bytes'] / 1e6:.2f} MB")
     if "compare" in args.what:
         results["compare"] = bench_compare(args.gib, max(args.repeats, 10))
         for r in results["compare"]:
-            print(f"compare {r['dtype']} {r['bytes_per_tensor'] / 2**30:.0f} GiB: fused {r['fused_GBps']} GB/s, "
-                  f"torch {r['torch_GBps']} GB/s, copy {r['copy_GBps']} GB/s -> fused/copy {r['fused_vs_copy']}"
-                  f" (stats agree: {r['agree']})")
+            out.line(f"compare {r['dtype']} {r['bytes_per_tensor'] / 2**30:.0f} GiB: fused {r['fused_GBps']} GB/s, "
+                     f"torch {r['torch_GBps']} GB/s, copy {r['copy_GBps']} GB/s -> fused/copy {r['fused_vs_copy']}"
+                     f" (stats agree: {r['agree']})")
     if "collectives" in args.what:
         results["collectives"] = c = bench_collectives(args.world_size, args.min_kib, args.max_mib,
                                                        max(args.repeats, 5))
-        print(f"collectives on {c['world_size']} {c['backend']} ranks, median of {c['repeats']}:")
+        out.line(f"collectives on {c['world_size']} {c['backend']} ranks, median of {c['repeats']}:")
         for r in c["rows"]:
-            print(f"  {r['bytes'] / 2**20:9.3f} MiB  {r['subject']:22s} {r['median_s'] * 1e3:9.3f} ms  "
-                  f"{r['vs_native']:.2f}x native")
-    print(json.dumps(results))
+            out.line(f"  {r['bytes'] / 2**20:9.3f} MiB  {r['subject']:22s} {r['median_s'] * 1e3:9.3f} ms  "
+                     f"{r['vs_native']:.2f}x native")
+    out.line(json.dumps(results))
     return 0
 
 

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform as host
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_harness import cost
+from ep_harness import console, cost
 from ep_harness.params import GemmParams, QuantParams
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
@@ -454,8 +453,8 @@ def run(out_dir: Path, repeats: int, warmup: int, budget_s: float, seed: int, se
                            "skipped": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
         section["seconds"] = round(time.perf_counter() - began, 2)
         result["sections"].append(section)
-        print(f"[{bench.elapsed():6.1f} s] {title}: {section.get('skipped') or 'done'} ({section['seconds']} s)",
-              flush=True)
+        console.current().line(f"[{bench.elapsed():6.1f} s] {title}: {section.get('skipped') or 'done'} "
+                               f"({section['seconds']} s)")
         _write(out_dir, result)
     result["seconds"] = round(bench.elapsed(), 1)
     _write(out_dir, result)
@@ -478,21 +477,22 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sections", default="dense,quant,grouped", help="comma-separated: dense, quant, grouped")
     args = parser.parse_args(argv)
+    out = console.current()
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = set(sections) - {"dense", "quant", "grouped"}
     if unknown:
-        print(f"error: unknown section(s) {', '.join(sorted(unknown))}; choose from dense, quant, grouped", file=sys.stderr)
+        out.err(f"error: unknown section(s) {', '.join(sorted(unknown))}; choose from dense, quant, grouped")
         return 2
     if args.repeats < 1:
-        print(f"error: --repeats {args.repeats}: need at least 1", file=sys.stderr)
+        out.err(f"error: --repeats {args.repeats}: need at least 1")
         return 2
     import torch
 
     if not torch.cuda.is_available():
-        print("error: the cost bench needs a CUDA GPU (none is visible); run it on the GPU machine", file=sys.stderr)
+        out.err("error: the cost bench needs a CUDA GPU (none is visible); run it on the GPU machine")
         return 2
     result = run(args.out, args.repeats, args.warmup, args.budget_s, args.seed, sections)
-    print(render(result))
+    out.line(render(result))
     return 0
 
 

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from ep_harness import console
+from ep_harness.console import Console
 from ep_harness.errors import HarnessError
 from ep_harness.gate import NotComparable
 
@@ -40,7 +42,8 @@ class Parser(argparse.ArgumentParser):
             what = "command" if choice.group(1) == "command" else choice.group(1)
             message = f"unknown {what} {choice.group(2)!r}{did_you_mean(choice.group(2), known)}; choose from " \
                       f"{', '.join(known)}"
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        console.current().err(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(2)
 
     def options(self) -> list[str]:
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
@@ -61,7 +64,7 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from ep_harness.version import version_line
 
-        print(version_line())
+        console.current().line(version_line())
         parser.exit()
 
 
@@ -189,13 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    for stream in (sys.stdout, sys.stderr):  # a latin-1 or C locale must not crash a report
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
+    Console.tolerant_streams()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, and the option it was probably meant to be
         _unknown_arguments(parser.subcommand(getattr(args, "command", None)), unknown)
+    # The command's one console: -q (verify's) and colour are decided here, for every line after.
+    with console.using(Console(quiet=getattr(args, "quiet", False))) as out:
+        return _command(args, argv, out)
+
+
+def _command(args, argv: list[str], out: Console) -> int:
     try:
         if args.command == "verify":
             from ep_harness.cases import load_suite, resolve_suite_path
@@ -221,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
 
             code, run_dir = verify(RunOptions(
                 args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
-                out_root=args.out, command=["ep-harness", *argv], render=not args.no_report, quiet=args.quiet,
+                out_root=args.out, command=["ep-harness", *argv], render=not args.no_report,
                 launches=args.launches, emulate=args.emulate, from_record=args.from_record,
                 allow_empty=args.allow_empty, seed=args.seed, junit_xml=args.junit_xml, summary_md=args.summary_md,
                 show_skipped=args.show_skipped, nodes=nodes, fresh_processes=args.fresh_processes, threads=threads))
-            if args.quiet:
-                _quiet_summary(run_dir)
+            if out.quiet:
+                _quiet_summary(run_dir, out)
             return code
         if args.command == "report":
             from ep_harness.reports.render import render_run
@@ -235,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped,
                               failed_run_fails=True)
         if args.command == "list":
-            return _list(args)
+            return _list(args, out)
         if args.command == "doctor":
             from ep_harness.doctor import doctor
 
@@ -251,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             from ep_harness.gate import gate, render_gate
 
             result = gate(args.run_dir, args.baseline)
-            print(render_gate(result))
+            out.line(render_gate(result))
             return 0 if result["passed"] else 1
         if args.command == "baseline":
             from ep_harness.gate import update_baseline
 
-            print(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
+            out.line(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
             return 0
         if args.command == "explore":
             import importlib.util
@@ -275,15 +282,15 @@ def main(argv: list[str] | None = None) -> int:
                            emulate=args.emulate, summary_md=args.summary_md, junit_xml=args.junit_xml,
                            command=["ep-harness", *argv])
     except NotComparable as exc:  # no baseline of this run's fingerprint: neither pass nor regression
-        print(f"ep-harness: {exc}", file=sys.stderr)
+        out.err(f"ep-harness: {exc}")
         return 3
     except HarnessError as exc:
-        print(f"ep-harness: error: {exc}", file=sys.stderr)
+        out.err(f"ep-harness: error: {exc}")
         return 2
     return 2
 
 
-def _quiet_summary(run_dir: Path) -> None:
+def _quiet_summary(run_dir: Path, out: Console) -> None:
     """verify -q: each failure with its rerun command, then the verdict and the counts."""
     from ep_harness.reports.analysis import FAILING, counts, verdict
     from ep_harness.reports.load import load_run
@@ -292,10 +299,10 @@ def _quiet_summary(run_dir: Path) -> None:
     records = load_run(run_dir).records
     for r in records:
         if r["status"] in FAILING:
-            print(_one_line(f"{mark(r)}: {r['check']}: {r['reason']}{divergence(r)}"))
-            print(_one_line(f"  rerun: {r['rerun']}"))
+            out.line(_one_line(f"{mark(r)}: {r['check']}: {r['reason']}{divergence(r)}"))
+            out.line(_one_line(f"  rerun: {r['rerun']}"))
     summary = ", ".join(f"{n} {status}" for status, n in counts(records).items() if n)
-    print(f"# {verdict(records)}: {summary} ({run_dir})")
+    out.line(f"# {verdict(records)}: {summary} ({run_dir})")
 
 
 def _unknown_arguments(parser: Parser, unknown: list[str]) -> None:
@@ -305,22 +312,22 @@ def _unknown_arguments(parser: Parser, unknown: list[str]) -> None:
     parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
-def _list(args) -> int:
+def _list(args, out: Console) -> int:
     from ep_harness import subject as registry
     from ep_harness.cases import known_suites, load_suite, resolve_suite_path
     from ep_harness.environment import detect
     from ep_harness.plan import expand
 
     if args.suite is None:
-        print("# suites (--suite NAME, or a path to a TOML file):")
+        out.line("# suites (--suite NAME, or a path to a TOML file):")
         for name, path in known_suites().items():
-            print(f"  {name:16}  {load_suite(path).description}")
-        print("# subjects:")
+            out.line(f"  {name:16}  {load_suite(path).description}")
+        out.line("# subjects:")
         for name, subject in sorted(registry.load_all(args.plugin).items()):
-            print(f"  {name:30}  {subject.family:10}  {subject.summary}")
+            out.line(f"  {name:30}  {subject.family:10}  {subject.summary}")
         return 0
     suite = load_suite(resolve_suite_path(args.suite))
     registry.load_all([*suite.plugins, *args.plugin])
     for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate)):
-        print(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))
+        out.line(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))
     return 0

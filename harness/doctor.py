@@ -221,12 +221,15 @@ def findings() -> list[Finding]:
 
 
 def doctor() -> int:
+    from ep_harness import console
+
+    out = console.current()
     found = findings()
-    print("# ep-harness doctor: what this machine will run (ok), skip (and why), and the fix for each gap")
+    out.line("# ep-harness doctor: what this machine will run (ok), skip (and why), and the fix for each gap")
     for f in found:
-        print(f.line(), flush=True)
+        out.line(f.line())
     if any(f.status == FAIL for f in found):
-        print("# FAILED: the CPU default cannot run here; apply the FAIL lines' fixes")
+        out.line("# FAILED: the CPU default cannot run here; apply the FAIL lines' fixes")
         return 1
-    print("# the CPU default can run: ep-harness verify --gpus 0")
+    out.line("# the CPU default can run: ep-harness verify --gpus 0")
     return 0

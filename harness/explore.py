@@ -13,6 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.check import Check, single_check
 from ep_harness.errors import HarnessError
 from ep_harness.records import append_line, read_jsonl, write_json
@@ -108,7 +109,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
         with interruptible():
             proc.wait(timeout=budget_s + 600)
     except Interrupted as exc:  # the whole launch ends with it (below); nothing was found
-        print(f"# exploration interrupted by {exc}", flush=True)
+        console.current().line(f"# exploration interrupted by {exc}")
         return 128 + exc.signum
     except subprocess.TimeoutExpired:
         raise HarnessError(f"the exploration launch outlived its budget + 600 s; log {job_dir}/torchrun.log") from None
@@ -119,10 +120,11 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
         tail = "\n".join((job_dir / "torchrun.log").read_text().splitlines()[-15:])
         raise HarnessError(f"the exploration launch failed (exit {proc.returncode}); log {job_dir}/torchrun.log:\n{tail}")
     result = json.loads(result_path.read_text())
-    print(f"# explored {subject_name} on {world_size} {platform.backend} ranks: {result['examples']} examples "
-          f"in {result['seconds']:.0f} s ({len(known)} known counterexample(s) replayed first)")
+    out = console.current()
+    out.line(f"# explored {subject_name} on {world_size} {platform.backend} ranks: {result['examples']} examples "
+             f"in {result['seconds']:.0f} s ({len(known)} known counterexample(s) replayed first)")
     if not result["found"]:
-        print("# no violation found within the budget")
+        out.line("# no violation found within the budget")
         return 0
     example = result["example"]
     n = len(known) + 1
@@ -131,11 +133,11 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                      + snippet(subject_name, example, n, world_size))
     if not result.get("replayed"):
         append_line(store, {"subject": subject_name, "example": example, "found": result["summary"]})
-    print(f"# violation: {result['summary']}")
-    print(snippet(subject_name, example, n, world_size))
+    out.line(f"# violation: {result['summary']}")
+    out.line(snippet(subject_name, example, n, world_size))
     check = f"counterexample-{n}/{example['property']}"
-    print(f"# rerun: ep-harness verify --suite {suite} --check '{check}'"
-          + "".join(f" --plugin {p}" for p in plugins))
+    out.line(f"# rerun: ep-harness verify --suite {suite} --check '{check}'"
+             + "".join(f" --plugin {p}" for p in plugins))
     return 1
 
 

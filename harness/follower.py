@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.launch import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
@@ -93,7 +94,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
     out_dir = out_dir / f"node{nodes.node_rank}-{run}"
     out_dir.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"# node {nodes.node_rank}: joined run {run} at {nodes.endpoint}; logs in {out_dir}", flush=True)
+        console.current().line(f"# node {nodes.node_rank}: joined run {run} at {nodes.endpoint}; logs in {out_dir}")
     k, code = 0, 0
     try:
         with interruptible():
@@ -144,5 +145,5 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
         # the interpreter ("terminate called without an active exception", exit -6).
         beat.join(timeout=2 * NODE_BEAT_S + 5)
     if not quiet:
-        print(f"# node {nodes.node_rank}: {k} launch(es) done; the records are on the head node", flush=True)
+        console.current().line(f"# node {nodes.node_rank}: {k} launch(es) done; the records are on the head node")
     return code

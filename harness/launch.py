@@ -21,11 +21,11 @@ import os
 import re
 import secrets
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
@@ -160,8 +160,8 @@ class Head:
                 if node not in self.lost:
                     self.channel.wait(f"node/{node}/done", timeout_s)
         if self.channel.forged:
-            print(f"# WARNING: {len(self.channel.forged)} value(s) in the run's store were not signed with its "
-                  f"secret and were ignored (first: {self.channel.forged[0][:120]})", file=sys.stderr, flush=True)
+            console.current().err(f"# WARNING: {len(self.channel.forged)} value(s) in the run's store were not signed "
+                                  f"with its secret and were ignored (first: {self.channel.forged[0][:120]})")
 
 
 def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:

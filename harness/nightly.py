@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.gate import NotComparable, append_history, gate, render_gate
 from ep_harness.verify import RunOptions, verify, write_ci_outputs
 from ep_harness.reports.load import load_run
@@ -27,10 +28,11 @@ def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | No
         result, message = None, f"# gate: {exc}"
     render_run(run_dir, history=history)
     run = load_run(run_dir)
-    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, quiet=True, annotate=False,
+    write_ci_outputs(run_dir, run.records, run.environment, None, summary_md, annotate=False,
                      regressions=result["regressions"] if result else ())
-    print(f"# history: {added} rows appended to {history}")
-    print(render_gate(result) if result else message)
+    out = console.current()
+    out.line(f"# history: {added} rows appended to {history}")
+    out.line(render_gate(result) if result else message)
     if result is None:
         return 3
     return 0 if code == 0 and result["passed"] else 1

@@ -364,13 +364,15 @@ class CheckItem(pytest.Item):
         the first worker to get here runs it and the others read its records (suite_records:
         a file lock in the session's private directory)."""
         if SUITE_RECORDS not in self.config.stash:
+            from ep_harness.console import Console, using
             from ep_harness.plan import literal
             from ep_harness.verify import RunOptions, verify
 
             def run_verify(out_root: Path) -> Path:
                 batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
-                return verify(RunOptions(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
-                                         out_root=out_root, render=False, quiet=True))[1]
+                with using(Console(quiet=True)):  # pytest reports the checks
+                    return verify(RunOptions(self.suite, gpus=self.gpus, selection=[literal(c) for c in batch],
+                                             out_root=out_root, render=False))[1]
 
             shared, nonce = self.config.stash[SUITE_DIR]
             self.config.stash[SUITE_RECORDS] = suite_records(shared, nonce, run_verify)

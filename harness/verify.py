@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ep_harness import subject as registry
+from ep_harness import console, subject as registry
 from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite_argument
 from ep_harness.check import Check
-from ep_harness.console import line as say_line
 from ep_harness.errors import HarnessError
 from ep_harness.environment import applicable_env, pinned_env, platform_for, redacted
 from ep_harness.fresh import compared_records
@@ -98,25 +97,24 @@ class Stream:
     each record appended to results.jsonl as it arrives, so an interrupted or killed run
     keeps what it measured (the final file is then rewritten whole, in plan order)."""
 
-    def __init__(self, run_dir: Path, run_id: str, checks: list[Check], quiet: bool, rerun):
+    def __init__(self, run_dir: Path, run_id: str, checks: list[Check], rerun):
         from ep_harness.reports import terminal
 
-        self.terminal, self.path, self.run_id, self.quiet, self.rerun = terminal, run_dir / "results.jsonl", run_id, \
-            quiet, rerun
+        self.terminal, self.path, self.run_id, self.rerun = terminal, run_dir / "results.jsonl", run_id, rerun
+        self.out = console.current()
         self.runnable = sum(c.skip_reason is None for c in checks)
         self.keys = terminal.varying([{"case": c.case, "params": c.params_record} for c in checks])
         self.records: dict[str, dict] = {}  # check id -> its record, as streamed
         self.began = time.time()
-        if not quiet:
-            say_line(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}")
+        self.out.info(f"{'# [n/N]':<10}{'elapsed':>8} {terminal.header()[2:]}")
 
     def finished(self, check: Check, outcome: Outcome) -> None:
         record = self.records[check.id] = finalize(check, outcome, self.run_id, self.rerun(check))
         append_line(self.path, record)
-        if not self.quiet:
+        if not self.out.quiet:
             count = f"[{len(self.records)}/{self.runnable}]"
-            row = self.terminal.row(record, self.keys[check.case], self.terminal.colour_enabled())
-            say_line(f"{count:<10}{time.time() - self.began:7.1f}s {row[2:]}")
+            row = self.terminal.row(record, self.keys[check.case], self.out.colour)
+            self.out.info(f"{count:<10}{time.time() - self.began:7.1f}s {row[2:]}")
 
 
 def timing(records, wall_s: float, precompile_wait_s: float = 0.0) -> dict:
@@ -195,7 +193,7 @@ def unmeasured_cases(records: list[dict]) -> list[str]:
 
 
 def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, junit_xml: Path | None,
-                     summary_md: Path | None, quiet: bool = False, regressions: list[dict] = (),
+                     summary_md: Path | None, regressions: list[dict] = (),
                      annotate: bool = True) -> None:
     """JUnit XML and the Markdown summary where asked for; annotations under GitHub Actions
     (with -q too: they are how a failure reaches the pull request; `annotate=False` where the
@@ -209,7 +207,7 @@ def write_ci_outputs(run_dir: Path, records: list[dict], environment: dict, juni
             f.write(ci_outputs.summary_markdown(records, environment, list(regressions)))
     if os.environ.get("GITHUB_ACTIONS") == "true" and annotate:
         for line in ci_outputs.github_annotations(records, environment):
-            print(line, flush=True)
+            console.current().line(line)
 
 
 def claim_run_dir(out_root: Path) -> tuple[str, Path]:
@@ -247,7 +245,6 @@ class RunOptions:
     out_root: Path = Path("reports/out")
     command: list[str] = ()  # the command line, for the fingerprint
     render: bool = True
-    quiet: bool = False
     launches: str = "auto"  # how checks are grouped into torchrun launches
     emulate: str | None = None  # "hosts" or "single-node" (harness/emulation.py)
     from_record: Path | None = None  # rerun these records' checks instead of a suite's
@@ -291,7 +288,7 @@ class Launches:
 
         grouping = launch_grouping(self.options, self.platform, self.nodes)
         local_ranks = max((self.nodes.ranks or ws for ws, _, _ in jobs(self.checks, grouping)), default=1)
-        return precompile.start(self.checks, self.platform, self.run_dir, self.options.quiet,
+        return precompile.start(self.checks, self.platform, self.run_dir, console.current().quiet,
                                 multi_node=self.nodes.multi, plugins=self.plugins, ranks=local_ranks)
 
     def run(self, head: Head, background, tag: str, on_outcome) -> dict[str, Outcome]:
@@ -307,10 +304,10 @@ class Launches:
             job_dir = self.run_dir / "jobs" / f"{n:02d}-ws{world_size}{tag}"
             self.environment.launched(job_dir.name, env)
             job_checks, wait, later = arranged(background, job_checks)
-            if not self.options.quiet:
-                from ep_harness.reports.terminal import launch_line
+            from ep_harness.reports.terminal import launch_line
 
-                say_line(launch_line(len(job_checks), world_size, platform.backend, f"{tag.replace('-', ' ')}{later}"))
+            console.current().info(launch_line(len(job_checks), world_size, platform.backend,
+                                               f"{tag.replace('-', ' ')}{later}"))
             done.update(run_job(head, job_dir, world_size, platform.backend, job_checks, env, self.plugins,
                                 platform.emulation, on_outcome=on_outcome, precompile_wait=wait))
         return done
@@ -342,7 +339,7 @@ def launch_all(head: Head, launches: Launches, on_outcome
             else:
                 outcomes.update(exc.outcomes)
             interrupted = exc
-            say_line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
+            console.current().line(f"# interrupted by {exc}: keeping {len(outcomes)} finished check(s)")
         finally:
             if background is not None:  # interrupted or failed: its workers and their NVCC end too
                 background.finish(stop_because="")
@@ -373,16 +370,17 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
                                     source_suite_name(options.from_record) if options.from_record else loaded.name)
     threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
-    if not options.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
+    out = console.current()
+    if not out.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
         from ep_harness.reports.terminal import run_header
 
         plan = [(nodes.ranks or ws, len(cs))
                 for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
         for line in run_header(environment.data, plan, sum(c.skip_reason is not None for c in checks), run_id=run_id):
-            print(line, flush=True)
+            out.info(line)
         note = user_setting_note(threads) if isinstance(threads, int) else None
         if note:
-            print(f"# note: {note}", flush=True)
+            out.info(f"# note: {note}")
 
     suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
@@ -390,25 +388,24 @@ def verify(options: RunOptions) -> tuple[int, Path]:
         return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
                              options.from_record is not None, nodes, of_env(c.env))
 
-    stream = Stream(run_dir, run_id, checks, options.quiet, rerun)
+    stream = Stream(run_dir, run_id, checks, rerun)
     try:
         head = Head(nodes, run_id)
     except HarnessError:
         run_dir.rmdir()  # nothing was written: no partial run
         raise
-    if nodes.multi and not options.quiet:
-        print(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at {head.endpoint}; "
-              f"waiting for the other nodes", flush=True)
+    if nodes.multi:
+        out.info(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at "
+                 f"{head.endpoint}; waiting for the other nodes")
         if nodes.launcher == "torchrun":
-            print(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}",
-                  flush=True)
+            out.info(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}")
     outcomes, relaunched, interrupted = launch_all(head, Launches(checks, platform, nodes, environment, run_dir,
                                                                   plugins, options), stream.finished)
     differ = environment.finish(head.reported, run_dir, interrupted, timing(stream.records.values(),
                                                                            time.time() - stream.began,
                                                                            head.precompile_wait_s))
-    for line in differ if not options.quiet else ():
-        print(f"# WARNING: the nodes differ, {line}", flush=True)
+    for line in differ:
+        out.warning(f"the nodes differ, {line}")
     fingerprint = environment.data
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
@@ -417,26 +414,23 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     write_json(run_dir / "environment.json", fingerprint)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
-    if not options.quiet:
-        print(timing_line(fingerprint["timing"]), flush=True)
-        for line in unmeasured_cases(records):  # before the verdict, which stays the last lines
-            print(f"# WARNING: {line}", flush=True)
+    out.info(timing_line(fingerprint["timing"]))
+    for line in unmeasured_cases(records):  # before the verdict, which stays the last lines
+        out.warning(line)
     if options.render:
         from ep_harness.reports.render import render_run
 
-        render_run(run_dir, quiet=options.quiet, show_skipped=options.show_skipped, rows=options.quiet)
-    write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md, options.quiet)
+        render_run(run_dir, show_skipped=options.show_skipped, rows=out.quiet)
+    write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)
     if all(r["status"] == "skipped" for r in records) and not options.allow_empty:
-        if not options.quiet:  # a run that measured nothing is not a pass
-            print(f"# nothing ran: all {len(records)} checks were skipped (see their reasons above); "
-                  f"pass --allow-empty to accept that", flush=True)
+        out.info(f"# nothing ran: all {len(records)} checks were skipped (see their reasons above); "  # not a pass
+                 f"pass --allow-empty to accept that")
         return 1, run_dir
     vacuous_only = nothing_shown(records)
     if vacuous_only:  # checks ran, but none of them could have failed: not a pass either
-        if not options.quiet:
-            print(f"# FAILED: {vacuous_only}", flush=True)
+        out.info(f"# FAILED: {vacuous_only}")
         return 1, run_dir
     return (1 if failing else 0), run_dir

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ep_harness import console
 from ep_harness.records import write_atomic
 from ep_harness.reports import terminal, trends
 from ep_harness.reports.analysis import compare_runs, verdict
@@ -14,19 +15,20 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
                history: Path | None = None, show_skipped: bool = False, rows: bool = True,
                failed_run_fails: bool = False) -> int:
     """1 on a regression against `against`, and (failed_run_fails: `ep-harness report`) for a
-    run that failed or was interrupted; else 0."""
+    run that failed or was interrupted; else 0. The table and the page's path are printed
+    unless the console is quiet or the caller prints its own summary (`quiet`: selftest)."""
+    printer = console.current()
     run = load_run(run_dir)
     changes = None
     if against is not None:
         changes = compare_runs(run.records, load_run(against).records)
     if not quiet:
-        print(terminal.render(run.records, run.environment, changes, show_skipped, rows,
-                              colour=terminal.colour_enabled()))
+        printer.info(terminal.render(run.records, run.environment, changes, show_skipped, rows, colour=printer.colour))
     target = out or (run.path / "report.html")
     page = render_page(run, changes, str(against) if against else None, trends=trends.context(history))
     write_atomic(Path(target), page)
     if not quiet:
-        print(f"# report: {target}")
+        printer.info(f"# report: {target}")
     if any(c["kind"] == "regression" for c in changes or ()):
         return 1
     return 1 if failed_run_fails and verdict(run.records).startswith(("FAILED", "INTERRUPTED")) else 0

@@ -2,9 +2,6 @@
 and a final OK / FAILED line."""
 from __future__ import annotations
 
-import os
-import sys
-
 from ep_harness.reports.analysis import FAILING, STAGE_PARAMS, counts, outcome, pairs, verdict
 from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int
 
@@ -16,14 +13,6 @@ COLUMNS = (
 # XPASS where it did not (a failure here: a control that cannot show the defect proves nothing).
 MARKS = {"xfail": "XFAIL", "xpass": "XPASS"}
 SHOWN = {"dtype", "world_size", "backend"}  # parameters that have a column of their own
-
-
-def colour_enabled(stream=None) -> bool:
-    """Colour only on a terminal, never with NO_COLOR set (no-color.org) or TERM=dumb: a CI log
-    or a file gets plain text."""
-    stream = stream or sys.stdout
-    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR") and \
-        os.environ.get("TERM") != "dumb"
 
 
 def paint(text: str, status: str, colour: bool) -> str:
@@ -145,7 +134,7 @@ def header() -> str:
 
 def row(r: dict, keys: list[str], colour: bool = False) -> str:
     """One check's line; `keys`: the parameters that tell it apart within its case; `colour`:
-    the status cell in colour (callers printing to a terminal pass colour_enabled())."""
+    the status cell in colour (callers pass their console's decision, harness/console.py)."""
     p, seconds = r["params"], r.get("seconds")
     line = "  " + _row([
         mark(r), r["case"], r["property"], p.get("dtype", DASH), p.get("world_size", DASH),

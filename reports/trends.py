@@ -3,11 +3,11 @@ changed since the previous night, from the history store (one JSON row per check
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
 
+from ep_harness import console
 from ep_harness.reports import plots
 
 MAX_LINES = 12
@@ -22,7 +22,7 @@ def load_history(path: Path) -> pd.DataFrame:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                print(f"# warning: {path}:{lineno}: skipped a line that is not valid JSON", file=sys.stderr)
+                console.current().err(f"# warning: {path}:{lineno}: skipped a line that is not valid JSON")
     frame = pd.DataFrame(rows)
     if not frame.empty:
         frame["date"] = pd.to_datetime(frame["date"])

@@ -34,6 +34,8 @@ import sys
 import threading
 import traceback
 
+from ep_harness import console
+
 
 def _set_omp_threads_as_torchrun(argv: list[str]) -> None:
     """torchrun sets OMP_NUM_THREADS=1 for its ranks when it starts several and the user set
@@ -89,8 +91,8 @@ def _start_fork_server() -> None:
     spawn_anew = multiprocessing.util.spawnv_passfds
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
-        print(f"ep_harness.agent: {threads} threads after importing torch; the fork server is started anew "
-              f"(it imports torch again)", file=sys.stderr, flush=True)
+        console.current().err(f"ep_harness.agent: {threads} threads after importing torch; the fork server is "
+                              f"started anew (it imports torch again)")
         multiprocessing.forkserver.ensure_running()
         return
 
@@ -119,8 +121,7 @@ def _start_fork_server() -> None:
         finally:
             os._exit(code)
 
-    for stream in (sys.stdout, sys.stderr):  # nothing buffered for a fork to write a second time
-        stream.flush()
+    console.Console.flush()  # nothing buffered for a fork to write a second time
     multiprocessing.util.spawnv_passfds = fork_instead
     try:
         multiprocessing.forkserver.ensure_running()
@@ -161,6 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         elastic_launch(config, entrypoint=_rank_entry)(args.training_script, *args.training_script_args)
     except ChildFailedError as exc:  # the ranks' own tracebacks are in this log and the run's store
         failed = ", ".join(f"{f.local_rank} (exit {f.exitcode})" for f in exc.failures.values())
-        print(f"ep_harness.agent: local rank(s) {failed} failed", file=sys.stderr, flush=True)
+        console.current().err(f"ep_harness.agent: local rank(s) {failed} failed")
         return 1
     return 0

@@ -18,7 +18,7 @@ import shlex
 import time
 from pathlib import Path
 
-from ep_harness import subject as registry
+from ep_harness import console, subject as registry
 from ep_harness.cases import load_suite, resolve_suite_path
 from ep_harness.check import Check
 from ep_harness.environment import pinned_env, platform_for
@@ -59,9 +59,9 @@ class Launcher:
     checks alone (one on gloo, one per world size on NCCL), in one run directory."""
 
     def __init__(self, head: Head, run_dir: Path, platform, plugins: list[str], suite_path: Path,
-                 gpus: int | None, quiet: bool):
+                 gpus: int | None):
         self.head, self.run_dir, self.platform, self.plugins = head, run_dir, platform, plugins
-        self.suite_path, self.gpus, self.quiet = suite_path, gpus, quiet
+        self.suite_path, self.gpus = suite_path, gpus
 
     def run(self, name: str, pairs: list[tuple[Check, Injection | None]]) -> tuple[dict, set]:
         """Records by (injection label or None, check id), and the (injection label, check id)
@@ -107,8 +107,8 @@ def choose(checks: list[Check], limit: int | None) -> list[Check]:
 
 def selftest(suite: str, injections: str | None = None, limit: int | None = None, gpus: int | None = None,
              cpu_ranks: int = 4, selection: list[str] | None = None, plugins: list[str] = (),
-             out_root: Path = Path("reports/out"), command: list[str] = (), quiet: bool = False,
-             render: bool = True, every_cell: bool = False, emulate: str | None = None) -> tuple[int, Path]:
+             out_root: Path = Path("reports/out"), command: list[str] = (), render: bool = True,
+             every_cell: bool = False, emulate: str | None = None) -> tuple[int, Path]:
     """Plant each injection in every check that must catch it (every_cell: in every check
     it applies to, so that catches beyond the table show as `extra`); return the exit code
     (0: no check blind, 1: a check blind) and the run directory."""
@@ -126,11 +126,11 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
                            f"list them with `ep-harness list --suite {suite_path}`")
     run_id, run_dir = claim_run_dir(out_root)
     began = time.time()
-    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    say = console.current().info  # progress, the matrix and the verdict: not under a quiet console
     say(f"# selftest of {suite_path}: {len(checks)} checks, injections {', '.join(i.name for i in chosen_injections)}"
         f" ({platform.topology.describe()})")
     head = Head(Nodes(), run_id)
-    launcher = Launcher(head, run_dir, platform, plugins, suite_path, gpus, quiet)
+    launcher = Launcher(head, run_dir, platform, plugins, suite_path, gpus)
     baseline, injected, fired, seconds = {}, {}, {}, {}
     interrupted = None
     with interruptible():
@@ -208,9 +208,8 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
             write_jsonl(run_dir / "injected" / f"{inj.name}.jsonl", records)
     write_json(run_dir / "selftest.json", result)
     point_latest(out_root, run_dir)
-    if not quiet:
-        print(matrix.render(rows, names))
-        print(f"# selftest.json: {run_dir / 'selftest.json'}; wall {result['wall_s']} s")
+    say(matrix.render(rows, names))
+    say(f"# selftest.json: {run_dir / 'selftest.json'}; wall {result['wall_s']} s")
     if render:
         from ep_harness.reports.render import render_run
 
