@@ -90,6 +90,7 @@ class Head:
         self.lost: dict[int, str] = {}  # node -> why it is gone
         self.reported: dict[str, dict] = {}  # launch -> what its rank 0 reported (launch_results)
         self.precompile_wait_s = 0.0  # how long rank 0 waited for the DeepGEMM compile, all launches together
+        self.ignored: list[str] = []  # malformed messages of launches whose every check had its outcome
 
     def wait_for_nodes(self) -> None:
         """Every follower must have joined (torchrun launcher, several nodes) before the
@@ -98,11 +99,12 @@ class Head:
             return
         deadline = time.time() + START_TIMEOUT_S
         for node in range(1, self.nodes.nnodes):
+            beat = self.channel.key(protocol.node_key(node))
             while self.channel.read(protocol.node_key(node), protocol.NodeBeat) is None:
-                if self.channel.key(protocol.node_key(node)) in self.channel.malformed:
-                    self.lost[node] = self.channel.malformed[self.channel.key(protocol.node_key(node))]
+                if beat in self.channel.malformed:
+                    self.lost[node] = self.channel.malformed[beat]
                     break
-                if self.channel.key(protocol.node_key(node)) in self.channel.forged:
+                if beat in self.channel.forged:
                     self.lost[node] = (f"node {node} joined the run at {self.endpoint} without its secret (a wrong "
                                        f"--run-secret there); it is not part of the run")
                     break
@@ -175,7 +177,7 @@ class Head:
         if self.channel.forged:
             print(f"# WARNING: {len(self.channel.forged)} value(s) in the run's store were not signed with its "
                   f"secret and were ignored (first: {self.channel.forged[0][:120]})", file=sys.stderr, flush=True)
-        for why in self.channel.malformed.values():
+        for why in self.ignored:
             print(f"# WARNING: {why}; it was ignored", file=sys.stderr, flush=True)
 
 
@@ -248,8 +250,8 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
                 if time.time() > s.waiting_until + WAIT_SLACK_S:  # the rank's own limit did not end it
                     stuck = [r for r, x in enumerate(states) if x and x.waiting_until is not None]
                     return s.index, (f"ranks {stuck} still waiting for the DeepGEMM compile past its limit "
-                                        f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
-                                        f"checks"), {"stacks": _dump_stacks(launch, world_size)}
+                                     f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
+                                     f"checks"), {"stacks": _dump_stacks(launch, world_size)}
                 continue
             if time.time() - s.since > checks[s.index].timeout_s:
                 failed_at = min(x.index for x in running)
@@ -353,7 +355,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         if launch.malformed:  # what a rank said was not the protocol: the launch's first unfinished check says so
             unfinished = next((i for i in range(start, len(checks)) if checks[i].id not in outcomes), None)
             if unfinished is None:  # every check has its outcome: a warning at the run's end
-                head.channel.malformed.update(launch.malformed)
+                head.ignored.extend(launch.malformed.values())
             else:
                 failed_at, error, details = unfinished, next(iter(launch.malformed.values())), {}
         if error is None and proc.returncode != 0:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 
 import pytest
 
@@ -144,6 +145,24 @@ def test_a_malformed_record_is_never_taken_for_a_measurement():
     _collect(head, [Check(0), Check(1), Check(2)], 0, outcomes)
     assert list(outcomes) == ["check-0"] and outcomes["check-0"].measured == good.measurement()
     assert "'seconds' is 'fast'" in head.malformed[head.key(protocol.record_key(1))]
+
+
+def test_a_node_whose_heartbeat_is_malformed_is_lost_with_that_line():
+    from ep_harness.channel import run_channel
+    from ep_harness.launch import Head
+    from ep_harness.nodes import Nodes
+
+    run = "20261201-120000-abcd"
+    head = Head(Nodes(nnodes=3, nproc_per_node=1, endpoint="127.0.0.1:0"), run)
+    follower = run_channel(tcp_store("127.0.0.1", head.store.port, is_master=False, timeout_s=30), run, head.secret)
+    follower.put(protocol.node_key(1), protocol.NodeBeat(time=time.time(), host="h1", pid=1).to_wire())  # control
+    follower.put(protocol.node_key(2), {"time": "now", "host": "h2", "pid": 2})
+    head.wait_for_nodes()
+    assert list(head.lost) == [2]
+    assert f"{run}/node/2 in the run's store is not a node heartbeat message ('time' is 'now', not float)" in \
+        head.lost[2]
+    follower.put(protocol.node_key(1), protocol.NodeBeat(time=time.time(), host="h1", pid=1).to_wire())
+    assert head.silent_nodes() == {2: head.lost[2]}  # node 1 beat just now: alive
 
 
 SUITE = """
