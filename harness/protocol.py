@@ -25,6 +25,7 @@ A value read back is checked before it is used: a rank or node that sends someth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ class Malformed(HarnessError):
 
 def _conforms(value, hint) -> bool:
     """Whether a JSON value has the type `hint` (int, float, str, bool, list[X], dict[K, V],
-    X | None, Any); a float field takes an int (JSON writes 1.0 as 1 nowhere, but a writer may)."""
+    X | None, Any); a float field takes an int too (a whole number may come as one)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_conforms(value, a) for a in args)
@@ -130,6 +131,16 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _hint_text(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    """A message's field types, resolved once (the head reads every rank's progress 10 times a second)."""
+    return typing.get_type_hints(cls)
+
+
 class Message:
     """A message of the protocol: a frozen dataclass whose wire form is a JSON object of its
     fields (a field that has its default None or False is left out)."""
@@ -138,14 +149,14 @@ class Message:
 
     def to_wire(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.default in (None, False) and getattr(self, f.name) is f.default)}
+                if not ((f.default is None or f.default is False) and getattr(self, f.name) is f.default)}
 
     @classmethod
     def from_wire(cls, value, where: str = ""):
         """The message `value` carries; Malformed (one line, naming `where`) when it is not one."""
         if not isinstance(value, dict):
             raise cls._malformed(where, f"not a JSON object: {_short(value)}")
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - set(known))
         if unknown:
@@ -171,9 +182,6 @@ class Message:
                          f"every node and rank of a run must run the same ep-harness")
 
 
-def _hint_text(hint) -> str:
-    return getattr(hint, "__name__", None) if not typing.get_args(hint) else str(hint).replace("typing.", "")
-
 
 class Bare(Message):
     """A message whose wire form is its one field's value, not an object."""
@@ -184,7 +192,7 @@ class Bare(Message):
     @classmethod
     def from_wire(cls, value, where: str = ""):
         only = dataclasses.fields(cls)[0]
-        hint = typing.get_type_hints(cls)[only.name]
+        hint = _hints(cls)[only.name]
         if not _conforms(value, hint):
             raise cls._malformed(where, f"{_short(value)} is not {_hint_text(hint)}")
         return cls(value)
