@@ -13,15 +13,7 @@ Every value is signed: an HMAC-SHA256, under the run's secret, over its key and 
 anything that reaches its port can write to it, and a value that is not signed with the
 run's secret is never taken for the head's (or a rank's) word.
 
-Keys, under `ep-harness/<run>/`:
-
-    current                 (at the root) the run the head serves
-    launch/<k>              the head's k-th launch: its namespace, env, ranks per node (or done)
-    node/<n>                a follower launcher's heartbeat and host
-    node/<n>/launch/<k>     how node n's torchrun of launch k ended; node/<n>/done
-    <launch ns>/job         the checks, the first one to run, and the settings of a launch
-    <launch ns>/progress/<rank>, error/<rank>, stack/<rank>, record/<index>, ranks (the
-    fingerprints), nccl-topology, abort, stacks-requested
+The keys and the messages under them: harness/protocol.py.
 """
 from __future__ import annotations
 
@@ -33,9 +25,9 @@ import os
 import re
 import time
 
+from ep_harness import protocol
 from ep_harness.errors import HarnessError
 
-ROOT = "ep-harness"
 CONNECT_TIMEOUT_S = 300.0
 SECRET_ENV = "EP_HARNESS_RUN_SECRET"
 RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # ep_harness.verify.new_run_id
@@ -69,18 +61,21 @@ class Channel:
 
     strict: a value the secret did not sign raises Forged (a follower, a rank: refuse the
     job); otherwise it reads as absent and its key is kept in `forged` (the head: a forged
-    progress or record never counts, and the run goes on to its end)."""
+    progress or record never counts, and the run goes on to its end). Likewise a message
+    that `read` finds malformed raises protocol.Malformed, or reads as absent with its
+    one-line reason kept in `malformed` (this namespace's own: the head fails the launch)."""
 
     def __init__(self, store, namespace: str, secret: str | None = None, strict: bool = True, forged=None):
         self.store, self.namespace, self.secret, self.strict = store, namespace, secret, strict
         self.forged: list[str] = [] if forged is None else forged
+        self.malformed: dict[str, str] = {}  # key -> why it is not the message it should be
 
     def sub(self, name: str) -> "Channel":
         """The namespace `name` under this one, with the same secret and policy."""
         return Channel(self.store, self.key(name), self.secret, self.strict, self.forged)
 
     def key(self, name: str) -> str:
-        return f"{self.namespace}/{name}"
+        return protocol.join(self.namespace, name)
 
     def put(self, name: str, value) -> None:
         key, payload = self.key(name), json.dumps(value)
@@ -107,6 +102,19 @@ class Channel:
             self.forged.append(key)
         return default
 
+    def read(self, name: str, kind: type[protocol.Message]):
+        """The message of type `kind` under `name`, or None while there is none."""
+        value = self.get(name)
+        if value is None:
+            return None
+        try:
+            return kind.from_wire(value, self.key(name))
+        except protocol.Malformed as exc:
+            if self.strict:
+                raise
+            self.malformed.setdefault(self.key(name), str(exc))
+            return None
+
     def wait(self, name: str, timeout_s: float, poll_s: float = 0.2):
         """The value once the key exists; None after `timeout_s`."""
         deadline = time.time() + timeout_s
@@ -125,17 +133,16 @@ class Channel:
 
 
 def run_channel(store, run: str, secret: str | None = None, strict: bool = True) -> Channel:
-    return Channel(store, f"{ROOT}/{run}", secret, strict)
+    return Channel(store, protocol.run_namespace(run), secret, strict)
 
 
 def current_run(store) -> str | None:
     """The run a head launcher is serving at this store (what a node joining it should follow)."""
-    key = f"{ROOT}/current"
-    return store.get(key).decode() if store.check([key]) else None
+    return store.get(protocol.CURRENT).decode() if store.check([protocol.CURRENT]) else None
 
 
 def publish_run(store, run: str) -> None:
-    store.set(f"{ROOT}/current", run)
+    store.set(protocol.CURRENT, run)
 
 
 def local_node() -> str:

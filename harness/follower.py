@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from ep_harness import console
+from ep_harness import console, protocol
 from ep_harness.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.launch import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
@@ -28,7 +28,8 @@ JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a launch's director
 def _node_beat(channel: Channel, node: int, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
-            channel.put(f"node/{node}", {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+            channel.put(protocol.node_key(node),
+                        protocol.NodeBeat(time=time.time(), host=socket.gethostname(), pid=os.getpid()).to_wire())
         except Exception:  # the head is gone; the follower's own loop notices
             return
         stop.wait(NODE_BEAT_S)
@@ -48,7 +49,8 @@ def _validated_launch(launch, channel: Channel, run: str, k: int, nodes: Nodes, 
     if difference:
         raise HarnessError(f"node {nodes.node_rank}: refusing the head's run {run}: {difference}; run the same "
                            f"ep-harness checkout and plugins on every node")
-    expected = {"namespace": channel.key(f"launch{k}"), "rdzv_id": f"{run}-{k}", "nproc": nodes.nproc_per_node}
+    expected = {"namespace": channel.key(protocol.launch_namespace(k)), "rdzv_id": protocol.rdzv_id(run, k),
+                "nproc": nodes.nproc_per_node}
     for key, value in expected.items():
         if launch.get(key) != value:
             raise HarnessError(f"{where}: {key} = {str(launch.get(key))[:80]!r}, expected {value!r}; refusing it")
@@ -100,42 +102,44 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
         with interruptible():
             while True:
                 try:
-                    launch = channel.wait(f"launch/{k}", 24 * 3600.0)
-                    if launch is not None and launch.get("done"):
-                        channel.put(f"node/{nodes.node_rank}/done", True)
+                    launch = channel.wait(protocol.launch_key(k), 24 * 3600.0)
+                    if protocol.RunOver.announced_by(launch):
+                        channel.put(protocol.node_done_key(nodes.node_rank), True)
                         break
                     if launch is not None:
-                        launch = _validated_launch(launch, channel, run, k, nodes, plugins)
-                except HarnessError as exc:  # forged, or not ours to run: tell the head, start nothing
+                        launch = protocol.Launch.from_wire(_validated_launch(launch, channel, run, k, nodes, plugins),
+                                                           channel.key(protocol.launch_key(k)))
+                except HarnessError as exc:  # forged, malformed or not ours to run: tell the head, start nothing
                     with contextlib.suppress(Exception):
-                        channel.put(f"node/{nodes.node_rank}/refused", {"reason": str(exc)})
+                        refusal = protocol.NodeRefusal(str(exc)).to_wire()
+                        channel.put(protocol.node_refused_key(nodes.node_rank), refusal)
                     raise
                 except Exception:
                     raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone") from None
                 if launch is None:
-                    channel.put(f"node/{nodes.node_rank}/done", True)
+                    channel.put(protocol.node_done_key(nodes.node_rank), True)
                     break
-                job_dir = out_dir / launch["job"]
+                job_dir = out_dir / launch.job
                 job_dir.mkdir(parents=True, exist_ok=True)
-                ns = channel.sub(f"launch{k}")
-                proc = spawn(agent_command(nodes, launch["nproc"], launch["rdzv_id"], nodes.endpoint, job_dir),
-                             child_env(launch["env"], nodes.endpoint, ns.namespace, job_dir, nodes, nodes.run_secret),
+                ns = channel.sub(protocol.launch_namespace(k))
+                proc = spawn(agent_command(nodes, launch.nproc, launch.rdzv_id, nodes.endpoint, job_dir),
+                             child_env(launch.env, nodes.endpoint, ns.namespace, job_dir, nodes, nodes.run_secret),
                              job_dir / f"torchrun-launch{k}.log")
                 try:
                     while proc.poll() is None:
                         time.sleep(POLL_S)
                         try:
-                            if ns.has("abort"):
+                            if ns.has(protocol.ABORT):
                                 break
                         except Exception:
                             raise HarnessError(f"node {nodes.node_rank}: the head at {nodes.endpoint} is gone; "
                                                f"this node's ranks were ended") from None
                 finally:
                     lenient = Channel(store, ns.namespace, nodes.run_secret, strict=False)  # teardown never stops
-                    states = rank_states(lenient, launch["nproc"] * nodes.nnodes)
+                    states = rank_states(lenient, launch.nproc * nodes.nnodes)
                     kill_launch(proc, local_groups(states, nodes.node_rank), namespace=ns.namespace)
                 redact_logs(job_dir)
-                channel.put(f"node/{nodes.node_rank}/launch/{k}", {"exit": proc.returncode})
+                channel.put(protocol.node_exit_key(nodes.node_rank, k), protocol.NodeExit(proc.returncode).to_wire())
                 k += 1
     except Interrupted as exc:
         code = 128 + exc.signum

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_harness import console
+from ep_harness import console, protocol
 from ep_harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
@@ -89,6 +89,7 @@ class Head:
         self.lost: dict[int, str] = {}  # node -> why it is gone
         self.reported: dict[str, dict] = {}  # launch -> what its rank 0 reported (launch_results)
         self.precompile_wait_s = 0.0  # how long rank 0 waited for the DeepGEMM compile, all launches together
+        self.ignored: list[str] = []  # malformed messages of launches whose every check had its outcome
 
     def wait_for_nodes(self) -> None:
         """Every follower must have joined (torchrun launcher, several nodes) before the
@@ -97,8 +98,12 @@ class Head:
             return
         deadline = time.time() + START_TIMEOUT_S
         for node in range(1, self.nodes.nnodes):
-            while self.channel.get(f"node/{node}") is None:
-                if self.channel.key(f"node/{node}") in self.channel.forged:
+            beat = self.channel.key(protocol.node_key(node))
+            while self.channel.read(protocol.node_key(node), protocol.NodeBeat) is None:
+                if beat in self.channel.malformed:
+                    self.lost[node] = self.channel.malformed[beat]
+                    break
+                if beat in self.channel.forged:
                     self.lost[node] = (f"node {node} joined the run at {self.endpoint} without its secret (a wrong "
                                        f"--run-secret there); it is not part of the run")
                     break
@@ -115,28 +120,37 @@ class Head:
             return {}
         gone = {}
         for node in range(1, self.nodes.nnodes):
-            refused = self.channel.get(f"node/{node}/refused")
+            refused = self.channel.read(protocol.node_refused_key(node), protocol.NodeRefusal)
             if refused is not None:
-                gone[node] = f"node {node} refused the run: {str(refused.get('reason'))[:300]}"
+                gone[node] = f"node {node} refused the run: {refused.reason[:300]}"
                 continue
-            beat = self.channel.get(f"node/{node}")
-            if beat is not None and time.time() - beat["time"] > NODE_TIMEOUT_S:
-                gone[node] = (f"node {node} (host {beat['host']}) stopped answering: its launcher has been "
-                              f"silent for {time.time() - beat['time']:.0f} s")
+            beat = self.channel.read(protocol.node_key(node), protocol.NodeBeat)
+            if beat is not None and time.time() - beat.time > NODE_TIMEOUT_S:
+                gone[node] = (f"node {node} (host {beat.host}) stopped answering: its launcher has been "
+                              f"silent for {time.time() - beat.time:.0f} s")
+            why = self._malformed_from(node)
+            if why is not None:
+                gone[node] = why
         return gone
 
-    def publish(self, job: dict, env: dict, nproc: int, job_name: str) -> Channel:
+    def _malformed_from(self, node: int) -> str | None:
+        """The one-line reason a message of node `node` was malformed, if one was."""
+        keys = (protocol.node_key(node), protocol.node_refused_key(node))
+        return next((self.channel.malformed[k] for k in map(self.channel.key, keys) if k in self.channel.malformed),
+                    None)
+
+    def publish(self, job: protocol.Job, env: dict, nproc: int, job_name: str) -> Channel:
         k = self.launches
         self.launches += 1
-        launch = self.channel.sub(f"launch{k}")
-        launch.put("job", job)
-        plugins = tuple(sorted(job.get("plugins") or ()))
+        launch = self.channel.sub(protocol.launch_namespace(k))
+        launch.put(protocol.JOB, job.to_wire())
+        plugins = tuple(sorted(job.plugins or ()))
         if plugins not in self.identities:
             self.identities[plugins] = identity(plugins)
-        self.channel.put(f"launch/{k}", {
-            "namespace": launch.namespace, "nproc": nproc, "rdzv_id": f"{self.run_id}-{k}", "job": job_name,
-            "env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
-            "node_local": sorted(n for n in env if n in NODE_LOCAL), "identity": self.identities[plugins]})
+        self.channel.put(protocol.launch_key(k), protocol.Launch(
+            namespace=launch.namespace, nproc=nproc, rdzv_id=protocol.rdzv_id(self.run_id, k), job=job_name,
+            env={n: v for n, v in env.items() if n not in NODE_LOCAL},
+            node_local=sorted(n for n in env if n in NODE_LOCAL), identity=self.identities[plugins]).to_wire())
         return launch
 
     def follower_exits(self, k: int, timeout_s: float = 30.0) -> None:
@@ -146,7 +160,7 @@ class Head:
             return
         deadline = time.time() + timeout_s
         for node in range(1, self.nodes.nnodes):
-            while node not in self.lost and not self.channel.has(f"node/{node}/launch/{k}"):
+            while node not in self.lost and not self.channel.has(protocol.node_exit_key(node, k)):
                 self.lost.update(self.silent_nodes())
                 if time.time() > deadline:
                     self.lost[node] = f"node {node}'s torchrun agent did not end within {timeout_s:.0f} s"
@@ -154,14 +168,16 @@ class Head:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the followers the run is over, and keep the store up until they have read it."""
-        self.channel.put(f"launch/{self.launches}", {"done": True})
+        self.channel.put(protocol.launch_key(self.launches), protocol.RunOver().to_wire())
         if self.nodes.launcher == "torchrun":
             for node in range(1, self.nodes.nnodes):
                 if node not in self.lost:
-                    self.channel.wait(f"node/{node}/done", timeout_s)
+                    self.channel.wait(protocol.node_done_key(node), timeout_s)
         if self.channel.forged:
             console.current().err(f"# WARNING: {len(self.channel.forged)} value(s) in the run's store were not signed "
                                   f"with its secret and were ignored (first: {self.channel.forged[0][:120]})")
+        for why in self.ignored:
+            console.current().err(f"# WARNING: {why}; it was ignored")
 
 
 def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
@@ -169,30 +185,31 @@ def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
     for index in range(start, len(checks)):
         if checks[index].id in outcomes:
             continue
-        line = launch.get(f"record/{index}")
-        if line is None:
-            return  # rank 0 records in plan order
-        outcomes[checks[index].id] = Outcome(line["seconds"], line.get("warm_up_seconds"),
-                                             measured=Measurement.from_json(line["measured"]))
+        record = launch.read(protocol.record_key(index), protocol.Record)
+        if record is None:
+            return  # rank 0 records in plan order (a malformed record fails the launch: _watch)
+        outcomes[checks[index].id] = Outcome(record.seconds, record.warm_up_seconds, measured=record.measurement())
 
 
-def rank_states(launch: Channel, world_size: int) -> list[dict | None]:
-    """Each rank's progress through the launch's checks (ep_harness.worker), None before it starts."""
-    return [launch.get(f"progress/{r}") for r in range(world_size)]
+def rank_states(launch: Channel, world_size: int) -> list[protocol.Progress | None]:
+    """Each rank's progress through the launch's checks (ep_harness.worker), None before it
+    starts (or when what it said is malformed: kept in launch.malformed)."""
+    return [launch.read(protocol.progress_key(r), protocol.Progress) for r in range(world_size)]
 
 
 def local_groups(states, node: int) -> set[int]:
     """The process groups of the ranks on `node` (this launcher's own) that still exist."""
-    return process_groups(states[r]["pid"] for r in _ranks_of(states, node))
+    return process_groups(states[r].pid for r in _ranks_of(states, node))
 
 
 def _dump_stacks(launch: Channel, world_size: int) -> dict[str, str]:
     """Ask every rank, wherever it runs, for all its threads' stacks (ep_harness.worker.Watcher)."""
-    launch.add("stacks-requested")
+    launch.add(protocol.STACKS_REQUESTED)
     deadline = time.time() + STACKS_TIMEOUT_S  # a rank that is gone never answers
-    while time.time() < deadline and not all(launch.has(f"stack/{r}") for r in range(world_size)):
+    while time.time() < deadline and not all(launch.has(protocol.stack_key(r)) for r in range(world_size)):
         time.sleep(POLL_S)
-    return {str(r): launch.get(f"stack/{r}") for r in range(world_size) if launch.get(f"stack/{r}")}
+    stacks = {str(r): launch.read(protocol.stack_key(r), protocol.Stack) for r in range(world_size)}
+    return {r: stack.text for r, stack in stacks.items() if stack and stack.text}
 
 
 def _log_tail(path: Path, lines: int = 25) -> str:
@@ -203,7 +220,7 @@ def _log_tail(path: Path, lines: int = 25) -> str:
 
 
 def _ranks_of(states, node: int) -> list[int]:
-    return [r for r, s in enumerate(states) if s and str(s.get("node")) == str(node)]
+    return [r for r, s in enumerate(states) if s and str(s.node) == str(node)]
 
 
 def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, start: int, launched: float,
@@ -215,27 +232,29 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
         if on_poll is not None:
             on_poll()
         states = rank_states(launch, world_size)
-        running = [s for s in states if s and start <= s["index"] < len(checks)]
+        running = [s for s in states if s and start <= s.index < len(checks)]
+        if launch.malformed:  # a rank that says something else than the protocol (run_job names it)
+            return start, next(iter(launch.malformed.values())), {}
         gone = head.silent_nodes()
         if gone:
             head.lost.update(gone)
-            failed_at = min((s["index"] for s in running), default=start)
+            failed_at = min((s.index for s in running), default=start)
             node, why = next(iter(gone.items()))
             return failed_at, f"{why}; its ranks {_ranks_of(states, node) or '(unknown)'} ended with it", {}
         if not running and not any(states) and time.time() - launched > START_TIMEOUT_S:
             return start, f"ranks did not start within {START_TIMEOUT_S:.0f} s", {
                 "stacks": _dump_stacks(launch, world_size), "log": _log_tail(log_path)}
         for s in running:
-            if s.get("waiting_until") is not None:  # waiting for the compile: not the check's time
-                if time.time() > s["waiting_until"] + WAIT_SLACK_S:  # the rank's own limit did not end it
-                    stuck = [r for r, x in enumerate(states) if x and x.get("waiting_until") is not None]
-                    return s["index"], (f"ranks {stuck} still waiting for the DeepGEMM compile past its limit "
-                                        f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
-                                        f"checks"), {"stacks": _dump_stacks(launch, world_size)}
+            if s.waiting_until is not None:  # waiting for the compile: not the check's time
+                if time.time() > s.waiting_until + WAIT_SLACK_S:  # the rank's own limit did not end it
+                    stuck = [r for r, x in enumerate(states) if x and x.waiting_until is not None]
+                    return s.index, (f"ranks {stuck} still waiting for the DeepGEMM compile past its limit "
+                                     f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
+                                     f"checks"), {"stacks": _dump_stacks(launch, world_size)}
                 continue
-            if time.time() - s["since"] > checks[s["index"]].timeout_s:
-                failed_at = min(x["index"] for x in running)
-                stuck = [r for r, x in enumerate(states) if x and x["index"] == failed_at]
+            if time.time() - s.since > checks[s.index].timeout_s:
+                failed_at = min(x.index for x in running)
+                stuck = [r for r, x in enumerate(states) if x and x.index == failed_at]
                 return failed_at, (f"timed out after {checks[failed_at].timeout_s:.0f} s "
                                    f"(ranks {stuck} still inside the check); stack dumps attached"), {
                     "stacks": _dump_stacks(launch, world_size)}
@@ -245,24 +264,23 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
 def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, log_path: Path, multi: bool):
     """(failed_at, error, details) of a launch that exited non-zero: a rank's own traceback
     first, notes of ranks ended by SIGTERM after it last."""
-    errors = sorted(filter(None, (launch.get(f"error/{r}") for r in range(world_size))),
-                    key=lambda e: (e.get("terminated", False), e["time"]))
+    errors = sorted(filter(None, (launch.read(protocol.error_key(r), protocol.RankError) for r in range(world_size))),
+                    key=lambda e: (e.terminated, e.time))
     if not errors:
         states = [s for s in rank_states(launch, world_size) if s]
-        return (min((s["index"] for s in states), default=start),
+        return (min((s.index for s in states), default=start),
                 f"a rank exited with code {returncode} without a Python traceback", {"log": _log_tail(log_path)})
     first = errors[0]
-    silent = [r for r in range(world_size) if r not in {e["rank"] for e in errors}]
-    if first.get("terminated") and silent:
+    silent = [r for r in range(world_size) if r not in {e.rank for e in errors}]
+    if first.terminated and silent:
         error = (f"rank(s) {silent} exited without a Python traceback; the others were ended by "
                  f"SIGTERM: it left no traceback (exited or was killed first)")
     else:
-        where = f" on node {first['node']} ({first['host']})" if multi else ""
-        error = f"rank {first['rank']}{where} raised {first['error']}"
+        where = f" on node {first.node} ({first.host})" if multi else ""
+        error = f"rank {first.rank}{where} raised {first.error}"
         if silent:
             error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
-    return first["index"], error, {"tracebacks": {str(e["rank"]): e["traceback"] for e in errors},
-                                   "silent_ranks": silent}
+    return first.index, error, {"tracebacks": {str(e.rank): e.traceback for e in errors}, "silent_ranks": silent}
 
 
 def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
@@ -299,22 +317,21 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
         if head.lost:
             lose_the_rest(next(iter(head.lost.values())))
             break
-        launch = head.publish({
-            "backend": backend, "plugins": plugins, "checks": [c.to_json() for c in checks], "start": start,
-            "emulate": emulate,
+        launch = head.publish(protocol.Job(
+            backend=backend, plugins=plugins, checks=[c.to_json() for c in checks], start=start, emulate=emulate,
             # the NCCL the run names (read from the library on the head): a rank running another is an error
-            "nccl": nccl_library.loaded().text if backend == "nccl" else None,
+            nccl=nccl_library.loaded().text if backend == "nccl" else None,
             # every rank checks that it sees these (harness/worker.py); a node's own paths excepted
-            "pinned_env": {n: v for n, v in env.items() if n not in NODE_LOCAL},
+            pinned_env={n: v for n, v in env.items() if n not in NODE_LOCAL},
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.
-            "collective_timeout_s": longest + 60,
-            "precompile": precompile_wait,
-        }, env, nproc, job_dir.name)
+            collective_timeout_s=longest + 60,
+            precompile=precompile_wait,
+        ), env, nproc, job_dir.name)
         k = head.launches - 1
         log_path = job_dir / f"torchrun-{attempt}.log"
         proc = start_launch = None
         try:
-            proc = spawn(agent_command(nodes, nproc, f"{head.run_id}-{k}", head.endpoint, job_dir),
+            proc = spawn(agent_command(nodes, nproc, protocol.rdzv_id(head.run_id, k), head.endpoint, job_dir),
                          child_env(env, head.endpoint, launch.namespace, job_dir, nodes, head.secret), log_path)
             start_launch = time.time()
             failed_at, error, details = _watch(head, proc, launch, world_size, checks, start, start_launch, log_path,
@@ -324,15 +341,22 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
             exc.outcomes = outcomes
             raise
         finally:  # whatever happened, no process of this launch outlives it, on any node
-            launch.put("abort", True)
+            launch.put(protocol.ABORT, True)
             if proc is not None:
                 kill_launch(proc, local_groups(rank_states(launch, world_size), nodes.node_rank),
                             namespace=launch.namespace)
             head.follower_exits(k)
-            head.reported[f"{job_dir.name}/launch{k}"] = launch_results(launch)
-            head.precompile_wait_s += float(launch.get("precompile-waited") or 0.0)
+            head.reported[f"{job_dir.name}/{protocol.launch_namespace(k)}"] = launch_results(launch)
+            waited = launch.read(protocol.PRECOMPILE_WAITED, protocol.PrecompileWaited)
+            head.precompile_wait_s += float(waited.seconds if waited else 0.0)
             redact_logs(job_dir)
         report()
+        if launch.malformed:  # what a rank said was not the protocol: the launch's first unfinished check says so
+            unfinished = next((i for i in range(start, len(checks)) if checks[i].id not in outcomes), None)
+            if unfinished is None:  # every check has its outcome: a warning at the run's end
+                head.ignored.extend(launch.malformed.values())
+            else:
+                failed_at, error, details = unfinished, next(iter(launch.malformed.values())), {}
         if error is None and proc.returncode != 0:
             failed_at, error, details = _rank_error(launch, world_size, proc.returncode, start, log_path, nodes.multi)
             if head.lost:  # a node that died takes its ranks' collectives down with it: name it first
@@ -385,4 +409,6 @@ def redact_logs(job_dir: Path) -> None:
 
 def launch_results(launch: Channel) -> dict:
     """What rank 0 reported about the launch: the ranks' fingerprints and NCCL's topology."""
-    return {"ranks": launch.get("ranks"), "nccl_topology": launch.get("nccl-topology")}
+    ranks = launch.read(protocol.RANKS, protocol.RankFingerprints)
+    topology = launch.read(protocol.NCCL_TOPOLOGY, protocol.NcclTopology)
+    return {"ranks": ranks.ranks if ranks else None, "nccl_topology": topology.summary if topology else None}

@@ -3,11 +3,11 @@
 Each rank is forked by torchrun's elastic agent (harness/agent/, `-m ep_harness.worker`) on any
 node, so the imports below are done once per launch (by the agent, before it forks its fork
 server). Talks to the launchers only through the run's store (harness/channel.py), named by
-EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace): the job,
-progress/<rank> (which check, since when, pid, node), error/<rank> (the traceback of a check
-that raised; the rank then exits so torchrun tears the job down), stack/<rank> (all threads'
-stacks, on request) and rank 0's record/<index> per finished check. EP_HARNESS_JOB_DIR is a
-directory of this node for NCCL's log.
+EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace), in the messages
+of harness/protocol.py: the Job, its Progress (which check, since when, pid, node), a RankError
+(the traceback of a check that raised; the rank then exits so torchrun tears the job down), its
+Stack (all threads', on request) and rank 0's Record per finished check. EP_HARNESS_JOB_DIR is
+a directory of this node for NCCL's log.
 
 A job's `precompile` (single node only) names the marker file the head writes once the
 DeepGEMM kernels compiled beside the launch are done (harness/precompile.py) and the checks
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ep_harness import protocol
 from ep_harness import subject as registry
 from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from ep_harness.check import Check
@@ -104,12 +105,12 @@ class Watcher(threading.Thread):
             if os.getppid() != self.parent:
                 os._exit(128 + signal.SIGKILL)
             try:
-                if self.channel.has("abort"):
+                if self.channel.has(protocol.ABORT):
                     os._exit(128 + signal.SIGTERM)
-                requested = self.channel.count("stacks-requested")
+                requested = self.channel.count(protocol.STACKS_REQUESTED)
                 if requested > self.dumps:
                     self.dumps = requested
-                    self.channel.put(f"stack/{self.rank}", _stacks())
+                    self.channel.put(protocol.stack_key(self.rank), protocol.Stack(_stacks()).to_wire())
             except Exception:  # the store went away with the head launcher
                 os._exit(128 + signal.SIGTERM)
 
@@ -125,11 +126,11 @@ def _terminated(channel: Channel, rank: int, state: dict) -> None:
     """SIGTERM (torchrun ending the survivors of a failed rank, or the launcher stopping the
     run): leave a note, so that the rank that failed first is the one without one."""
     try:
-        if not channel.has(f"error/{rank}"):
-            channel.put(f"error/{rank}", {
-                "index": state.get("index", -1), "check": None, "rank": rank, "time": time.time(),
-                "terminated": True, "error": "SIGTERM: ended while another rank failed or the run was stopped",
-                "traceback": "", "node": local_node(), "host": socket.gethostname()})
+        if not channel.has(protocol.error_key(rank)):
+            channel.put(protocol.error_key(rank), protocol.RankError(
+                index=state.get("index", -1), check=None, rank=rank, time=time.time(), terminated=True,
+                error="SIGTERM: ended while another rank failed or the run was stopped", traceback="",
+                node=local_node(), host=socket.gethostname()).to_wire())
     finally:
         os._exit(128 + signal.SIGTERM)
 
@@ -139,13 +140,14 @@ def rank_main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     job_dir = Path(os.environ.get("EP_HARNESS_JOB_DIR", tempfile.gettempdir()))
     channel = _channel()
-    job = channel.get("job")
-    start, where = job["start"], {"pid": os.getpid(), "node": local_node(), "host": socket.gethostname()}
+    job = channel.read(protocol.JOB, protocol.Job)
+    start, where = job.start, {"pid": os.getpid(), "node": local_node(), "host": socket.gethostname()}
     state: dict = {}
 
     def progress(index: int, **extra) -> None:
         state.update(index=index)
-        channel.put(f"progress/{rank}", {"index": index, "since": time.time(), **where, **extra})
+        channel.put(protocol.progress_key(rank), protocol.Progress(index=index, since=time.time(), **where,
+                                                                   **extra).to_wire())
 
     progress(start - 1)  # started: the launcher now knows this rank's pid and node
     Watcher(rank).start()
@@ -153,33 +155,33 @@ def rank_main() -> None:
 
     threads = apply_in_rank()  # before any check computes (harness/threads.py)
     use_deterministic_algorithms()
-    registry.load_all(job["plugins"])
-    timeout = timedelta(seconds=job["collective_timeout_s"])
-    if job["backend"] == "nccl":
+    registry.load_all(job.plugins)
+    timeout = timedelta(seconds=job.collective_timeout_s)
+    if job.backend == "nccl":
         device = _nccl_device(job, job_dir, rank, world_size, local_rank, start)
         torch.cuda.set_device(device)
         # Eager communicator creation: NCCL logs its rings and trees before the first check.
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group(job["backend"], timeout=timeout)
-    ctx = RankContext(rank=rank, world_size=world_size, backend=job["backend"], device=device,
+        dist.init_process_group(job.backend, timeout=timeout)
+    ctx = RankContext(rank=rank, world_size=world_size, backend=job.backend, device=device,
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
     fingerprints = ctx.gather(rank_environment())
     if rank == 0:
-        channel.put("ranks", fingerprints)
-    pinned = job.get("pinned_env") or {}
+        channel.put(protocol.RANKS, protocol.RankFingerprints(fingerprints).to_wire())
+    pinned = job.pinned_env or {}
     env_error = _pinned_env_error(ctx.gather({**unpinned(pinned), **threads_unlike(pinned, threads)}))
-    if job["backend"] == "nccl":
+    if job.backend == "nccl":
         from ep_harness.nccl import library as nccl_library
 
-        env_error = env_error or nccl_library_error(job.get("nccl"), ctx.gather(nccl_library.loaded()))
+        env_error = env_error or nccl_library_error(job.nccl, ctx.gather(nccl_library.loaded()))
         _read_nccl_topology(ctx, channel)
 
-    checks = job["checks"]
+    checks = job.checks
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks} | layout_sizes(checks))
     prepared = {}  # subjects whose setup(ctx) ran in this launch
-    precompile = job.get("precompile")  # None once the compile has ended (or when there is none)
+    precompile = job.precompile  # None once the compile has ended (or when there is none)
     waits_for = set(precompile["checks"]) if precompile else set()
     for index in range(start, len(checks)):
         # `inject`: a defect `ep-harness selftest` plants in the subject (harness/selftest/wrap.py)
@@ -191,8 +193,8 @@ def rank_main() -> None:
         if env_error:  # it would measure under other conditions than pinned: run nothing
             if rank == 0:
                 refused = Measurement(comparison="bitwise", mismatched=0, total=0, held=False, error=env_error)
-                channel.put(f"record/{index}", {"index": index, "check": check.id, "seconds": 0.0,
-                                                "measured": refused.to_json()})
+                channel.put(protocol.record_key(index), protocol.Record(
+                    index=index, check=check.id, seconds=0.0, measured=refused.to_json()).to_wire())
             continue
         try:
             if precompile is not None and check.id in waits_for:  # its kernels compile beside the launch
@@ -202,7 +204,7 @@ def rank_main() -> None:
                     progress(index)  # the check's own time starts now
                     began = time.perf_counter()
                     if rank == 0:
-                        channel.put("precompile-waited", round(waited, 3))
+                        channel.put(protocol.PRECOMPILE_WAITED, protocol.PrecompileWaited(round(waited, 3)).to_wire())
             if check_ctx is None:  # a smaller world size: this rank waits for its subgroup
                 dist.barrier()
                 continue
@@ -223,16 +225,14 @@ def rank_main() -> None:
             if len(contexts) > 1:
                 dist.barrier()  # every rank leaves the check together, the idle ones included
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
-            channel.put(f"error/{rank}", {
-                "index": index, "check": check.id, "rank": rank, "time": time.time(),
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), **where,
-            })
+            channel.put(protocol.error_key(rank), protocol.RankError(
+                index=index, check=check.id, rank=rank, time=time.time(), error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(), **where).to_wire())
             os._exit(3)
         if rank == 0:
-            channel.put(f"record/{index}", {
-                "index": index, "check": check.id, "seconds": round(time.perf_counter() - began - warm_s, 4),
-                "warm_up_seconds": round(warm_s, 4) if warm_s else None, "measured": measured,
-            })
+            channel.put(protocol.record_key(index), protocol.Record(
+                index=index, check=check.id, seconds=round(time.perf_counter() - began - warm_s, 4),
+                warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured).to_wire())
     for subject in prepared.values():
         tear_down(subject, ctx)
     progress(len(checks))
@@ -297,14 +297,14 @@ def layout_sizes(checks: list[dict]) -> set[int]:
     return {w for c in checks for w in sizes_of(c)}
 
 
-def _nccl_device(job: dict, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
+def _nccl_device(job: protocol.Job, job_dir: Path, rank: int, world_size: int, local_rank: int, start: int):
     """This rank's GPU; ranks beyond the visible GPUs share them, emulated as the job says."""
     from ep_harness.emulation import device_index, emulation_env
 
     os.environ["NCCL_DEBUG_FILE"] = str(job_dir / f"nccl-rank{rank}-{start}.log")
     visible = torch.cuda.device_count()
-    if job.get("emulate") and world_size > visible:
-        os.environ.update(emulation_env(job["emulate"], rank))  # read by NCCL when the communicator is made
+    if job.emulate and world_size > visible:
+        os.environ.update(emulation_env(job.emulate, rank))  # read by NCCL when the communicator is made
         return torch.device("cuda", device_index(rank, visible))
     return torch.device("cuda", local_rank)
 
@@ -321,4 +321,4 @@ def _read_nccl_topology(ctx, channel: Channel) -> None:
     if ctx.rank == 0:
         ctx.nccl_topology = nccl_log.merge(logs)
         ctx.nccl_log = nccl_log.LogTail(own)
-        channel.put("nccl-topology", ctx.nccl_topology.summary())
+        channel.put(protocol.NCCL_TOPOLOGY, protocol.NcclTopology(ctx.nccl_topology.summary()).to_wire())
