@@ -12,8 +12,8 @@ subject's input builder).
 * the wire-dtype rule: what crosses a dispatcher's wire follows the expert weights'
   quantization.
 
-The builders of these inputs are the families' (harness/gemm_problem.py,
-harness/moe_scenario.py, harness/model_inputs.py).
+The builders of these inputs are the families' (harness/families/gemm_problem.py,
+harness/families/moe_scenario.py, harness/families/model_inputs.py).
 """
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ class MoeParams(TokenParams):
     # prefill-decode-invariance: the probe decoded alone (1 token per rank) against the same
     # token inside prefill batches of these many tokens per rank (2 or more: one is a decode),
     # on every rank at its chunk's first and last rows and one row in each of `channel_probes`
-    # equal slices (harness/moe_scenario.py prefill_rows)
+    # equal slices (harness/families/moe_scenario.py prefill_rows)
     prefill_tokens: list[int] = _opt([32, 256], minimum=2, nonempty=True)
     channel_probes: int = _opt(8, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)

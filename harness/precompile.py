@@ -141,7 +141,7 @@ def _moe_check_calls(check, gemm) -> list[KernelCall]:
     """The layer's two expert GEMMs per run, at world size 1 with torch's dispatcher: the
     experts' row counts follow from routing the run's tokens (cheap: the router alone)."""
     from ep_harness.families.moe_layer import partials, router_weights
-    from ep_harness.moe_scenario import placement_runs
+    from ep_harness.families.moe_scenario import placement_runs
     from ep_harness.subjects.moe.composed import route
 
     p = check.params

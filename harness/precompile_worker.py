@@ -21,7 +21,7 @@ import traceback
 
 def zero_problem(call, device):
     """A GemmProblem of the call's shapes, every value zero (scales one); the rows per expert
-    (`counts`) are laid out as ep_harness.gemm_problem.build does (ep_harness.contracts)."""
+    (`counts`) are laid out as ep_harness.families.gemm_problem.build does (ep_harness.contracts)."""
     import torch
 
     from ep_harness.contracts import GemmProblem, contiguous_segments

@@ -25,8 +25,7 @@ from tests.conftest import REPO
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)
 PARAM_NAMES = {"p", "params", "cfg"}  # what families, scenarios and subjects call their parameters
 # Where parameters are read: every family, every subject, the families' input builders.
-READERS = sorted([*(REPO / "harness" / "families").glob("*.py"), *(REPO / "harness" / "subjects").rglob("*.py"),
-                  *(REPO / "harness" / name for name in ("moe_scenario.py", "gemm_problem.py", "model_inputs.py"))])
+READERS = sorted([*(REPO / "harness" / "families").glob("*.py"), *(REPO / "harness" / "subjects").rglob("*.py")])
 PARAM_CLASSES = {cls.__name__: cls for cls in (*(f.params for f in FAMILIES.values()), params_mod.TokenParams,
                                                params_mod.CommonParams, DispatchConfig)}
 
@@ -132,7 +131,7 @@ def test_every_parameter_attribute_read_is_a_field(path):
 
 def test_the_scans_cover_the_families_and_subjects():
     names = {str(p.relative_to(REPO)) for p in READERS}
-    assert {"harness/families/collective.py", "harness/families/dispatch.py", "harness/moe_scenario.py",
+    assert {"harness/families/collective.py", "harness/families/dispatch.py", "harness/families/moe_scenario.py",
             "harness/subjects/dispatch/deepep.py", "harness/subjects/moe/composed.py"} <= names
 
 

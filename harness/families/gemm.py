@@ -26,7 +26,7 @@ from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, 
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.params import GemmParams
 from ep_harness.subject import GemmSubject
-from ep_harness.gemm_problem import FP8, build, dequantized, weights
+from ep_harness.families.gemm_problem import FP8, build, dequantized, weights
 from ep_harness.graphs import replay_in_graph
 from ep_harness.tolerances import gemm_bound
 from ep_harness.reference import gemm as ref

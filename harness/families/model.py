@@ -42,7 +42,7 @@ from ep_harness.families import model_layout
 from ep_harness.families.driver import Copy, Family, Run, require_finite, subject_call
 from ep_harness.families.moe_layer import router_flips, within_router_margin
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.model_inputs import prompts, to_device, weights
+from ep_harness.families.model_inputs import prompts, to_device, weights
 from ep_harness.params import ModelParams
 from ep_harness.subject import ModelSubject
 from ep_harness.tolerances import MODEL, model_factor

@@ -20,7 +20,7 @@ from ep_harness.divergence import Tracer, localise
 from ep_harness.families import layout
 from ep_harness.families.driver import Run
 from ep_harness.measurement import Measurement
-from ep_harness.model_inputs import prompts, to_device, weights
+from ep_harness.families.model_inputs import prompts, to_device, weights
 from ep_harness.params import ModelParams
 from ep_harness.reference import orders
 
