@@ -207,7 +207,8 @@ def compiled_last(checks: list, waits_for) -> list:
 def _uses_deepgemm_gemm(check) -> bool:
     """A composed subject (the model) with a DeepGEMM GEMM stage."""
     from ep_harness import subject as registry
-    from ep_harness.params import ModelParams, MoeParams
+    from ep_harness.families.model import ModelParams
+    from ep_harness.families.moe_scenario import MoeParams
 
     p = check.params
     names = [p.gemm, p.dense_gemm] if isinstance(p, ModelParams) else [p.gemm] if isinstance(p, MoeParams) else []

@@ -134,7 +134,7 @@ def test_untracked_items_are_not_recorded_and_rows_are_fingerprinted_like_finger
 
 def _params(**over):
     from ep_harness import subject as registry
-    from ep_harness.params import build
+    from ep_harness.check import typed_params as build
 
     registry.load_all()
     return build("model", {"world_size": 4, **over}, registry.get("composed_model"), "test")

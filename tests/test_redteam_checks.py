@@ -11,7 +11,7 @@ from ep_harness.families import execute
 from ep_harness.families import moe_layer
 from ep_harness.families.driver import compared_nothing
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.params import MoeParams
+from ep_harness.families.moe_scenario import MoeParams
 from ep_harness.subject import register
 from ep_harness.subjects.gemm.torch_mm import TorchMm
 from ep_harness.reports.analysis import compare_runs

@@ -45,7 +45,7 @@ from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
 from ep_harness.nccl.models import NcclContext, NoPrediction
 from ep_harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
-from ep_harness.params import CollectiveParams
+from ep_harness.params import DATA_KINDS, DTYPES_WIRE, LayoutParams, _opt, _required
 from ep_harness.subject import CollectiveSubject, order_model_of
 from ep_harness.tolerances import gamma
 from ep_harness.reference import orders
@@ -56,6 +56,23 @@ PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
     "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance", "tp-size-invariance",
 )
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(LayoutParams):
+    dtype: str = _required(choices=DTYPES_WIRE)
+    hidden: int = _opt(2048, minimum=1)
+    rows_per_rank: int = _opt(2, minimum=1)
+    batch_sizes: list[int] = _opt([1, 2, 3, 8, 32, 128], minimum=1, nonempty=True)
+    position_rows: int = _opt(8, minimum=1)
+    repeats: int = _opt(3, minimum=1)
+    shards: str = _opt("even", choices=("even", "uneven"))
+    data: str = _opt("spread", choices=DATA_KINDS)
+    message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
+    # prefill-decode-invariance: prefill probes one row inside each of this many equal parts
+    channel_probes: int = _opt(8, minimum=1)
+    # NCCL: every call of the check must use one channel range (the launch's channel pin)
+    channel_pin: bool = _opt(False)
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -33,8 +33,8 @@ from ep_harness.families.driver import Family, kept, require_finite, subject_cal
 from ep_harness import inputs as gen
 from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.families.moe_scenario import expert_choice, placement_runs, placements, probe_copies, rank_tokens
-from ep_harness.params import DispatchParams
+from ep_harness.families.moe_scenario import (DispatchParams, expert_choice, placement_runs, placements, probe_copies,
+                                              rank_tokens)
 from ep_harness.subject import DispatchSubject
 from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant

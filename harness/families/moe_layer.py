@@ -32,8 +32,7 @@ from ep_harness.context import RankContext
 from ep_harness.families import layout, moe_layout
 from ep_harness.families.driver import Family, kept, require_finite, subject_call
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.families.moe_scenario import Placement, placement_runs, probe_copies
-from ep_harness.params import MoeParams
+from ep_harness.families.moe_scenario import MoeParams, Placement, placement_runs, probe_copies
 from ep_harness.subject import MoeLayerSubject
 from ep_harness.tolerances import MOE, gamma
 from ep_harness.reference import moe as ref
