@@ -51,6 +51,7 @@ from ep_harness.tolerances import gamma
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import reduce_scatter as reference_reduce_scatter
 from ep_harness.reference.collectives import shard_offsets
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
@@ -374,5 +375,29 @@ def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
     return Measurement.within(got, exact, g * magnitude, rule)
 
 
+# `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws
+# the family's searchable properties (harness/properties.py).
+def _search_space(st):
+    return {"hidden": st.sampled_from([64, 256, 2048]), "rows_per_rank": st.integers(1, 8),
+            "batch_sizes": st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True),
+            "position_rows": st.integers(1, 16), "seed": st.integers(0, 10_000),
+            "dtype": st.sampled_from(["bfloat16", "float16", "float32"])}
+
+
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in reduce_scatter's output, or in the input outside
+    this rank's slice."""
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        import torch.distributed as dist
+
+        self._subject.reduce_scatter(out, inp, sizes, group)
+        rank = dist.get_rank(group)
+        start = sum(sizes[:rank])
+        self._inject(out, inp, (start, start + sizes[rank]))
+
+
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
-                protocol=CollectiveSubject, optional=("order_model",))
+                protocol=CollectiveSubject, optional=("order_model",), search_space=_search_space,
+                # the family checks the input after every call: a write outside the output fails any property
+                selftest_wrapper=_Injected, must_catch=frozenset({"out-of-slice"}))

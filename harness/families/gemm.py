@@ -30,6 +30,7 @@ from ep_harness.families.gemm_problem import FP8, build, dequantized, weights
 from ep_harness.graphs import replay_in_graph
 from ep_harness.tolerances import gemm_bound
 from ep_harness.reference import gemm as ref
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
 
@@ -206,8 +207,23 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
     return m
 
 
+# `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws
+# the family's searchable properties (harness/properties.py).
+def _search_space(st):
+    return {"m_values": st.lists(st.integers(1, 512), min_size=2, max_size=4, unique=True),
+            "position_m": st.integers(1, 256), "seed": st.integers(0, 10_000), "dtype": st.just("bfloat16")}
+
+
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in run's output, or in the operand `a`."""
+
+    def run(self, problem, out):
+        self._subject.run(problem, out)
+        self._inject(out, getattr(problem, "a", None))
+
+
 FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost,
-                protocol=GemmSubject)
+                protocol=GemmSubject, search_space=_search_space, selftest_wrapper=_Injected)
 
 
 def probe_operands(p: GemmParams, w, w_scale) -> tuple[torch.Tensor, torch.Tensor]:

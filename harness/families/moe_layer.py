@@ -37,6 +37,7 @@ from ep_harness.subject import MoeLayerSubject
 from ep_harness.tolerances import MOE, gamma
 from ep_harness.reference import moe as ref
 from ep_harness.reference.orders import order_sensitive
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
               "others-invariance", "prefill-decode-invariance", "tp-size-invariance", "ep-size-invariance")
@@ -281,5 +282,14 @@ def _runs(prop: str, p: MoeParams, world: int) -> list:
     return layout.runs(prop, p, world) if prop in layout.LAYOUT_PROPERTIES else placement_runs(prop, p, world)
 
 
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in forward's output, or in the partial sums."""
+
+    def forward(self, partials, weights, params, group):
+        out, experts = self._subject.forward(partials, weights, params, group)
+        self._inject(out, partials)
+        return out, experts
+
+
 FAMILY = Family("moe_layer", PROPERTIES, MoeParams, _runs, _observe, _measure,
-                protocol=MoeLayerSubject)
+                protocol=MoeLayerSubject, selftest_wrapper=_Injected)

@@ -19,6 +19,7 @@ from ep_harness.measurement import Measurement
 from ep_harness.params import DATA_KINDS, CommonParams, _opt
 from ep_harness.subject import QuantSubject
 from ep_harness.reference import quant as ref
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
 
@@ -180,5 +181,14 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: QuantParams, runs: l
     return m
 
 
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in the quantized values, or in the input."""
+
+    def quantize(self, x, ue8m0):
+        q, s = self._subject.quantize(x, ue8m0)
+        self._inject(q, x)
+        return q, s
+
+
 FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure_with_cost,
-                protocol=QuantSubject)
+                protocol=QuantSubject, selftest_wrapper=_Injected)
