@@ -6,6 +6,9 @@ The toy family sums the rows of a float32 matrix; its probe is one row whose sum
 depend on the batch around it. `toy_in_order` sums every row left to right (it holds);
 `toy_parity_order`, the positive control, sums a row backwards where its index plus the
 batch size is odd, so the probe's bits move with the batch and with its row (violated).
+The same module declares the family's optional slots: `ep-harness explore` searches its space
+and finds the control's violation, `ep-harness selftest` plants its defects through its
+wrapper and holds its checks to its must-catch.
 """
 import json
 import textwrap
@@ -106,6 +109,12 @@ def toy(tmp_path, monkeypatch, scratch_registry):
     sys.modules.pop("toy_family", None)
 
 
+def scratch_subject(name):
+    from ep_harness import subject as registry
+
+    return registry.get(name)
+
+
 def test_explore_draws_from_the_search_space_the_family_module_declares(toy):
     from dataclasses import replace
 
@@ -124,12 +133,6 @@ def test_explore_draws_from_the_search_space_the_family_module_declares(toy):
     with pytest.raises(HarnessError, match=r"explore has no search space for toy subjects; families: "
                                            r"collective, gemm, dispatch$"):
         explore.strategy("toy")
-
-
-def scratch_subject(name):
-    from ep_harness import subject as registry
-
-    return registry.get(name)
 
 
 def test_selftest_plants_its_defects_through_the_wrapper_the_family_module_declares(toy, tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
 
+
 @dataclass(frozen=True, kw_only=True)
 class GemmParams(CommonParams):
     dtype: str = _required(choices=("bfloat16", "float32", "float8_e4m3fn"))

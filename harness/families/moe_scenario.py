@@ -4,6 +4,9 @@ can rebuild every rank's inputs for the references.
 
 Routing distributions for the filler tokens: uniform, zipf (hot experts), empty (half the
 experts never chosen), one-rank (every token to the experts of rank 0), single (one token).
+
+The two families' parameters are declared here too: what they share (TokenParams), and
+each one's own (DispatchParams, MoeParams).
 """
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ def must_catch() -> dict[str, frozenset[str]]:
 
 
 def family_must_catch() -> dict[str, frozenset[str]]:
-    """What a family holds every property of its to beyond the property's row (its
-    Family.must_catch), for each family that declares something."""
+    """The injections each family requires of all its properties beyond each property's own
+    row (its Family.must_catch), for the families that declare any."""
     return {name: f.must_catch for name, f in families.FAMILIES.items() if f.must_catch}
 
 
