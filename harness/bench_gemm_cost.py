@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_harness import console, cost
-from ep_harness.params import GemmParams, QuantParams
+from ep_harness.families.gemm import GemmParams
+from ep_harness.families.quant import QuantParams
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
 GROUPED_M = (1, 16, 64, 256, 1024, 4096, 8192)

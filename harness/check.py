@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ep_harness.params import CommonParams, build, family_params
+from ep_harness import params
+from ep_harness.params import CommonParams
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,22 @@ class Check:
 
     @classmethod
     def from_json(cls, d: dict) -> Check:
-        return cls(**{**d, "params": family_params(d["family"])(**d["params"])})
+        from ep_harness import families
+
+        return cls(**{**d, "params": families.get(d["family"]).params(**d["params"])})
+
+
+def typed_params(family: str, raw: dict, subject, where: str, grid_keys=frozenset()) -> CommonParams:
+    """The typed parameters of one check of `family`: `raw` validated against the dataclass its
+    registered Family declares (ep_harness.params.build); `where` prefixes every error."""
+    from ep_harness import families  # the registry imports every family module, and torch with them
+
+    return params.build(families.get(family).params, family, raw, subject, where, grid_keys)
 
 
 def single_check(subject, prop: str, raw_params: dict, backend: str = "gloo", check_id: str | None = None,
                  expect: str = "holds") -> Check:
     """A check outside any suite (explore, tests), its parameters validated like a case's."""
-    typed = replace(build(subject.family, raw_params, subject, f"{subject.name} {prop}"), backend=backend)
+    typed = replace(typed_params(subject.family, raw_params, subject, f"{subject.name} {prop}"), backend=backend)
     return Check(id=check_id or f"{subject.name}/{prop}", suite="-", case="-", subject=subject.name,
                  family=subject.family, property=prop, params=typed, expect=expect, timeout_s=120.0)

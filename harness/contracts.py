@@ -14,8 +14,8 @@ subject's input builder).
 * `route`: the composed subjects' router, from which the moe_layer family plans the shapes
   of their expert GEMMs before a launch.
 
-The builders of these inputs are the families' (harness/gemm_problem.py,
-harness/moe_scenario.py, harness/model_inputs.py).
+The builders of these inputs are the families' (harness/families/gemm_problem.py,
+harness/families/moe_scenario.py, harness/families/model_inputs.py).
 """
 from __future__ import annotations
 

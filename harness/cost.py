@@ -180,8 +180,8 @@ def invariance_verdict(mismatched: int, total: int, order_sensitive: int, runs: 
 
 def gemm_check_cost(subject, problem, out, baseline=None, repeats: int = 20, warmup: int = 3,
                     clock: Clock | None = None) -> dict:
-    """The cost beside a GEMM check's verdict: `subject` on `problem` (an ep_harness.gemm_problem
-    .GemmProblem on the GPU, usually the check's largest), timed interleaved with `baseline`
+    """The cost beside a GEMM check's verdict: `subject` on `problem` (an ep_harness.contracts.GemmProblem
+    on the GPU, usually the check's largest), timed interleaved with `baseline`
     (a GEMM subject taking the same problem, cuBLAS torch_mm; None where none can, e.g. FP8)."""
     import torch
 

@@ -31,38 +31,19 @@ def searchable(family: str) -> list[str]:
     return sorted(found, key=lambda p: properties.get(p).compares != "destination")
 
 
-def _dispatch_space(st):
-    return {"tokens": st.integers(1, 16), "routing": st.sampled_from(["uniform", "zipf", "empty", "one-rank"]),
-            "seed": st.integers(0, 10_000),
-            "batch_sizes": st.lists(st.integers(1, 32), min_size=2, max_size=4, unique=True)}
-
-
-def _collective_space(st):
-    return {"hidden": st.sampled_from([64, 256, 2048]), "rows_per_rank": st.integers(1, 8),
-            "batch_sizes": st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True),
-            "position_rows": st.integers(1, 16), "seed": st.integers(0, 10_000),
-            "dtype": st.sampled_from(["bfloat16", "float16", "float32"])}
-
-
-def _gemm_space(st):
-    return {"m_values": st.lists(st.integers(1, 512), min_size=2, max_size=4, unique=True),
-            "position_m": st.integers(1, 256), "seed": st.integers(0, 10_000), "dtype": st.just("bfloat16")}
-
-
-# The parameters a search varies, per family (a family without one cannot be explored); the
-# properties it draws are the family's searchable ones (harness/properties.py).
-SEARCH_SPACES = {"dispatch": _dispatch_space, "collective": _collective_space, "gemm": _gemm_space}
-
-
 def strategy(family: str):
     """Hypothesis strategy of (property, params) for a family; shrinks toward small cases."""
     from hypothesis import strategies as st
 
-    if family not in SEARCH_SPACES:
+    from ep_harness import families
+
+    space = families.get(family).search_space  # the parameters a search varies (Family.search_space)
+    if space is None:
+        explorable = [name for name, f in families.FAMILIES.items() if f.search_space is not None]
         raise HarnessError(f"explore has no search space for {family} subjects; families: "
-                           f"{', '.join(SEARCH_SPACES)}")
+                           f"{', '.join(explorable)}")
     return st.fixed_dictionaries({"property": st.sampled_from(searchable(family)),
-                                  "params": st.fixed_dictionaries(SEARCH_SPACES[family](st))})
+                                  "params": st.fixed_dictionaries(space(st))})
 
 
 def as_check(subject, example: dict, world_size: int, backend: str) -> Check:

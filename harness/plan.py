@@ -12,7 +12,7 @@ from dataclasses import replace
 from ep_harness import families, params, properties
 from ep_harness import subject as registry
 from ep_harness.cases import Suite, suite_argument, timeout_problem
-from ep_harness.check import Check
+from ep_harness.check import Check, typed_params
 from ep_harness.errors import HarnessError, did_you_mean
 from ep_harness.params import CommonParams
 from ep_harness.subject import Platform
@@ -50,7 +50,7 @@ def planned(platform: Platform, subject, prop: str, raw: dict, where: str, grid_
     if problem:  # a case file is checked when loaded; a record (--from-record) only here
         raise HarnessError(f"{where}: {problem}; use a finite positive number of seconds up to 86400")
     fields["env"] = pinned_threads(dict(fields.get("env") or {}), threads, where)
-    typed = replace(params.build(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
+    typed = replace(typed_params(subject.family, raw, subject, where, grid_keys), backend=platform.backend)
     try:
         skip = skip_reason(platform, subject, prop, typed)
     except AttributeError as exc:  # a subject reading a field its family's parameters lack

@@ -3,7 +3,7 @@ sequence, every position at once, teacher-forced on the tokens given and, where 
 the experts the checked run chose (a router decision is discrete: following it keeps the
 comparison about rounding, and tokens whose own float64 choice differs are counted apart).
 
-Shapes: tokens [T] ints; weights as in harness/model_inputs.py (H hidden, V vocab,
+Shapes: tokens [T] ints; weights as in harness/families/model_inputs.py (H hidden, V vocab,
 E experts, n heads of d = H / n). Returns float64 tensors.
 """
 from __future__ import annotations

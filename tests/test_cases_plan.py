@@ -141,7 +141,10 @@ def test_deep_gemm_kernels_are_cached_in_a_stable_directory(monkeypatch, tmp_pat
 
 
 def test_only_jit_compiling_subjects_are_warmed_up_before_timing():
-    from ep_harness.params import CollectiveParams, GemmParams, MoeParams, QuantParams
+    from ep_harness.families.collective import CollectiveParams
+    from ep_harness.families.gemm import GemmParams
+    from ep_harness.families.moe_scenario import MoeParams
+    from ep_harness.families.quant import QuantParams
     from ep_harness.subject import compiles_kernels
 
     registry.load_all()

@@ -1,7 +1,7 @@
 """Where the probe sits in each collective property's calls."""
 
 from ep_harness.families.collective import layouts
-from ep_harness.params import CollectiveParams
+from ep_harness.families.collective import CollectiveParams
 
 
 def params(**kw):

@@ -11,7 +11,7 @@ from ep_harness import rates
 from ep_harness.check import single_check
 from ep_harness.families import execute
 from ep_harness.families import dispatch as family
-from ep_harness.params import DispatchParams
+from ep_harness.families.moe_scenario import DispatchParams
 from ep_harness.reference import deepep as ref_deepep
 from ep_harness.selftest.wrap import rare_draw
 from ep_harness.subjects.dispatch import deepep

@@ -222,13 +222,13 @@ def test_gemm_check_cost_times_subject_against_baseline():
 def test_gemm_checks_on_the_cpu_carry_no_cost():
     from types import SimpleNamespace
 
-    from ep_harness import params as params_mod
+    from ep_harness.check import typed_params
     from ep_harness.families import gemm as family
     from ep_harness.subject import load_all
 
     subject = load_all()["torch_mm"]
-    p = params_mod.build("gemm", {"dtype": "float32", "layout": "dense", "n": 16, "k": 32, "m_values": [1, 5]},
-                         subject, "test")
+    p = typed_params("gemm", {"dtype": "float32", "layout": "dense", "n": 16, "k": 32, "m_values": [1, 5]},
+                     subject, "test")
     ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
     runs = family.FAMILY.runs("batch-invariance", p, 1)
     gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]
@@ -265,12 +265,12 @@ def test_quant_check_cost_times_the_quantizer_against_a_copy_of_as_many_bytes():
 def test_quant_checks_on_the_cpu_carry_no_cost():
     from types import SimpleNamespace
 
-    from ep_harness import params as params_mod
+    from ep_harness.check import typed_params
     from ep_harness.families import quant as family
     from ep_harness.subject import load_all
 
     subject = load_all()["torch_fp8_quant"]
-    p = params_mod.build("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test")
+    p = typed_params("quant", {"ue8m0": True, "batch_sizes": [1, 7]}, subject, "test")
     ctx = SimpleNamespace(device=torch.device("cpu"), world_size=1)
     runs = family.FAMILY.runs("batch-invariance", p, 1)
     gathered = [family.FAMILY.observe(subject, ctx, p, "batch-invariance", runs)]

@@ -8,7 +8,7 @@ import torch
 
 from ep_harness.check import single_check
 from ep_harness.families import execute
-from ep_harness.params import DispatchParams
+from ep_harness.families.moe_scenario import DispatchParams
 from ep_harness.subjects.dispatch import deepep
 from ep_harness.contracts import check_buffer_option, resolve_wire_dtype
 from tests import fake_deep_ep

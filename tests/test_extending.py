@@ -6,6 +6,9 @@ The toy family sums the rows of a float32 matrix; its probe is one row whose sum
 depend on the batch around it. `toy_in_order` sums every row left to right (it holds);
 `toy_parity_order`, the positive control, sums a row backwards where its index plus the
 batch size is odd, so the probe's bits move with the batch and with its row (violated).
+The same module declares the family's optional slots: `ep-harness explore` searches its space
+and finds the control's violation, `ep-harness selftest` plants its defects through its
+wrapper and holds its checks to its must-catch.
 """
 import json
 import textwrap
@@ -243,8 +246,7 @@ def test_without_the_compile_the_ranks_compile_the_kernel_themselves(tmp_path):
 
 LAUNCH_AND_RUN = ["launch.py", "agent", "processes.py", "follower.py", "nodes.py", "channel.py", "verify.py",
                   "plan.py", "worker.py", "fresh.py", "precompile.py", "precompile_worker.py"]
-FAMILY_OR_SUBJECT = ("ep_harness.families.", "ep_harness.subjects", "ep_harness.gemm_problem",
-                     "ep_harness.moe_scenario", "ep_harness.model_inputs")
+FAMILY_OR_SUBJECT = ("ep_harness.families.", "ep_harness.subjects")
 
 
 def is_harness_module(name: str) -> bool:
@@ -281,10 +283,135 @@ def test_no_launch_or_run_module_imports_a_family_or_a_subject():
 
 
 @pytest.mark.parametrize("line", ["from ep_harness.families.gemm import runs_for", "import ep_harness.subjects",
-                                  "from ep_harness import subjects", "from ep_harness.moe_scenario import placements"])
+                                  "from ep_harness import subjects", "from ep_harness.families.moe_scenario import placements"])
 def test_the_layer_check_sees_a_family_or_subject_import(tmp_path, line):
     planted = tmp_path / "worker.py"
     planted.write_text("from ep_harness import families, subject\nfrom ep_harness.families import FAMILIES\n")
     assert family_or_subject_imports([planted]) == {}  # the registries are the way in
     planted.write_text(planted.read_text() + line + "\n")
     assert list(family_or_subject_imports([planted])) == ["worker.py"]
+
+
+# --- the optional slots: a search space, a selftest wrapper, what the selftest holds it to ---
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch, scratch_registry):
+    """The toy family module imported as a plugin is, into scratch family and subject registries."""
+    import importlib
+    import sys
+
+    from ep_harness import families
+
+    monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))
+    (tmp_path / "toy_family.py").write_text(textwrap.dedent(TOY_FAMILY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "toy_family", raising=False)
+    module = importlib.import_module("toy_family")
+    yield module
+    sys.modules.pop("toy_family", None)
+
+
+def scratch_subject(name):
+    from ep_harness import subject as registry
+
+    return registry.get(name)
+
+
+def test_explore_draws_from_the_search_space_the_family_module_declares(toy):
+    from dataclasses import replace
+
+    from hypothesis import find
+
+    from ep_harness import explore, families
+    from ep_harness.errors import HarnessError
+
+    example = find(explore.strategy("toy"), lambda e: len(e["params"]["batch_sizes"]) == 3)
+    assert example["property"] == "batch-invariance"  # the family's only searchable property
+    assert set(example["params"]) == {"cols", "seed", "batch_sizes"}
+    check = explore.as_check(scratch_subject("toy_in_order"), example, 2, "gloo")
+    assert type(check.params) is toy.ToyParams and check.params.batch_sizes == example["params"]["batch_sizes"]
+    # Control: the same family without the slot cannot be explored, and explore says which can.
+    families.register(replace(toy.FAMILY, search_space=None))
+    with pytest.raises(HarnessError, match=r"explore has no search space for toy subjects; families: "
+                                           r"collective, gemm, dispatch$"):
+        explore.strategy("toy")
+
+
+def test_selftest_plants_its_defects_through_the_wrapper_the_family_module_declares(toy, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from ep_harness.bits import ulp_distance
+    from ep_harness.selftest.injections import CLASSES
+    from ep_harness.selftest.wrap import wrapped
+
+    monkeypatch.setenv("EP_HARNESS_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    subject = scratch_subject("toy_in_order")
+    ulp = CLASSES["ulp"].placements()[0]  # each row of sums has one element: every spot is that one
+    w = wrapped(subject, ulp.to_json(), SimpleNamespace(id="toy-check", property="batch-invariance"))
+    assert isinstance(w, toy.Injected)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(7))
+    first, second, true = w.row_sums(x), w.row_sums(x), subject.row_sums(x)
+    assert ulp_distance(first, true).tolist() == [1] * 5  # call 0: every row's sum 1 ULP off
+    assert torch.equal(second, true)  # `ulp` plants on call 0 only
+    write = CLASSES["out-of-slice"]
+    w = wrapped(subject, write.to_json(), SimpleNamespace(id="toy-check", property="batch-invariance"))
+    before = x.clone()
+    assert torch.equal(w.row_sums(x), true) and (ulp_distance(x, before) == 1).all()  # the write lands in x
+
+
+def test_the_selftest_holds_the_family_to_the_must_catch_its_module_declares(toy):
+    from dataclasses import replace
+
+    from ep_harness import families
+    from ep_harness.selftest import expectations
+
+    record = {"property": "batch-invariance", "family": "toy", "status": "ok", "expect": "holds",
+              "comparison": "bitwise"}
+    assert expectations.family_must_catch()["toy"] == frozenset({"out-of-slice"})
+    assert expectations.required(record, "out-of-slice")[0] is True  # the family's, not batch-invariance's
+    assert expectations.required(record, "ulp")[0] is True  # the property's own row
+    # Controls: without the must-catch only the property's row counts; without the wrapper nothing applies.
+    families.register(replace(toy.FAMILY, must_catch=frozenset()))
+    assert expectations.required(record, "out-of-slice")[0] is False
+    families.register(replace(toy.FAMILY, selftest_wrapper=None))
+    assert expectations.required(record, "ulp") == (None, "no injection wrapper for the toy family "
+                                                         "(harness/selftest/wrap.py)")
+
+
+def suite(tmp_path, cases):
+    (tmp_path / "toy_family.py").write_text(textwrap.dedent(TOY_FAMILY))
+    path = tmp_path / "toy.toml"
+    path.write_text('[suite]\nname = "toy"\nplugins = ["toy_family"]\n\n' + "\n".join(cases))
+    return path
+
+
+@pytest.mark.slow
+def test_a_family_with_a_wrapper_and_a_must_catch_is_selftested_end_to_end(tmp_path):
+    path = suite(tmp_path, [case("in-order", "toy_in_order", "batch-invariance", "holds"),
+                            case("control", "toy_parity_order", "batch-invariance", "violated")])
+    proc = run_cli("selftest", "--suite", str(path), "--injections", "ulp,out-of-slice", "--no-report",
+                   "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "latest" / "selftest.json").read_text())
+    assert result["family_must_catch"]["toy"] == ["out-of-slice"] and result["blind"] == []
+    rows = {r["check"]: r["cells"] for r in result["checks"]}
+    held = rows["in-order/batch-invariance"]
+    assert (held["ulp"]["state"], held["out-of-slice"]["state"]) == ("caught", "caught")
+    assert "subject modified its input x" in held["out-of-slice"]["reason"]  # the family's input check caught it
+    assert {c["state"] for c in rows["control/batch-invariance"].values()} == {"n/a"}  # a control: not applicable
+
+
+@pytest.mark.slow
+def test_a_family_with_a_search_space_is_explored_end_to_end(tmp_path):
+    suite(tmp_path, [])
+    store = tmp_path / "counterexamples.jsonl"
+    explore = ("explore", "--plugin", "toy_family", "--world-size", "2", "--budget", "60", "--store", str(store))
+    proc = run_cli(*explore, "toy_parity_order", "--max-examples", "50", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a violation found, and shrunk
+    assert 'subject = "toy_parity_order"' in proc.stdout and 'properties = ["batch-invariance"]' in proc.stdout
+    assert [json.loads(line)["subject"] for line in store.read_text().splitlines()] == ["toy_parity_order"]
+    proc = run_cli(*explore, "toy_in_order", "--max-examples", "10", cwd=tmp_path)  # control: nothing to find
+    assert proc.returncode == 0 and "# no violation found" in proc.stdout, proc.stdout + proc.stderr

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ep_harness.families import gemm as gemm_family
-from ep_harness.gemm_problem import build, weights
-from ep_harness.params import GemmParams
+from ep_harness.families.gemm_problem import build, weights
+from ep_harness.families.gemm import GemmParams
 from ep_harness.reference import gemm as ref_gemm
 from ep_harness.reference import quant as ref_quant
 from tests.planted import SPLIT_K_ROWS, split_k, whole_k

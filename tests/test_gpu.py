@@ -66,7 +66,7 @@ def test_a_silent_fallback_from_deepgemm_to_torch_mm_is_an_error(tmp_path):
 def test_gemm_problems_built_on_the_gpu_have_the_cpus_bits(dtype):
     """The GEMM family builds its problems (weights' scaling, FP8 quantization) where the
     check runs: every step is exact or one IEEE rounding, so the bits must be the CPU's."""
-    from ep_harness.gemm_problem import build, dequantized, weights
+    from ep_harness.families.gemm_problem import build, dequantized, weights
     from ep_harness.inputs import values
 
     shape = dict(seed=3, groups=2, n=256, k=512, dtype=dtype, data="spread", cancel=True)

@@ -9,7 +9,7 @@ import ep_harness.subjects  # noqa: F401  (the built-in subjects)
 from ep_harness import inputs as gen
 from ep_harness.errors import HarnessError
 from ep_harness.families import driver, layout
-from ep_harness.params import build
+from ep_harness.check import typed_params as build
 from ep_harness.reference import orders
 from ep_harness.subject import get as subject_named
 

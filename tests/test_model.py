@@ -134,7 +134,7 @@ def test_untracked_items_are_not_recorded_and_rows_are_fingerprinted_like_finger
 
 def _params(**over):
     from ep_harness import subject as registry
-    from ep_harness.params import build
+    from ep_harness.check import typed_params as build
 
     registry.load_all()
     return build("model", {"world_size": 4, **over}, registry.get("composed_model"), "test")
@@ -142,7 +142,7 @@ def _params(**over):
 
 def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
     from ep_harness.families.model import logprob_bound
-    from ep_harness.model_inputs import prompts, weights
+    from ep_harness.families.model_inputs import prompts, weights
     from ep_harness.reference import model as ref
 
     p = _params()
@@ -157,7 +157,7 @@ def test_the_bound_tells_a_model_missing_one_shared_expert_from_the_model():
 
 
 def test_reference_routing_follows_the_run_and_reports_its_own_choice():
-    from ep_harness.model_inputs import prompts, weights
+    from ep_harness.families.model_inputs import prompts, weights
     from ep_harness.reference import model as ref
 
     p = _params()

@@ -70,7 +70,7 @@ def test_smoke_moe_layer_records(smoke_run):
 
 
 def test_prefill_rows_hold_the_first_last_and_one_row_per_slice_on_every_residue():
-    from ep_harness.moe_scenario import prefill_rows
+    from ep_harness.families.moe_scenario import prefill_rows
 
     assert prefill_rows(32, 8) == [0, 5, 10, 15, 16, 21, 26, 31]  # slice i of 4 rows probed at offset i % 4
     assert {r % 4 for r in prefill_rows(32, 8)} == {0, 1, 2, 3}
@@ -112,7 +112,7 @@ def test_prefill_of_one_token_is_refused_and_single_routing_has_no_prefill():
     from ep_harness.check import single_check
     from ep_harness.errors import HarnessError
     from ep_harness.families.driver import vacuity
-    from ep_harness.moe_scenario import placement_runs
+    from ep_harness.families.moe_scenario import placement_runs
     from ep_harness.subject import get
 
     with pytest.raises((HarnessError, ValueError), match="prefill_tokens"):

@@ -12,7 +12,7 @@ from ep_harness.nccl import pins
 from ep_harness.families.collective import Layout, _record_paths, layouts
 from ep_harness.measurement import Measurement
 from ep_harness.compare import Mismatch
-from ep_harness.params import CollectiveParams
+from ep_harness.families.collective import CollectiveParams
 from ep_harness.subject import OrderModel
 from ep_harness.reference import nccl_plan
 

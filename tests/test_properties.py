@@ -47,7 +47,7 @@ def test_vacuity_follows_the_comparison(toy_property, comparison, runs_, vacuous
 
 def test_a_gpu_property_is_skipped_on_the_cpu_with_its_reason(toy_property):
     from ep_harness import subject as registry
-    from ep_harness.params import build
+    from ep_harness.check import typed_params as build
 
     registry.load_all()
     subject = registry.get("all_gather_fold")

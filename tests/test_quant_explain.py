@@ -4,7 +4,7 @@ import torch
 
 from ep_harness import inputs as gen
 from ep_harness.families import quant
-from ep_harness.params import QuantParams
+from ep_harness.families.quant import QuantParams
 from ep_harness.reference import quant as ref
 from ep_harness.subjects.quant.torch_fp8 import scales
 

@@ -11,7 +11,7 @@ from ep_harness.families import execute
 from ep_harness.families import moe_layer
 from ep_harness.families.driver import compared_nothing
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.params import MoeParams
+from ep_harness.families.moe_scenario import MoeParams
 from ep_harness.subject import register
 from ep_harness.subjects.gemm.torch_mm import TorchMm
 from ep_harness.reports.analysis import compare_runs
@@ -106,7 +106,7 @@ def _moe_outputs(world: int, lie: bool):
     or, with `lie`, zeros and the (k+1)-th expert instead of the k-th wherever the harness's
     own router margin admits that swap."""
     from ep_harness import subject as registry
-    from ep_harness.moe_scenario import placements
+    from ep_harness.families.moe_scenario import placements
     from ep_harness.reference import moe as ref
 
     p = single_check(registry.get("composed_moe"), "reference", {**MOE_PARAMS, "world_size": world}).params
@@ -220,7 +220,7 @@ def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_
     4,096 elements 'another NaN or Inf than the reference's'."""
     from ep_harness import subject as registry
     from ep_harness.families import dispatch
-    from ep_harness.moe_scenario import placements
+    from ep_harness.families.moe_scenario import placements
 
     subject = registry.get("torch_a2a_dispatch")
     check = single_check(subject, "combine-reference", NONFINITE_EMPTY_SLOT)

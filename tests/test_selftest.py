@@ -12,8 +12,9 @@ from ep_harness import properties
 from ep_harness.errors import HarnessError
 from ep_harness.families import collective, dispatch, gemm, moe_layer, quant
 from ep_harness.selftest import expectations, matrix
-from ep_harness.selftest.injections import CLASSES, WRAPPED_FAMILIES, parse
-from ep_harness.selftest.wrap import WRAPPERS, step_ulp, wrapped
+from ep_harness.families import BUILT_IN, FAMILIES
+from ep_harness.selftest.injections import CLASSES, parse
+from ep_harness.selftest.wrap import step_ulp, wrapped
 from tests.conftest import REPO, run_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
@@ -28,14 +29,14 @@ def record(prop="batch-invariance", family="collective", status="ok", expect="ho
 # --- the table -----------------------------------------------------------------------
 
 def test_every_property_of_every_wrapped_family_has_a_row():
-    assert set(WRAPPERS) == set(WRAPPED_FAMILIES) == set(FAMILY_PROPERTIES)
+    assert {name for name in BUILT_IN if FAMILIES[name].selftest_wrapper} == set(FAMILY_PROPERTIES)
     missing = {(f, p) for f, props in FAMILY_PROPERTIES.items() for p in props
                if p not in MUST_CATCH and (f, p) not in expectations.NOT_TARGETED}  # those say why
     assert not missing
 
 
 def test_every_injection_class_is_required_by_some_property():
-    required = set().union(*MUST_CATCH.values(), *expectations.FAMILY_MUST_CATCH.values(),
+    required = set().union(*MUST_CATCH.values(), *expectations.family_must_catch().values(),
                            expectations.EXACT_REFERENCE)
     assert required == set(CLASSES)
 

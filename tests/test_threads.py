@@ -140,7 +140,7 @@ def test_the_gate_tells_runs_on_other_thread_counts_apart():
 
 
 def _check(expect: str) -> Check:
-    from ep_harness.params import GemmParams
+    from ep_harness.families.gemm import GemmParams
 
     return Check(id="c", suite="-", case="c", subject="torch_mm", family="gemm", property="batch-invariance",
                  params=GemmParams(dtype="bfloat16"), expect=expect, timeout_s=1.0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ep_harness.kernels import bi_matmul as kernel
-from ep_harness.params import GemmParams
+from ep_harness.families.gemm import GemmParams
 from ep_harness.subject import Platform, load_all
 from tests.conftest import REPO, REPO_ON_PYTHONPATH
 

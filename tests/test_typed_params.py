@@ -17,7 +17,8 @@ from ep_harness.cases import load_suite
 from ep_harness.contracts import DispatchConfig
 from ep_harness.errors import HarnessError
 from ep_harness.families import FAMILIES
-from ep_harness.params import CollectiveParams
+from ep_harness.families.collective import CollectiveParams
+from ep_harness.families.moe_scenario import TokenParams
 from ep_harness.plan import expand
 from ep_harness.subject import Platform
 from tests.conftest import REPO
@@ -25,9 +26,8 @@ from tests.conftest import REPO
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)
 PARAM_NAMES = {"p", "params", "cfg"}  # what families, scenarios and subjects call their parameters
 # Where parameters are read: every family, every subject, the families' input builders.
-READERS = sorted([*(REPO / "harness" / "families").glob("*.py"), *(REPO / "harness" / "subjects").rglob("*.py"),
-                  *(REPO / "harness" / name for name in ("moe_scenario.py", "gemm_problem.py", "model_inputs.py"))])
-PARAM_CLASSES = {cls.__name__: cls for cls in (*(f.params for f in FAMILIES.values()), params_mod.TokenParams,
+READERS = sorted([*(REPO / "harness" / "families").glob("*.py"), *(REPO / "harness" / "subjects").rglob("*.py")])
+PARAM_CLASSES = {cls.__name__: cls for cls in (*(f.params for f in FAMILIES.values()), TokenParams,
                                                params_mod.CommonParams, DispatchConfig)}
 
 
@@ -132,7 +132,7 @@ def test_every_parameter_attribute_read_is_a_field(path):
 
 def test_the_scans_cover_the_families_and_subjects():
     names = {str(p.relative_to(REPO)) for p in READERS}
-    assert {"harness/families/collective.py", "harness/families/dispatch.py", "harness/moe_scenario.py",
+    assert {"harness/families/collective.py", "harness/families/dispatch.py", "harness/families/moe_scenario.py",
             "harness/subjects/dispatch/deepep.py", "harness/subjects/moe/composed.py"} <= names
 
 
@@ -206,7 +206,7 @@ def test_an_attribute_error_about_something_else_is_not_blamed_on_the_parameters
     except AttributeError as exc:
         assert params_mod.unknown_field(exc, "subject 'x'") is None
     try:
-        params_mod.CollectiveParams(dtype="bfloat16").hiden
+        CollectiveParams(dtype="bfloat16").hiden
     except AttributeError as exc:
         assert "did you mean 'hidden'?" in params_mod.unknown_field(exc, "subject 'x'")
 

@@ -19,6 +19,7 @@ from ep_harness.errors import HarnessError, did_you_mean, registered
 from ep_harness.families import driver
 from ep_harness.families.driver import Family
 from ep_harness.families.layout import sizes_of  # noqa: F401  (a launch's subgroups: harness/worker.py)
+from ep_harness.params import CommonParams
 
 # One line per built-in family: harness/families/<module>.py defines FAMILY.
 BUILT_IN = ("collective", "gemm", "quant", "dispatch", "moe_layer", "model")
@@ -28,8 +29,6 @@ FAMILIES: dict[str, Family] = {}
 
 def register(family: Family) -> Family:
     """Add a family (or replace one of the same name: a plugin re-imported, a test's variant)."""
-    from ep_harness.params import CommonParams
-
     if not (isinstance(family.params, type) and is_dataclass(family.params) and issubclass(family.params, CommonParams)):
         raise HarnessError(f"family {family.name!r}: params {family.params!r} is not a dataclass derived from "
                            f"ep_harness.params.CommonParams; declare its parameters as one")

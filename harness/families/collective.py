@@ -45,17 +45,35 @@ from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
 from ep_harness.nccl.models import NcclContext, NoPrediction
 from ep_harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
-from ep_harness.params import CollectiveParams
+from ep_harness.params import DATA_KINDS, DTYPES_WIRE, LayoutParams, _opt, _required
 from ep_harness.subject import CollectiveSubject, order_model_of
 from ep_harness.tolerances import gamma
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import reduce_scatter as reference_reduce_scatter
 from ep_harness.reference.collectives import shard_offsets
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = (
     "reference", "run-to-run", "batch-invariance", "position-invariance",
     "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance", "tp-size-invariance",
 )
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParams(LayoutParams):
+    dtype: str = _required(choices=DTYPES_WIRE)
+    hidden: int = _opt(2048, minimum=1)
+    rows_per_rank: int = _opt(2, minimum=1)
+    batch_sizes: list[int] = _opt([1, 2, 3, 8, 32, 128], minimum=1, nonempty=True)
+    position_rows: int = _opt(8, minimum=1)
+    repeats: int = _opt(3, minimum=1)
+    shards: str = _opt("even", choices=("even", "uneven"))
+    data: str = _opt("spread", choices=DATA_KINDS)
+    message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
+    # prefill-decode-invariance: prefill probes one row inside each of this many equal parts
+    channel_probes: int = _opt(8, minimum=1)
+    # NCCL: every call of the check must use one channel range (the launch's channel pin)
+    channel_pin: bool = _opt(False)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -357,5 +375,29 @@ def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
     return Measurement.within(got, exact, g * magnitude, rule)
 
 
+# `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws
+# the family's searchable properties (harness/properties.py).
+def _search_space(st):
+    return {"hidden": st.sampled_from([64, 256, 2048]), "rows_per_rank": st.integers(1, 8),
+            "batch_sizes": st.lists(st.integers(1, 64), min_size=2, max_size=4, unique=True),
+            "position_rows": st.integers(1, 16), "seed": st.integers(0, 10_000),
+            "dtype": st.sampled_from(["bfloat16", "float16", "float32"])}
+
+
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in reduce_scatter's output, or in the input outside
+    this rank's slice."""
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        import torch.distributed as dist
+
+        self._subject.reduce_scatter(out, inp, sizes, group)
+        rank = dist.get_rank(group)
+        start = sum(sizes[:rank])
+        self._inject(out, inp, (start, start + sizes[rank]))
+
+
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
-                protocol=CollectiveSubject)
+                protocol=CollectiveSubject, search_space=_search_space,
+                # the family checks the input after every call: a write outside the output fails any property
+                selftest_wrapper=_Injected, must_catch=frozenset({"out-of-slice"}))

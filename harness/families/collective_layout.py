@@ -15,7 +15,7 @@ put the largest size in a launch of its own size (cases/h200-layout.toml).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -26,11 +26,13 @@ from ep_harness.families import layout
 from ep_harness.families.driver import Run, kept
 from ep_harness.measurement import Measurement
 from ep_harness.nccl.models import NcclContext, NoPrediction
-from ep_harness.params import CollectiveParams
 from ep_harness.reference import orders
 from ep_harness.reference.collectives import shard_offsets
 from ep_harness.subject import order_model_of, shards_order_model_of
 from ep_harness.shards import reduce_shards
+
+if TYPE_CHECKING:  # collective.py, which declares it, imports this module
+    from ep_harness.families.collective import CollectiveParams
 
 
 def per_destination(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

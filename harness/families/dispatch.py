@@ -33,11 +33,12 @@ from ep_harness.families.driver import Family, kept, require_finite, subject_cal
 from ep_harness import inputs as gen
 from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.moe_scenario import expert_choice, placement_runs, placements, probe_copies, rank_tokens
-from ep_harness.params import DispatchParams
+from ep_harness.families.moe_scenario import (DispatchParams, expert_choice, placement_runs, placements, probe_copies,
+                                              rank_tokens)
 from ep_harness.subject import DispatchSubject, combine_model_of, rounds_partials
 from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
               "rank-invariance", "others-invariance", "corruption-rate")
@@ -462,5 +463,31 @@ def _measure_calls(p: DispatchParams, runs: list, gathered: list, world: int) ->
     return m
 
 
+# `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws
+# the family's searchable properties (harness/properties.py).
+def _search_space(st):
+    return {"tokens": st.integers(1, 16), "routing": st.sampled_from(["uniform", "zipf", "empty", "one-rank"]),
+            "seed": st.integers(0, 10_000),
+            "batch_sizes": st.lists(st.integers(1, 32), min_size=2, max_size=4, unique=True)}
+
+
+class _Injected(Wrapped):
+    """`ep-harness selftest`'s defect: `reference` compares the dispatched rows, so it goes
+    there; every other property compares combine's output: it goes there (never both, so
+    that each check sees one)."""
+
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
+        received = self._subject.dispatch(x, topk_idx, topk_weights, cfg, group)
+        if self._property == "reference":
+            self._inject(received.x, x)
+        return received
+
+    def combine(self, expert_out, handle, topk_weights, group):
+        out = self._subject.combine(expert_out, handle, topk_weights, group)
+        if self._property != "reference":
+            self._inject(out, expert_out)
+        return out
+
+
 FAMILY = Family("dispatch", PROPERTIES, DispatchParams, placement_runs, _observe, _measure,
-                protocol=DispatchSubject)
+                protocol=DispatchSubject, search_space=_search_space, selftest_wrapper=_Injected)

@@ -94,8 +94,10 @@ class Family:
     properties it supports (harness/properties.py), its parameter dataclass (a subclass of
     ep_harness.params.CommonParams), how it runs and measures a check, and the Protocol its
     subjects implement (harness/subject.py checks each subject against it when registered;
-    `optional` names the Protocol's members a subject may leave out), and, optionally, the
-    kernels its checks compile (`precompile`, a Precompile)."""
+    `optional` names the Protocol's members a subject may leave out). Optional, each the
+    family's own: the kernels its checks compile (`precompile`, a Precompile), what
+    `ep-harness explore` varies, the wrapper `ep-harness selftest` plants its defects
+    through, and what the selftest holds every property of the family to."""
 
     name: str
     properties: tuple[str, ...]
@@ -106,6 +108,12 @@ class Family:
     protocol: type | None = None  # None: only the members every subject has (ep_harness.subject.Subject)
     optional: tuple[str, ...] = ()
     precompile: Precompile | None = None  # the kernels its checks compile, made before them
+    # (hypothesis.strategies) -> {parameter: strategy}; None: explore refuses the family's subjects
+    search_space: Callable[[Any], dict] | None = None
+    # an ep_harness.selftest.wrap.Wrapped subclass; None: the family's selftest cells are not applicable
+    selftest_wrapper: type | None = None
+    # injections every property of the family must catch beyond its own row (harness/selftest/expectations.py)
+    must_catch: frozenset[str] = frozenset()
 
 
 def kept(t: torch.Tensor) -> torch.Tensor:

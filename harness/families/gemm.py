@@ -25,14 +25,46 @@ from ep_harness.contracts import GemmProblem
 from ep_harness.families.driver import Copy, Family, Precompile, Run, kept, require_finite, subject_call
 from ep_harness.families.gemm_calls import KernelCall, compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.params import GemmParams
+from ep_harness.params import DATA_KINDS, CommonParams, _opt, _required
 from ep_harness.subject import GemmSubject
-from ep_harness.gemm_problem import FP8, build, dequantized, weights
+from ep_harness.families.gemm_problem import FP8, build, dequantized, weights
 from ep_harness.graphs import replay_in_graph
 from ep_harness.tolerances import gemm_bound
 from ep_harness.reference import gemm as ref
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmParams(CommonParams):
+    dtype: str = _required(choices=("bfloat16", "float32", "float8_e4m3fn"))
+    layout: str | None = _opt(None, choices=("contiguous", "masked", "dense"))  # None: the subject's first
+    n: int = _opt(256, minimum=1)
+    k: int = _opt(512, minimum=2)
+    groups: int = _opt(4, minimum=1)
+    probe_group: int = _opt(0, minimum=0)
+    m_values: list[int] = _opt([1, 3, 17, 128, 1000], minimum=1, nonempty=True)
+    other_loads: list[int] = _opt([0, 64, 512], minimum=0, nonempty=True)
+    expected_m_values: list[int] = _opt([1, 64, 1024], minimum=1, nonempty=True)
+    position_m: int = _opt(256, minimum=1)
+    repeats: int = _opt(3, minimum=1)
+    alignment: int = _opt(128, minimum=1)
+    data: str = _opt("randn", choices=DATA_KINDS)
+    cancel: bool = _opt(True)
+
+    def completed(self, subject):
+        return self if self.layout is not None else replace(self, layout=subject.layouts[0])
+
+    def validate(self, subject):
+        if self.probe_group >= self.groups:
+            return f"probe_group = {self.probe_group} but there are only {self.groups} groups (0..{self.groups - 1})"
+        if self.layout not in subject.layouts:
+            return f"layout = {self.layout!r}: {subject.name} takes {', '.join(subject.layouts)}"
+        if self.dtype not in subject.dtypes:
+            return f"dtype = {self.dtype!r}: {subject.name} takes {', '.join(subject.dtypes)}"
+        return None
+
 
 def out_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "float32" else torch.bfloat16
@@ -177,6 +209,21 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
     return m
 
 
+# `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws
+# the family's searchable properties (harness/properties.py).
+def _search_space(st):
+    return {"m_values": st.lists(st.integers(1, 512), min_size=2, max_size=4, unique=True),
+            "position_m": st.integers(1, 256), "seed": st.integers(0, 10_000), "dtype": st.just("bfloat16")}
+
+
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in run's output, or in the operand `a`."""
+
+    def run(self, problem, out):
+        self._subject.run(problem, out)
+        self._inject(out, getattr(problem, "a", None))
+
+
 def _kernel_calls(check) -> list[KernelCall]:
     """The calls of a check whose subject's JIT compiles ahead (harness/precompile.py)."""
     if not compiled_ahead(check.subject):
@@ -188,7 +235,8 @@ def _kernel_calls(check) -> list[KernelCall]:
 
 
 FAMILY = Family("gemm", PROPERTIES, GemmParams, _runs, _observe, _measure_with_cost,
-                protocol=GemmSubject, precompile=Precompile(_kernel_calls, call=KernelCall))
+                protocol=GemmSubject, precompile=Precompile(_kernel_calls, call=KernelCall),
+                search_space=_search_space, selftest_wrapper=_Injected)
 
 
 def probe_operands(p: GemmParams, w, w_scale) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from ep_harness.contracts import GemmProblem, contiguous_segments, expected_m_hint, layout_rows
-from ep_harness.gemm_problem import FP8
+from ep_harness.families.gemm_problem import FP8
 
 CALL_LIMIT_S = 600.0  # a call's limit when no check gave one (KernelCall.timeout_s)
 

@@ -44,8 +44,8 @@ from ep_harness.families.driver import Copy, Family, Precompile, Run, require_fi
 from ep_harness.families.gemm_calls import compiled_ahead
 from ep_harness.families.moe_layer import router_flips, within_router_margin
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.model_inputs import prompts, to_device, weights
-from ep_harness.params import ModelParams
+from ep_harness.families.model_inputs import prompts, to_device, weights
+from ep_harness.params import LayoutParams, _opt
 from ep_harness.subject import ModelSubject, compiles_kernels
 from ep_harness.tolerances import MODEL, model_factor
 from ep_harness.reference import model as ref
@@ -54,6 +54,59 @@ from ep_harness.reference.orders import order_sensitive
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance",
               "tp-size-invariance")
 PROBE = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParams(LayoutParams):
+    """A small random-weight MoE decoder (harness/families/model.py): its shape, its
+    prompts, and the stage subjects it is composed of (by registered name)."""
+
+    dtype: str = _opt("bfloat16", choices=("bfloat16",))
+    vocab: int = _opt(512, minimum=2)
+    hidden: int = _opt(256, minimum=2)
+    layers: int = _opt(4, minimum=1)
+    heads: int = _opt(4, minimum=1)
+    num_experts: int = _opt(8, minimum=1)
+    topk: int = _opt(2, minimum=1)
+    intermediate: int = _opt(128, minimum=1)
+    shared_intermediate: int = _opt(128, minimum=1)
+    prompt_lengths: list[int] = _opt([3, 12], minimum=1, nonempty=True)  # [shortest, longest], seeded between
+    new_tokens: int = _opt(3, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 6], minimum=1, nonempty=True)
+    shuffles: int = _opt(3, minimum=1)
+    repeats: int = _opt(2, minimum=1)
+    layout: str = _opt("contiguous", choices=("contiguous", "masked"))
+    alignment: int = _opt(16, minimum=1)
+    tp_reduce: str = _opt("all_gather_fold")  # stage subjects, by registered name
+    dispatch: str = _opt("torch_a2a_dispatch")
+    gemm: str = _opt("torch_mm")
+    dense_gemm: str = _opt("torch_mm")
+    # every TP product per virtual shard (harness/subjects/model/composed.py); the layout-size
+    # properties run with it set, whatever the case says
+    virtual_tp: bool = _opt(False)
+    virtual_shards: int = _opt(4, minimum=1)  # one head per shard at the default 4 heads
+
+    def validate(self, subject):
+        w = self.world_size
+        if self.num_experts % w:
+            return f"num_experts = {self.num_experts} does not split over world_size = {w} ranks"
+        if self.topk > self.num_experts:
+            return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
+        if self.hidden % self.heads:
+            return f"hidden = {self.hidden} is not a multiple of heads = {self.heads}"
+        if self.heads % w:
+            return f"heads = {self.heads} do not split over world_size = {w} TP ranks; use a multiple of {w}"
+        if self.shared_intermediate % w:
+            return f"shared_intermediate = {self.shared_intermediate} does not split over world_size = {w} ranks"
+        if len(self.prompt_lengths) != 2 or self.prompt_lengths[0] > self.prompt_lengths[1]:
+            return f"prompt_lengths = {self.prompt_lengths!r}; give [shortest, longest]"
+        if self.heads % self.virtual_shards or self.shared_intermediate % self.virtual_shards:
+            return (f"virtual_shards = {self.virtual_shards} does not split heads = {self.heads} and "
+                    f"shared_intermediate = {self.shared_intermediate}; use a divisor of both")
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ localised as for the other model properties.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +21,11 @@ from ep_harness.divergence import Tracer, localise
 from ep_harness.families import layout
 from ep_harness.families.driver import Run
 from ep_harness.measurement import Measurement
-from ep_harness.model_inputs import prompts, to_device, weights
-from ep_harness.params import ModelParams
+from ep_harness.families.model_inputs import prompts, to_device, weights
 from ep_harness.reference import orders
+
+if TYPE_CHECKING:  # model.py, which declares it, imports this module
+    from ep_harness.families.model import ModelParams
 
 
 def observe(subject, ctx: RankContext, p: ModelParams, prop: str, runs: list[Run]) -> list:

@@ -34,12 +34,12 @@ from ep_harness.families import layout, moe_layout
 from ep_harness.families.driver import Family, Precompile, kept, require_finite, subject_call
 from ep_harness.families.gemm_calls import compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.moe_scenario import Placement, placement_runs, probe_copies
-from ep_harness.params import MoeParams
+from ep_harness.families.moe_scenario import MoeParams, Placement, placement_runs, probe_copies
 from ep_harness.subject import MoeLayerSubject
 from ep_harness.tolerances import MOE, gamma
 from ep_harness.reference import moe as ref
 from ep_harness.reference.orders import order_sensitive
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "rank-invariance",
               "others-invariance", "prefill-decode-invariance", "tp-size-invariance", "ep-size-invariance")
@@ -304,5 +304,14 @@ def _kernel_calls(check) -> list | None:
     return calls
 
 
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in forward's output, or in the partial sums."""
+
+    def forward(self, partials, weights, params, group):
+        out, experts = self._subject.forward(partials, weights, params, group)
+        self._inject(out, partials)
+        return out, experts
+
+
 FAMILY = Family("moe_layer", PROPERTIES, MoeParams, _runs, _observe, _measure,
-                protocol=MoeLayerSubject, precompile=Precompile(_kernel_calls))
+                protocol=MoeLayerSubject, precompile=Precompile(_kernel_calls), selftest_wrapper=_Injected)

@@ -25,7 +25,7 @@ from ep_harness.context import RankContext
 from ep_harness.families import layout
 from ep_harness.families.driver import Run, kept
 from ep_harness.measurement import Measurement
-from ep_harness.params import MoeParams
+from ep_harness.families.moe_scenario import MoeParams
 from ep_harness.reference import moe as ref
 from ep_harness.reference import orders
 

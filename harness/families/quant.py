@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -15,11 +16,28 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
 from ep_harness.measurement import Measurement
-from ep_harness.params import QuantParams
+from ep_harness.params import DATA_KINDS, CommonParams, _opt
 from ep_harness.subject import QuantSubject
 from ep_harness.reference import quant as ref
+from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "batch-invariance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantParams(CommonParams):
+    dtype: str = _opt("bfloat16", choices=("bfloat16",))
+    rows: int = _opt(64, minimum=1)
+    cols: int = _opt(2048, minimum=128)
+    ue8m0: bool = _opt(False)
+    batch_sizes: list[int] = _opt([1, 7, 64, 1000], minimum=1, nonempty=True)
+    repeats: int = _opt(3, minimum=1)
+    data: str = _opt("spread", choices=DATA_KINDS)
+
+    def validate(self, subject):
+        return f"cols = {self.cols} is not a multiple of the 128-wide quantization group" if self.cols % 128 else None
+
+
 def reciprocal_scales(x: torch.Tensor) -> torch.Tensor:
     """amax * float32(1 / 448): how a scalar division is often compiled (PyTorch's CUDA
     kernels multiply by the divisor's reciprocal)."""
@@ -163,5 +181,14 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: QuantParams, runs: l
     return m
 
 
+class _Injected(Wrapped):
+    """`ep-harness selftest`: the defect in the quantized values, or in the input."""
+
+    def quantize(self, x, ue8m0):
+        q, s = self._subject.quantize(x, ue8m0)
+        self._inject(q, x)
+        return q, s
+
+
 FAMILY = Family("quant", PROPERTIES, QuantParams, _runs, _observe, _measure_with_cost,
-                protocol=QuantSubject)
+                protocol=QuantSubject, selftest_wrapper=_Injected)

@@ -34,11 +34,9 @@ cells are not applicable. A plugin that adds a property declares its row with `d
 """
 from __future__ import annotations
 
-from ep_harness import properties
-from ep_harness.selftest.injections import WRAPPED_FAMILIES
+from ep_harness import families, properties
 
 EXACT_REFERENCE = frozenset({"ulp"})  # added where a reference property compares bit for bit
-FAMILY_MUST_CATCH: dict[str, frozenset[str]] = {"collective": frozenset({"out-of-slice"})}
 # (family, property) pairs that compare something no injection touches, and why.
 _LAYOUT = ("the layout-size properties run the subject on subgroups through reduce_shards / forward_shards, "
            "which the injection wrappers do not reach yet (harness/selftest/wrap.py)")
@@ -54,6 +52,12 @@ def must_catch() -> dict[str, frozenset[str]]:
     return {name: p.must_catch for name, p in properties.PROPERTIES.items() if p.must_catch is not None}
 
 
+def family_must_catch() -> dict[str, frozenset[str]]:
+    """The injections each family requires of all its properties beyond each property's own
+    row (its Family.must_catch), for the families that declare any."""
+    return {name: f.must_catch for name, f in families.FAMILIES.items() if f.must_catch}
+
+
 def required(record: dict, injection: str) -> tuple[bool | None, str]:
     """Whether the check of a baseline `record` must catch `injection`: (True, why),
     (False, why) or (None, why not applicable)."""
@@ -62,14 +66,15 @@ def required(record: dict, injection: str) -> tuple[bool | None, str]:
         return None, f"baseline {record.get('status')}: only a check that is ok without injection can be tested"
     if record.get("expect") != "holds":
         return None, f"a control (expect = {record.get('expect')}): an injected difference cannot change its verdict"
-    if family not in WRAPPED_FAMILIES:
+    declared = families.FAMILIES.get(family)
+    if declared is None or declared.selftest_wrapper is None:
         return None, f"no injection wrapper for the {family} family (harness/selftest/wrap.py)"
     if (family, prop) in NOT_TARGETED:
         return None, NOT_TARGETED[(family, prop)]
     kind = properties.PROPERTIES.get(prop)
     if kind is None or kind.must_catch is None:
         return None, f"no row for property {prop!r} (its must_catch in harness/properties.py, or the plugin's Property)"
-    must = kind.must_catch | FAMILY_MUST_CATCH.get(family, frozenset())
+    must = kind.must_catch | declared.must_catch
     if kind.needs_reference and record.get("comparison") == "bitwise":
         must |= EXACT_REFERENCE
     if injection in must:

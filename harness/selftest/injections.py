@@ -34,8 +34,6 @@ from dataclasses import asdict, dataclass, replace
 
 from ep_harness.errors import HarnessError
 
-# Families whose subjects harness/selftest/wrap.py can wrap (its WRAPPERS; a test keeps the two equal).
-WRAPPED_FAMILIES = ("collective", "gemm", "quant", "dispatch", "moe_layer")
 DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
 PLACES = ("element", "column", "all", "row")
 SPOTS = ("first", "middle", "last", "seeded")  # where in each row a `column` defect lands (harness/selftest/wrap.py)

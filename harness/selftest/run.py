@@ -194,7 +194,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
     result = {"suite": str(suite_path), "run_id": run_id, "command": list(command),
               "injections": [i.to_json() | {"describe": i.describe()} for i in chosen_injections],
               "must_catch": {p: sorted(s) for p, s in expectations.must_catch().items()},
-              "family_must_catch": {f: sorted(s) for f, s in expectations.FAMILY_MUST_CATCH.items()},
+              "family_must_catch": {f: sorted(s) for f, s in expectations.family_must_catch().items()},
               "checks": rows, "blind": matrix.blind(rows), "broken": matrix.broken_cells(rows), "seconds": seconds,
               "tested": sum(c["state"] in ("caught", "missed", "extra") for r in rows for c in r["cells"].values()),
               "wall_s": round(time.time() - began, 2), "interrupted": str(interrupted) if interrupted else None}

@@ -3,7 +3,10 @@
 harness/worker.py calls `wrapped(subject, injection, check)` for a check whose job entry
 says `inject` (only `ep-harness selftest` sends one): the real subject runs first, then the
 wrapper changes its output (or input) as harness/selftest/injections.py describes. Every
-other attribute (the order model, unavailable, layouts, ...) is the real subject's.
+other attribute (the order model, unavailable, layouts, ...) is the real subject's. The
+wrapper is the family's own (its Family.selftest_wrapper, beside its module): a subclass of
+`Wrapped` that calls the real method and hands its output, and the input a stray write
+would land in, to `_inject`; a family without one has no injected cells.
 
 Each call whose defect changed at least one bit is logged to
 $EP_HARNESS_JOB_DIR/injections-rank<R>.jsonl, so that the head can tell a check that missed
@@ -91,8 +94,9 @@ def _graph_warm_up(out: torch.Tensor) -> bool:
         torch.cuda.default_stream(out.device)
 
 
-class _Wrapped:
-    """Delegates everything to the real subject; the family subclasses wrap its one method."""
+class Wrapped:
+    """Delegates everything to the real subject; a family's subclass (its
+    Family.selftest_wrapper) wraps the method whose output its checks compare."""
 
     def __init__(self, subject, injection: Injection, check):
         self._subject, self._inj, self._check, self._property = subject, injection, check.id, check.property
@@ -195,59 +199,10 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(_INT[a.element_size()]) != b.view(_INT[b.element_size()])).sum())
 
 
-class _Collective(_Wrapped):
-    def reduce_scatter(self, out, inp, sizes, group):
-        import torch.distributed as dist
-
-        self._subject.reduce_scatter(out, inp, sizes, group)
-        rank = dist.get_rank(group)
-        start = sum(sizes[:rank])
-        self._inject(out, inp, (start, start + sizes[rank]))
-
-
-class _Gemm(_Wrapped):
-    def run(self, problem, out):
-        self._subject.run(problem, out)
-        self._inject(out, getattr(problem, "a", None))
-
-
-class _Quant(_Wrapped):
-    def quantize(self, x, ue8m0):
-        q, s = self._subject.quantize(x, ue8m0)
-        self._inject(q, x)
-        return q, s
-
-
-class _Dispatch(_Wrapped):
-    """`reference` compares the dispatched rows: the defect goes there; every other property
-    compares combine's output: it goes there (never both, so that each check sees one)."""
-
-    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
-        received = self._subject.dispatch(x, topk_idx, topk_weights, cfg, group)
-        if self._property == "reference":
-            self._inject(received.x, x)
-        return received
-
-    def combine(self, expert_out, handle, topk_weights, group):
-        out = self._subject.combine(expert_out, handle, topk_weights, group)
-        if self._property != "reference":
-            self._inject(out, expert_out)
-        return out
-
-
-class _MoeLayer(_Wrapped):
-    def forward(self, partials, weights, params, group):
-        out, experts = self._subject.forward(partials, weights, params, group)
-        self._inject(out, partials)
-        return out, experts
-
-
-WRAPPERS = {"collective": _Collective, "gemm": _Gemm, "quant": _Quant, "dispatch": _Dispatch,
-            "moe_layer": _MoeLayer}
-
-
 def wrapped(subject, injection: dict, check):
     """`subject` with the injection (as the job carries it, Injection.to_json) applied for
     one ep_harness.check.Check (its id names the check in the log; its property says, for a
     dispatcher, which output the property compares)."""
-    return WRAPPERS[subject.family](subject, Injection.from_json(injection), check)
+    from ep_harness import families  # the registry imports the family modules, which import this one
+
+    return families.get(subject.family).selftest_wrapper(subject, Injection.from_json(injection), check)

@@ -10,7 +10,7 @@ import torch
 from ep_harness import nccl_log, nccl_models
 from ep_harness.families.collective import prefill_decode_layouts, all_inputs, _labels
 from ep_harness.inputs import dtype_of
-from ep_harness.params import CollectiveParams
+from ep_harness.families.collective import CollectiveParams
 from ep_harness.reference import nccl_plan
 
 FIX = REPO / "tests" / "fixtures" / "nccl-2.28.9-emulated-hosts"

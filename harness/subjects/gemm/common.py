@@ -1,10 +1,9 @@
 """What every GEMM subject checks before it runs: layout and dtype support."""
 from __future__ import annotations
 
-from ep_harness.params import GemmParams
 
-
-def unsupported(subject, params: GemmParams) -> str | None:
+def unsupported(subject, params) -> str | None:
+    """Why `subject` cannot take a check's GEMM parameters (the gemm family's), or None."""
     if params.layout not in subject.layouts:
         return f"{subject.name} has no {params.layout} layout (it has {', '.join(subject.layouts)})"
     if params.dtype not in subject.dtypes:

@@ -1,6 +1,6 @@
 """The model subject's building blocks: weight shards and the RMS norm. The weights, the
 prompts and what one served batch returns are the family's and the contract's
-(harness/model_inputs.py, ep_harness.contracts.Served).
+(harness/families/model_inputs.py, ep_harness.contracts.Served).
 """
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from ep_harness.divergence import Op, rows_of
 from ep_harness.contracts import DispatchConfig, GemmProblem, Served
-from ep_harness.params import ModelParams
 from ep_harness.subject import register
 from ep_harness.subjects.model.common import rmsnorm, shard_cols, shard_rows
 from ep_harness.subjects.moe.composed import STAGES as MOE_STAGES
@@ -81,7 +80,7 @@ class ComposedModel(Composed):
 class _Forward:
     """One served batch on one rank: its weight shards, KV cache and stage subjects."""
 
-    def __init__(self, s: dict, weights: dict, params: ModelParams, group, tracer):
+    def __init__(self, s: dict, weights: dict, params, group, tracer):  # params: the model family's
         self.s, self.w, self.p, self.group = s, weights, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.heads = params.heads // self.world
@@ -346,7 +345,7 @@ def _swiglu(gu: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(BF16)
 
 
-def _block(params: ModelParams, world: int, rank: int) -> range:
+def _block(params, world: int, rank: int) -> range:
     per = params.virtual_shards // world
     return range(rank * per, (rank + 1) * per)
 
@@ -363,7 +362,7 @@ def _sources(received, items: list, local: int) -> dict:
     return out
 
 
-def _layer_ops(l: int, p: ModelParams) -> dict:
+def _layer_ops(l: int, p) -> dict:
     """The ops of layer l, in program order; the layer itself orders after its stages."""
     tp, disp, gemm, dense = p.tp_reduce, p.dispatch, p.gemm, p.dense_gemm
     stages = [("attention.norm", None, False), ("qkv", dense, False), ("attention", None, False), ("o_proj", dense, False),

@@ -13,32 +13,35 @@ from dataclasses import fields
 
 import torch
 
+from ep_harness import families
 from ep_harness import subject as registry
 from ep_harness.contracts import DispatchConfig, GemmProblem, expected_m_hint, route
 from ep_harness.errors import HarnessError
-from ep_harness.params import CollectiveParams, CommonParams, DispatchParams, GemmParams, ModelParams, MoeParams
+from ep_harness.params import CommonParams
 from ep_harness.kernel_trace import declared
 from ep_harness.subject import compiles_kernels, description, register
 
 STAGES = ("tp_reduce", "dispatch", "gemm")  # each a field of the parameters naming a subject
 
 
-def _common(p: CommonParams) -> dict:
-    return {f.name: getattr(p, f.name) for f in fields(CommonParams)}
+def _stage(family: str, p: CommonParams, **given):
+    """The parameters of a stage of `family`: its registered dataclass, with `p`'s common keys."""
+    common = {f.name: getattr(p, f.name) for f in fields(CommonParams)}
+    return families.get(family).params(**common, **given)
 
 
 # What each stage subject is asked about (unavailable, kernels, describe): its own family's
 # parameters as the composition runs it, bf16 throughout.
 STAGE_PARAMS = {
-    "tp_reduce": lambda p: CollectiveParams(**_common(p), dtype="bfloat16", hidden=p.hidden, shards="even"),
-    "dispatch": lambda p: DispatchParams(**_common(p), hidden=p.hidden, num_experts=p.num_experts, topk=p.topk,
-                                         layout=p.layout, alignment=p.alignment, expert_quant="bf16", wire="bf16"),
-    "gemm": lambda p: GemmParams(**_common(p), dtype="bfloat16", layout=p.layout, alignment=p.alignment),
-    "dense_gemm": lambda p: GemmParams(**_common(p), dtype="bfloat16", layout="dense"),
+    "tp_reduce": lambda p: _stage("collective", p, dtype="bfloat16", hidden=p.hidden, shards="even"),
+    "dispatch": lambda p: _stage("dispatch", p, hidden=p.hidden, num_experts=p.num_experts, topk=p.topk,
+                                 layout=p.layout, alignment=p.alignment, expert_quant="bf16", wire="bf16"),
+    "gemm": lambda p: _stage("gemm", p, dtype="bfloat16", layout=p.layout, alignment=p.alignment),
+    "dense_gemm": lambda p: _stage("gemm", p, dtype="bfloat16", layout="dense"),
 }
 
 
-def stages(params: MoeParams | ModelParams, names: tuple[str, ...] = STAGES) -> dict:
+def stages(params, names: tuple[str, ...] = STAGES) -> dict:
     """Each stage's subject, by the registered name its parameter field holds."""
     return {stage: registry.get(getattr(params, stage)) for stage in names}
 
@@ -83,7 +86,7 @@ class ComposedMoE(Composed):
     family = "moe_layer"
     summary = "TP reduce + router + dispatch + grouped GEMMs + combine"
 
-    def forward(self, partials, weights, params: MoeParams, group):
+    def forward(self, partials, weights, params, group):
         """partials: this rank's TP partial sums for every global token [T_total, H].
         Returns (output [T_local, H] bf16, topk_idx [T_local, k])."""
         s = self.stages(params)
@@ -93,7 +96,7 @@ class ComposedMoE(Composed):
         s["tp_reduce"].reduce_scatter(x, partials, [local] * world, group)
         return self._routed(s, x, weights, params, group)
 
-    def forward_shards(self, shards, weights, params: MoeParams, group):
+    def forward_shards(self, shards, weights, params, group):
         """shards: this rank's virtual TP shards of every global token [k, T_total, H]
         (harness/families/layout.py); the tp_reduce stage reduces them as the layout-size
         properties define. Returns what `forward` does."""
@@ -106,7 +109,7 @@ class ComposedMoE(Composed):
         reduce_shards(s["tp_reduce"], x, shards, [local] * world, group)
         return self._routed(s, x, weights, params, group)
 
-    def _routed(self, s, x, weights, params: MoeParams, group):
+    def _routed(self, s, x, weights, params, group):
         """Router, dispatch, expert GEMMs and combine of this rank's hidden states x [T, H]."""
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)

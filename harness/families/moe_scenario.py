@@ -4,6 +4,9 @@ can rebuild every rank's inputs for the references.
 
 Routing distributions for the filler tokens: uniform, zipf (hot experts), empty (half the
 experts never chosen), one-rank (every token to the experts of rank 0), single (one token).
+
+The two families' parameters are declared here too: what they share (TokenParams), and
+each one's own (DispatchParams, MoeParams).
 """
 from __future__ import annotations
 
@@ -12,9 +15,86 @@ from dataclasses import dataclass
 import torch
 
 from ep_harness import inputs as gen
-from ep_harness.params import DispatchParams, MoeParams
+from ep_harness.params import DATA_KINDS, LayoutParams, _opt
 
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenParams(LayoutParams):
+    """What dispatch and the MoE layer share: tokens, experts and routing."""
+
+    tokens: int = _opt(16, minimum=1)
+    hidden: int = _opt(256, minimum=2)
+    num_experts: int = _opt(16, minimum=1)
+    topk: int = _opt(4, minimum=1)
+    routing: str = _opt("uniform", choices=ROUTINGS)
+    layout: str = _opt("contiguous", choices=("contiguous", "masked"))
+    alignment: int = _opt(16, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 16, 64], minimum=1, nonempty=True)
+    repeats: int = _opt(3, minimum=1)
+
+    def validate(self, subject):
+        if self.num_experts % self.world_size:
+            return f"num_experts = {self.num_experts} does not split over world_size = {self.world_size} ranks"
+        if self.topk > self.num_experts:
+            return f"topk = {self.topk} exceeds num_experts = {self.num_experts}"
+        for size in self.layout_sizes:
+            if self.num_experts % size:
+                return f"layout_sizes = {self.layout_sizes}: num_experts = {self.num_experts} does not split over {size} ranks"
+        return super().validate(subject)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchParams(TokenParams):
+    expert_quant: str = _opt("bf16", choices=("bf16", "fp8"))
+    wire: str = _opt("auto", choices=("auto", "bf16", "fp8"))
+    ue8m0: bool = _opt(True)
+    data: str = _opt("spread", choices=DATA_KINDS)
+    probe_experts: list[int] = _opt([4, 5, 0, 1], minimum=0, nonempty=True)
+    # corruption-rate: this many calls at each token count per rank (600 clean calls bound the
+    # per-call rate below 0.5 % at 95 %; DeepEP #700 corrupted 1.5-3.3 % of calls at 256 tokens)
+    calls: int = _opt(600, minimum=1)
+    call_tokens: list[int] = _opt([256], minimum=1, nonempty=True)
+
+    def validate(self, subject):
+        if self.hidden % 128 and self.expert_quant == "fp8":
+            return f"hidden = {self.hidden} is not a multiple of 128, which FP8 dispatch needs"
+        probe = [e % self.num_experts for e in self.probe_experts[:self.topk]]
+        if self.topk <= self.num_experts and len(set(probe)) < self.topk:  # the probe token's own top-k
+            return (f"probe_experts = {self.probe_experts} gives the probe {sorted(probe)} (mod num_experts = "
+                    f"{self.num_experts}), not topk = {self.topk} distinct experts; list {self.topk} distinct experts")
+        return super().validate(subject)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeParams(TokenParams):
+    tokens: int = _opt(8, minimum=1)
+    intermediate: int = _opt(128, minimum=1)
+    batch_sizes: list[int] = _opt([1, 3, 8, 32], minimum=1, nonempty=True)
+    # prefill-decode-invariance: the probe decoded alone (1 token per rank) against the same
+    # token inside prefill batches of these many tokens per rank (2 or more: one is a decode),
+    # on every rank at its chunk's first and last rows and one row in each of `channel_probes`
+    # equal slices (harness/families/moe_scenario.py prefill_rows)
+    prefill_tokens: list[int] = _opt([32, 256], minimum=2, nonempty=True)
+    channel_probes: int = _opt(8, minimum=1)
+    data: str = _opt("randn", choices=DATA_KINDS)
+    cancel: bool = _opt(True)
+    scoring: str = _opt("softmax", choices=("softmax", "sigmoid"))
+    tp_reduce: str = _opt("all_gather_fold")  # stage subjects, by registered name
+    dispatch: str = _opt("torch_a2a_dispatch")
+    gemm: str = _opt("torch_mm")
+
+    def validate(self, subject):
+        # The router's fp32 scores must order the experts as its float64 logits do, up to the
+        # rounding margin (families/moe_layer.py): spread values (subnormal builds on them) give
+        # logits of 100s whose fp32 softmax underflows to tied zeros; NaN and Inf leave no order.
+        if self.data in ("spread", "subnormal", "nonfinite"):
+            why = ("NaN and Inf in the hidden state leave the router's top-k undefined" if self.data == "nonfinite"
+                   else "spread values give router logits of 100s, whose fp32 scores underflow to tied zeros "
+                        "that the float64 router tells apart (a correct layer fails)")
+            return f"data = {self.data!r} for the MoE layer: {why}; use randn, uniform or integers"
+        return super().validate(subject)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,14 @@ Everything bf16 unless said. Weights are scaled by fan-in^-1/2 so activations st
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from ep_harness import inputs as gen
-from ep_harness.params import ModelParams
+
+if TYPE_CHECKING:  # model.py, which declares it, imports this module
+    from ep_harness.families.model import ModelParams
 
 
 def weights(p: ModelParams) -> dict:
