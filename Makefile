@@ -53,11 +53,11 @@ test: install
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal tests
 
 bench: install
-	$(PY) -m ep_harness.bench
+	$(PY) -m ep_harness.cost.bench
 
 # On a GPU: GEMM and quantization cost at engine shapes, with each GEMM's batch-invariance verdict.
 bench-gpu: install
-	$(PY) -m ep_harness.bench_gemm_cost --out reports/out/cost
+	$(PY) -m ep_harness.cost.bench_gemm_cost --out reports/out/cost
 
 nightly: install
 	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `--suite h200 --gpus 1` cold then warm, side by side in one device call (issue 25, item 3):
 # cold = an empty DeepGEMM kernel cache (a new DG_JIT_CACHE_DIR), so every kernel is
-# compiled, in parallel by harness/precompile.py beside the launch (the checks needing none
+# compiled, in parallel by harness/run/precompile.py beside the launch (the checks needing none
 # run meanwhile); warm = the same cache again, where nothing is compiled. Writes
 # $OUT/cold_warm.txt: each pass's exit code and wall time, its precompile and launch lines and
 # the run's own timing line (how long the checks still spent warming up, i.e. compiling what

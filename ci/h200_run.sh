@@ -21,4 +21,4 @@ for pass in cold warm; do
 done
 cp /tmp/runs-warm/latest/report.html "$OUT/" 2>/dev/null
 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
-if [ "${BENCH:-0}" = 1 ]; then python3 -m ep_harness.bench compare --gib ${GIB:-1 4} > "$OUT/bench-compare.log" 2>&1; fi
+if [ "${BENCH:-0}" = 1 ]; then python3 -m ep_harness.cost.bench compare --gib ${GIB:-1 4} > "$OUT/bench-compare.log" 2>&1; fi

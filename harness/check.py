@@ -1,6 +1,6 @@
 """One point of a case's grid: what to run, with which parameters, expecting what.
 
-Built by the planner (harness/plan.py) with typed, validated parameters; it travels to
+Built by the planner (harness/run/plan.py) with typed, validated parameters; it travels to
 the ranks as JSON (`to_json` / `from_json`) and becomes one record.
 """
 from __future__ import annotations

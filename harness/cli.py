@@ -9,7 +9,7 @@ from pathlib import Path
 from ep_harness import console
 from ep_harness.console import Console
 from ep_harness.errors import HarnessError
-from ep_harness.gate import NotComparable
+from ep_harness.regress.gate import NotComparable
 
 
 def _gpus(value: str) -> int | None:
@@ -207,7 +207,7 @@ def _command(args, argv: list[str], out: Console) -> int:
         if args.command == "verify":
             from ep_harness.cases import load_suite, resolve_suite_path
             from ep_harness.environment import platform_for
-            from ep_harness.nodes import Nodes
+            from ep_harness.launch.nodes import Nodes
             from ep_harness.threads import parse_threads
 
             # Bad node options, a missing or malformed suite and more GPUs than the machine
@@ -215,7 +215,7 @@ def _command(args, argv: list[str], out: Console) -> int:
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher, args.run_secret).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
-                from ep_harness.follower import follow
+                from ep_harness.launch.follower import follow
 
                 return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
@@ -224,7 +224,7 @@ def _command(args, argv: list[str], out: Console) -> int:
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
-            from ep_harness.verify import RunOptions, verify
+            from ep_harness.run.verify import RunOptions, verify
 
             code, run_dir = verify(RunOptions(
                 args.suite, gpus=args.gpus, cpu_ranks=args.cpu_ranks, selection=args.check, plugins=args.plugin,
@@ -255,13 +255,13 @@ def _command(args, argv: list[str], out: Console) -> int:
                             command=["ep-harness", *argv], render=not args.no_report,
                             every_cell=args.every_cell, emulate=args.emulate)[0]
         if args.command == "gate":
-            from ep_harness.gate import gate, render_gate
+            from ep_harness.regress.gate import gate, render_gate
 
             result = gate(args.run_dir, args.baseline)
             out.line(render_gate(result))
             return 0 if result["passed"] else 1
         if args.command == "baseline":
-            from ep_harness.gate import update_baseline
+            from ep_harness.regress.gate import update_baseline
 
             out.line(f"baseline written: {update_baseline(args.run_dir, args.baseline)}")
             return 0
@@ -271,12 +271,12 @@ def _command(args, argv: list[str], out: Console) -> int:
             if importlib.util.find_spec("hypothesis") is None:
                 raise HarnessError("explore searches with hypothesis, which is not installed; "
                                    "pip install 'ep-harness[explore]'")
-            from ep_harness.explore import explore
+            from ep_harness.run.explore import explore
 
             return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
                            store=args.store, gpus=args.gpus, out=args.out)
         if args.command == "nightly":
-            from ep_harness.nightly import nightly
+            from ep_harness.regress.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
                            emulate=args.emulate, summary_md=args.summary_md, junit_xml=args.junit_xml,
@@ -316,7 +316,7 @@ def _list(args, out: Console) -> int:
     from ep_harness import subject as registry
     from ep_harness.cases import known_suites, load_suite, resolve_suite_path
     from ep_harness.environment import detect
-    from ep_harness.plan import expand
+    from ep_harness.run.plan import expand
 
     if args.suite is None:
         out.line("# suites (--suite NAME, or a path to a TOML file):")

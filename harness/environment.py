@@ -99,7 +99,7 @@ def detect(gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | 
 
 
 def platform_for(nodes, gpus: int | None, cpu_ranks: int = CPU_DEFAULT_RANKS, emulate: str | None = None) -> Platform:
-    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.nodes.Nodes):
+    """detect() for a run over nodes.nnodes x nodes.nproc_per_node ranks (ep_harness.launch.nodes.Nodes):
     the head checks its own node (P ranks on its GPUs, or gloo on the CPU) for every node."""
     import dataclasses
 

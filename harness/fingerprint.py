@@ -1,5 +1,5 @@
 """Order-sensitive fingerprints of tensor bits (a record's `bits_fingerprint` and `bits_blocks`;
-not the run's fingerprint that picks a baseline, harness/gate.py).
+not the run's fingerprint that picks a baseline, harness/regress/gate.py).
 
 A bits fingerprint is a digest of every byte of the tensor in its logical (row-major) order,
 together with its dtype and shape: two tensors share one only if they hold the same bits in

@@ -67,7 +67,7 @@ def _store(rank: int, result_dir: Path, timeout_s: float):
     """The process group's TCPStore. Rank 0 binds a port the OS picks and writes it down for
     the others: a port chosen in the parent and freed could be taken, before rank 0 binds
     it, by another test's ranks (seen under pytest-xdist: gloo's connectFullMesh then fails)."""
-    from ep_harness.channel import tcp_store
+    from ep_harness.launch.channel import tcp_store
 
     port_file = result_dir / "store-port"
     if rank == 0:
@@ -365,8 +365,8 @@ class CheckItem(pytest.Item):
         a file lock in the session's private directory)."""
         if SUITE_RECORDS not in self.config.stash:
             from ep_harness.console import Console, using
-            from ep_harness.plan import literal
-            from ep_harness.verify import RunOptions, verify
+            from ep_harness.run.plan import literal
+            from ep_harness.run.verify import RunOptions, verify
 
             def run_verify(out_root: Path) -> Path:
                 batch = [i.check.id for i in self.session.items if isinstance(i, CheckItem) and not i.check.skip_reason]
@@ -407,7 +407,7 @@ def pytest_collection_modifyitems(session, config, items):
     from ep_harness.cases import load_suite, resolve_suite_path
     from ep_harness.environment import detect
     from ep_harness.errors import HarnessError
-    from ep_harness.plan import expand
+    from ep_harness.run.plan import expand
 
     gpus = config.getoption("--ep-gpus")
     try:

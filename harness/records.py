@@ -3,7 +3,7 @@
 Files are written to a temporary name and renamed, so a reader never sees half a run. The
 schema sits on the ground floor: it imports no harness module but errors.py, so whatever it
 needs of the environment, the subject registry or the version is passed in by the caller
-(harness/verify.py `base_record`); tests/test_records_floor.py keeps it so.
+(harness/run/verify.py `base_record`); tests/test_records_floor.py keeps it so.
 """
 from __future__ import annotations
 

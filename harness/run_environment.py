@@ -3,8 +3,8 @@ when the run is planned (versions, libraries, host, GPUs, CPU ISA; the suite, it
 the selection run), each launch's pinned environment, what every rank reported and the
 nodes they make up (and how those differ), the NCCL topology, the TP-reduction statement
 (harness/nccl/statement.py), an interruption and where the time went. Each rank's own part
-is `rank_environment` (harness/worker.py). The run's fingerprint, the part of this that decides
-its bits and picks its baseline, is harness/gate.py's.
+is `rank_environment` (harness/run/worker.py). The run's fingerprint, the part of this that decides
+its bits and picks its baseline, is harness/regress/gate.py's.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def rank_environment() -> dict:
     """What one rank sees: host, device, versions, and every pinned variable."""
     import torch
 
-    from ep_harness.channel import local_node
+    from ep_harness.launch.channel import local_node
 
     info = {
         "host": socket.gethostname(),
@@ -175,7 +175,7 @@ class EnvironmentRecord:
                  suite_name: str | None = None):
         """`suite_name`: the suite's declared name, what its baselines are named by (a rerun's:
         its source run's); `selection`: the --check patterns, where the run is a part of the
-        suite (never recorded or gated as the whole: harness/gate.py)."""
+        suite (never recorded or gated as the whole: harness/regress/gate.py)."""
         self.platform = platform
         self.data = launcher_environment(platform, list(command))
         self.data["suite"] = str(suite_path)

@@ -193,7 +193,7 @@ def rounds_partials(subject) -> bool:
 
 # Optional: `jit`, for a subject whose kernels a JIT compiles per shape into a cache that every
 # process of the run shares (DeepGEMM): its families plan the calls of its checks
-# (Family.precompile) and harness/precompile.py makes them once, in worker processes, before
+# (Family.precompile) and harness/run/precompile.py makes them once, in worker processes, before
 # the checks. `jit.ready()` runs in such a worker before its first call (None, or why no call
 # can be made there); `jit.identity(platform)` says what decides the kernels besides the shapes.
 

@@ -10,7 +10,7 @@ The policy: every rank of every launch runs on `DEFAULT_THREADS` (1) intra-op th
 the run asks for another count (`ep-harness verify --threads N`), or a case (`env =
 { OMP_NUM_THREADS = "N" }`) or a record being rerun (its `launch_env`) pins one. The count
 travels in each check's launch environment as OMP_NUM_THREADS (set before torch loads
-OpenMP, harness/agent/) and each rank also sets it with torch.set_num_threads (MKL and
+OpenMP, harness/launch/agent/) and each rank also sets it with torch.set_num_threads (MKL and
 oneDNN follow it) and reports what it got (its part of environment.json). It is in
 each record's `launch_env`, in environment.json's `threads`, in the gate's fingerprint on the
 CPU, and in every printed rerun command.

@@ -157,7 +157,7 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     """The whole table; rows=False when they were already streamed as the checks finished."""
     env = environment or {}
     run_id = records[0]["run_id"] if records else "(empty)"
-    if rows:  # streamed rows had the run's header printed before them (harness/verify.py)
+    if rows:  # streamed rows had the run's header printed before them (harness/run/verify.py)
         ran = [r for r in records if r["status"] != "skipped"]
         widest = max((r["params"].get("world_size") for r in ran if isinstance(r["params"].get("world_size"), int)),
                      default=None)

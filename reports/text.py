@@ -42,7 +42,7 @@ def fmt_float(x, digits: int = 3) -> str:
 
 
 def cost_text(rec: dict) -> str:
-    """A GPU check's measured cost (detail.cost: harness/cost.py), e.g. '769 TFLOP/s (77.7% of
+    """A GPU check's measured cost (detail.cost: harness/cost/timing.py), e.g. '769 TFLOP/s (77.7% of
     bf16 peak), 1.00x torch_mm'; '' where none was measured (the CPU), never a zero."""
     c = (rec.get("detail") or {}).get("cost")
     if not isinstance(c, dict):

@@ -90,7 +90,7 @@ def processes_with_env(fragment: str) -> list[int]:
 
 def gone(pid: int) -> bool:
     """Whether a process has ended, a zombie included (as the launcher counts them)."""
-    from ep_harness.processes import ENDED_STATES, process_state
+    from ep_harness.launch.processes import ENDED_STATES, process_state
 
     found = process_state(pid)
     return found is None or found.state in ENDED_STATES

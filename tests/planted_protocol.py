@@ -5,8 +5,8 @@ import time
 
 import torch.distributed as dist
 
-from ep_harness import protocol
-from ep_harness.channel import SECRET_ENV, Channel, parse_endpoint, tcp_store
+from ep_harness.launch import protocol
+from ep_harness.launch.channel import SECRET_ENV, Channel, parse_endpoint, tcp_store
 from ep_harness.subject import register
 from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
 

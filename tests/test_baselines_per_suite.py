@@ -1,4 +1,4 @@
-"""Baselines per suite (harness/gate.py) and the nightly workflow's DeepEP entry: the holes a
+"""Baselines per suite (harness/regress/gate.py) and the nightly workflow's DeepEP entry: the holes a
 review of 2026-12-01 found, each reproduced (a rerun named after its records' path, a --check
 subset recorded or gated as its whole suite, a suite name that is a path, 'not comparable'
 offering another suite's baselines, a night without DeepEP that looks passed)."""
@@ -33,7 +33,7 @@ def subset_run(tmp_path_factory) -> Path:
 def test_a_from_record_run_keeps_its_suites_baseline(subset_run, tmp_path):
     """A rerun from records keeps its source run's suite name: its baseline is the suite's
     (named after the records' path it would nest a directory under ci/baselines)."""
-    from ep_harness.gate import BASELINE_DIR, baseline_path, fingerprint
+    from ep_harness.regress.gate import BASELINE_DIR, baseline_path, fingerprint
     from ep_harness.reports.load import load_run
 
     rerun = _verify("--from-record", str(subset_run / "results.jsonl"), "--out", str(tmp_path))
@@ -46,7 +46,7 @@ def test_a_check_subset_is_not_recorded_as_the_suites_baseline(subset_run, tmp_p
     """`make baseline` of a `--check` run would make a few checks the suite's baseline (every
     later full run would see the rest as `new`, never a lost `ok`): refused, naming it."""
     from ep_harness.errors import HarnessError
-    from ep_harness.gate import update_baseline
+    from ep_harness.regress.gate import update_baseline
 
     with pytest.raises(HarnessError, match="selected checks"):
         update_baseline(subset_run, tmp_path / "smoke-baseline.jsonl")
@@ -55,7 +55,7 @@ def test_a_check_subset_is_not_recorded_as_the_suites_baseline(subset_run, tmp_p
 def test_a_check_subset_is_gated_on_what_it_selected(subset_run, tmp_path):
     """Gating a `--check` run against the whole suite's baseline would call every check it
     did not select 'disappeared': not comparable (exit 3), naming the selection."""
-    from ep_harness.gate import NotComparable, fingerprint, gate
+    from ep_harness.regress.gate import NotComparable, fingerprint, gate
     from ep_harness.records import read_jsonl, write_jsonl
     from ep_harness.reports.load import load_run
 
@@ -93,7 +93,7 @@ def test_a_suite_name_is_a_plain_file_name(subset_run, tmp_path):
 def test_not_comparable_names_only_this_suites_baselines(subset_run, tmp_path, monkeypatch):
     """A `--suite h200` run on the emulated platform has no baseline; the baselines of
     h200-deepep and h200-emulated (whose names start the same) are not offered as its own."""
-    from ep_harness.gate import NotComparable, gate
+    from ep_harness.regress.gate import NotComparable, gate
 
     monkeypatch.chdir(REPO)  # BASELINE_DIR is relative to the checkout
     path = next((REPO / "ci" / "baselines").glob("nvidia-h200-x1-emulated-hosts-8-h200-emulated-*.jsonl"))

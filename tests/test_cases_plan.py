@@ -7,7 +7,7 @@ from ep_harness.cases import load_suite
 from ep_harness.environment import pinned_env
 from ep_harness.nccl.pins import nccl_algo_for_tree
 from ep_harness.errors import HarnessError
-from ep_harness.plan import expand, jobs
+from ep_harness.run.plan import expand, jobs
 from ep_harness.subject import Platform
 
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from ep_harness import subject as registry
 from ep_harness.cases import load_suite
-from ep_harness.plan import expand
+from ep_harness.run.plan import expand
 from ep_harness.subject import Platform
 from ep_harness.reports.ci_outputs import github_annotations, junit_xml, summary_markdown
 from ep_harness.reports.terminal import render

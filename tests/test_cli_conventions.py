@@ -225,7 +225,7 @@ def test_no_parser_abbreviates_options_and_an_unknown_one_gets_a_suggestion():
 
 def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
     from ep_harness.cases import load_suite, resolve_suite_path
-    from ep_harness.plan import expand
+    from ep_harness.run.plan import expand
     from ep_harness.subject import Platform
 
     with pytest.raises(HarnessError, match=r"unknown suite 'smok' \(did you mean 'smoke'\?\); built-in suites: "):
@@ -246,7 +246,7 @@ def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
 
 def test_check_takes_a_case_name_or_an_id_prefix():
     from ep_harness.cases import load_suite
-    from ep_harness.plan import expand, literal
+    from ep_harness.run.plan import expand, literal
     from ep_harness.subject import Platform
 
     registry.load_all()
@@ -357,7 +357,7 @@ def test_the_no_gpu_error_speaks_in_cli_options():
 
 def test_expect_model_without_an_order_model_is_refused_at_planning(tmp_path):
     from ep_harness.cases import load_suite
-    from ep_harness.plan import expand
+    from ep_harness.run.plan import expand
     from ep_harness.subject import Platform
 
     text = ('[[case]]\nname = "c"\nsubject = "optional_probe"\nproperties = ["rank-invariance"]\n'

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from ep_harness.processes import agent_command
-from ep_harness.nodes import Nodes
+from ep_harness.launch.processes import agent_command
+from ep_harness.launch.nodes import Nodes
 from tests.conftest import REPO, REPO_ON_PYTHONPATH
 
 WITH_REPO_ON_PATH = {**os.environ, **REPO_ON_PYTHONPATH}
@@ -43,19 +43,19 @@ def test_subject_contracts(tmp_path, world):
 
 # The agent with one thread (what it has after importing torch, OMP_NUM_THREADS=1) forks its
 # fork server; with another thread running it must start one anew instead.
-AGENT_WITH_THREADS = ("import sys, threading; from ep_harness.agent import main\n"
+AGENT_WITH_THREADS = ("import sys, threading; from ep_harness.launch.agent import main\n"
                       "for _ in range(int(sys.argv[1]) - 1): threading.Thread(target=threading.Event().wait, "
                       "daemon=True).start()\n"
                       "sys.exit(main(sys.argv[2:]))")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("threads, fork_server", [(1, "from ep_harness.agent import main"),  # a fork of the agent
+@pytest.mark.parametrize("threads, fork_server", [(1, "from ep_harness.launch.agent import main"),  # a fork of the agent
                                                   (2, "from multiprocessing.forkserver import main")])
 def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, fork_server):
     agent = agent_command(Nodes(), 2, "origin", None, tmp_path, module="tests.distributed.fork_origin",
                           args=(str(tmp_path),))
-    assert agent[1:3] == ["-m", "ep_harness.agent"]
+    assert agent[1:3] == ["-m", "ep_harness.launch.agent"]
     proc = subprocess.run([sys.executable, "-c", AGENT_WITH_THREADS, str(threads), *agent[3:]], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=WITH_REPO_ON_PATH)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -79,15 +79,15 @@ def test_one_rank_without_omp_num_threads_is_still_forked_from_the_agent(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank = json.loads((tmp_path / "rank0.json").read_text())
     assert "threads after importing torch" not in proc.stderr
-    assert "from ep_harness.agent import main" in rank["command"] and rank["threads"] == 1, rank
+    assert "from ep_harness.launch.agent import main" in rank["command"] and rank["threads"] == 1, rank
     assert "OPENBLAS_NUM_THREADS" not in rank["environ"]
 
 
 @pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])
 def test_the_agent_names_a_missing_entry_module_in_one_line(entry):
-    proc = subprocess.run([sys.executable, "-m", "ep_harness.agent", "--nproc-per-node", "2", *entry],
+    proc = subprocess.run([sys.executable, "-m", "ep_harness.launch.agent", "--nproc-per-node", "2", *entry],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"ep_harness.agent: no importable entry module ({entry[1] if entry else None!r}); "
+        f"ep_harness.launch.agent: no importable entry module ({entry[1] if entry else None!r}); "
         "end the options with -m MODULE [ARGS], MODULE defining rank_main"]

@@ -1,4 +1,4 @@
-"""ep_harness.cost and the pure parts of ep_harness.bench_gemm_cost, with scripted timings (no GPU)."""
+"""ep_harness.cost.timing and the pure parts of ep_harness.cost.bench_gemm_cost, with scripted timings (no GPU)."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ep_harness import bench_gemm_cost as bench
-from ep_harness import cost
+from ep_harness.cost import bench_gemm_cost as bench
+from ep_harness.cost import timing
 
 
 class FakeEvent:
@@ -50,7 +50,7 @@ def scripted(clock, name, durations):
 def test_interleaved_timing_rotates_subjects_and_skips_warmup():
     clock = FakeClock()
     calls = {"a": scripted(clock, "a", [100, 100, 1, 2, 3, 4]), "b": scripted(clock, "b", [100, 100, 10, 20, 30, 40])}
-    samples = cost.time_interleaved(calls, repeats=4, warmup=2, clock=clock)
+    samples = timing.time_interleaved(calls, repeats=4, warmup=2, clock=clock)
     assert samples == {"a": [1, 2, 3, 4], "b": [10, 20, 30, 40]}  # the 100 ms warm-up calls are not timed
     timed = [e for e in clock.log[clock.log.index("sync") + 1:] if e in ("a", "b", "hold")]
     # one hold per round, then both subjects; the first subject alternates round by round
@@ -60,45 +60,45 @@ def test_interleaved_timing_rotates_subjects_and_skips_warmup():
 
 def test_interleaved_timing_rejects_nonsense():
     with pytest.raises(ValueError, match="repeats"):
-        cost.time_interleaved({"a": lambda: None}, repeats=0, clock=FakeClock())
+        timing.time_interleaved({"a": lambda: None}, repeats=0, clock=FakeClock())
     with pytest.raises(ValueError, match="nothing to time"):
-        cost.time_interleaved({}, clock=FakeClock())
+        timing.time_interleaved({}, clock=FakeClock())
 
 
 def test_median_is_the_middle_and_a_zero_time_is_no_measurement():
-    assert cost.median_ms([5.0, 1.0, 3.0]) == 3.0
-    assert cost.median_ms([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert timing.median_ms([5.0, 1.0, 3.0]) == 3.0
+    assert timing.median_ms([4.0, 1.0, 3.0, 2.0]) == 2.5
     for bad in ([], [0.0, 0.0, 0.0], [math.nan]):
         with pytest.raises(ValueError):
-            cost.median_ms(bad)
+            timing.median_ms(bad)
 
 
 def test_gemm_cost_rates_peak_and_ratio():
     # 2 * 1024 * 4096 * 4096 flops in 0.05 ms: 687.19... TFLOP/s
-    flops = cost.gemm_flops(1024, 4096, 4096)
+    flops = timing.gemm_flops(1024, 4096, 4096)
     assert flops == 2 * 1024 * 4096 * 4096
-    c = cost.gemm_cost([0.06, 0.05, 0.04], flops, "bf16", baseline_samples=[0.02, 0.025, 0.03])
+    c = timing.gemm_cost([0.06, 0.05, 0.04], flops, "bf16", baseline_samples=[0.02, 0.025, 0.03])
     assert c["median_ms"] == 0.05 and c["repeats"] == 3
     assert c["tflops"] == pytest.approx(flops / 0.05e-3 / 1e12)
     assert c["pct_of_peak"] == pytest.approx(100 * c["tflops"] / 989.5)
     assert c["time_vs_baseline"] == pytest.approx(0.05 / 0.025) and c["baseline"] == "torch_mm"
-    fp8 = cost.gemm_cost([0.05], flops, "fp8")
+    fp8 = timing.gemm_cost([0.05], flops, "fp8")
     assert fp8["pct_of_peak"] == pytest.approx(100 * fp8["tflops"] / 1979)
     assert "time_vs_baseline" not in fp8 and "baseline" not in fp8  # absent, not zero
 
 
 def test_quant_cost_counts_bytes_read_and_written():
-    moved = cost.quant_bytes(8192, 7168)
+    moved = timing.quant_bytes(8192, 7168)
     assert moved == 8192 * 7168 * 2 + 8192 * 7168 + 8192 * 56 * 4
-    c = cost.quant_cost([0.5, 0.7, 0.6], moved, copy_samples=[0.05, 0.06, 0.04])
+    c = timing.quant_cost([0.5, 0.7, 0.6], moved, copy_samples=[0.05, 0.06, 0.04])
     assert c["gbps"] == pytest.approx(moved / 0.6e-3 / 1e9)
     assert c["pct_of_peak"] == pytest.approx(100 * c["gbps"] * 1e9 / 4.8e12)
     assert c["time_vs_baseline"] == pytest.approx(0.6 / 0.05)
 
 
 def test_markdown_table_leaves_missing_values_empty():
-    cols = [cost.Column("M", "m"), cost.Column("TFLOP/s", "t", cost.fmt_float(1))]
-    text = cost.markdown_table(cols, [{"m": 1, "t": 2.25}, {"m": 2}])
+    cols = [timing.Column("M", "m"), timing.Column("TFLOP/s", "t", timing.fmt_float(1))]
+    text = timing.markdown_table(cols, [{"m": 1, "t": 2.25}, {"m": 2}])
     assert text.splitlines() == ["| M | TFLOP/s |", "|---|---|", "| 1 | 2.2 |", "| 2 |  |"]
 
 
@@ -110,7 +110,7 @@ def test_markdown_table_leaves_missing_values_empty():
     (1, 100, 0, 4, "violated"),  # a difference is a difference, sensitive or not
 ])
 def test_invariance_verdict(mismatched, total, sensitive, runs, verdict):
-    assert cost.invariance_verdict(mismatched, total, sensitive, runs) == verdict
+    assert timing.invariance_verdict(mismatched, total, sensitive, runs) == verdict
 
 
 def test_contiguous_layout_puts_token_zero_first_in_each_of_its_experts():
@@ -159,7 +159,7 @@ def test_probe_summary_counts_differences_against_the_smallest_m():
 
 
 def _section():
-    c = cost.gemm_cost([0.1], cost.gemm_flops(256, 64, 64), "bf16", [0.05])
+    c = timing.gemm_cost([0.1], timing.gemm_flops(256, 64, 64), "bf16", [0.05])
     return {"kind": "dense", "title": "dense 64 x 64", "unavailable": {"deepgemm_bf16_dense": "needs sm90"},
             "points": [{"m": 256, "cost": {"triton_bi_matmul": c}, "failed": {"other": "RuntimeError: boom"},
                         "probe": {"triton_bi_matmul": {"mismatched": 0, "total": 64}}}],
@@ -207,15 +207,15 @@ def test_gemm_check_cost_times_subject_against_baseline():
                           [6, 100], [0])  # a dense problem multiplies its 6 rows, whatever the other counts
     out = torch.zeros(6, 4, dtype=torch.bfloat16)
     subject, baseline = FakeGemm("fix", clock, 3.0), FakeGemm("torch_mm", clock, 2.0)
-    c = cost.gemm_check_cost(subject, problem, out, baseline, repeats=5, warmup=2, clock=clock)
+    c = timing.gemm_check_cost(subject, problem, out, baseline, repeats=5, warmup=2, clock=clock)
     assert (subject.calls, baseline.calls) == (7, 7)
     assert c["median_ms"] == 3.0 and c["time_vs_baseline"] == 1.5 and c["baseline"] == "torch_mm"
     assert c["rows"] == 6 and c["tflops"] == pytest.approx(2 * 6 * 4 * 8 / 3e-3 / 1e12) and c["peak"] == "bf16"
     assert torch.equal(out, torch.full((6, 4), 8.0, dtype=torch.bfloat16))  # the subject's own output
-    own = cost.gemm_check_cost(baseline, problem, out, baseline, repeats=3, warmup=0, clock=clock)
+    own = timing.gemm_check_cost(baseline, problem, out, baseline, repeats=3, warmup=0, clock=clock)
     assert own["time_vs_baseline"] == 1.0  # cuBLAS against itself
     problem.a_scale = torch.ones(6, 1)  # FP8 operands: fp8 peak, and no cuBLAS to compare with
-    fp8 = cost.gemm_check_cost(subject, problem, out, None, repeats=3, warmup=0, clock=clock)
+    fp8 = timing.gemm_check_cost(subject, problem, out, None, repeats=3, warmup=0, clock=clock)
     assert fp8["peak"] == "fp8" and "time_vs_baseline" not in fp8 and "baseline" not in fp8
 
 
@@ -244,7 +244,7 @@ def test_contiguous_cost_counts_valid_rows_not_padding():
     problem = GemmProblem("contiguous", a, torch.ones(2, 4, 8, dtype=torch.bfloat16), [3, 5], [0, 128])
     subject = FakeGemm("x", clock, 1.0)
     subject.run = lambda prob, out: setattr(clock, "now", clock.now + 1.0)
-    c = cost.gemm_check_cost(subject, problem, torch.zeros(256, 4, dtype=torch.bfloat16), None,
+    c = timing.gemm_check_cost(subject, problem, torch.zeros(256, 4, dtype=torch.bfloat16), None,
                              repeats=3, warmup=0, clock=clock)
     assert c["rows"] == 8 and c["tflops"] == pytest.approx(2 * 8 * 4 * 8 / 1e-3 / 1e12)
 
@@ -256,10 +256,10 @@ def test_quant_check_cost_times_the_quantizer_against_a_copy_of_as_many_bytes():
     x = torch.ones(4, 256, dtype=torch.bfloat16)
     step = scripted(clock, "q", [2.0] * 7)
     quantizer = SimpleNamespace(name="q", quantize=lambda x, ue8m0: step())
-    c = cost.quant_check_cost(quantizer, x, True, repeats=5, warmup=2, clock=clock,
+    c = timing.quant_check_cost(quantizer, x, True, repeats=5, warmup=2, clock=clock,
                               copy=scripted(clock, "copy", [0.5] * 7))
     assert c["median_ms"] == 2.0 and c["baseline"] == "copy" and c["time_vs_baseline"] == 4.0
-    assert c["rows"] == 4 and c["gbps"] == pytest.approx(cost.quant_bytes(4, 256) / 2e-3 / 1e9)
+    assert c["rows"] == 4 and c["gbps"] == pytest.approx(timing.quant_bytes(4, 256) / 2e-3 / 1e9)
 
 
 def test_quant_checks_on_the_cpu_carry_no_cost():

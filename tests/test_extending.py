@@ -189,8 +189,8 @@ class JitSums:
 COMPILED_RUN = '''
 import dataclasses, sys
 from pathlib import Path
-from ep_harness import precompile
-from ep_harness.verify import RunOptions, verify
+from ep_harness.run import precompile
+from ep_harness.run.verify import RunOptions, verify
 
 gpu_start = precompile.start
 precompile.start = lambda checks, platform, run_dir, quiet, **kw: gpu_start(
@@ -322,7 +322,9 @@ def test_explore_draws_from_the_search_space_the_family_module_declares(toy):
 
     from hypothesis import find
 
-    from ep_harness import explore, families
+    from ep_harness import families
+
+    from ep_harness.run import explore
     from ep_harness.errors import HarnessError
 
     example = find(explore.strategy("toy"), lambda e: len(e["params"]["batch_sizes"]) == 3)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ep_harness.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
+from ep_harness.regress.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
                           platform_key, read_baseline, update_baseline)
 from ep_harness.reports.render import render_run
 from tests.conftest import REPO

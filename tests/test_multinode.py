@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ep_harness.run_environment import node_differences
-from ep_harness.processes import process_state
+from ep_harness.launch.processes import process_state
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")

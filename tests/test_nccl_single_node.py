@@ -23,7 +23,7 @@ from ep_harness.inputs import dtype_of
 from ep_harness.nccl import library
 from ep_harness.nccl import log as nccl_log
 from ep_harness.nccl.models import NcclContext, NoPrediction, all_reduce, reduce_scatter
-from ep_harness.worker import nccl_library_error
+from ep_harness.run.worker import nccl_library_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.30.7-single-node"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))

@@ -15,16 +15,16 @@ SEAM = "harness/console.py"
 STREAMS = {"stdout", "stderr", "__stdout__", "__stderr__"}
 # Modules that write their process's own streams, and why none of it is a line for the user.
 EXCEPTIONS = {
-    "harness/precompile_worker.py": "a compile worker: its stdout carries its answers to the pool, so it points "
+    "harness/run/precompile_worker.py": "a compile worker: its stdout carries its answers to the pool, so it points "
                                     "sys.stdout at its log (stderr), where its failure lines go too",
-    "harness/worker.py": "a rank: flushes its own stdout (the launch's log, not the terminal) before os._exit "
+    "harness/run/worker.py": "a rank: flushes its own stdout (the launch's log, not the terminal) before os._exit "
                          "skips the interpreter's teardown",
 }
 # Parameters named `quiet` that the console does not decide, and why.
 QUIET_PARAMETERS = {
-    ("harness/precompile.py", "start"): "precompile.py is reworked on another branch; verify passes it the "
+    ("harness/run/precompile.py", "start"): "precompile.py is reworked on another branch; verify passes it the "
                                         "console's decision",
-    ("harness/follower.py", "follow"): "follower.py is reworked on another branch; no caller passes it (a "
+    ("harness/launch/follower.py", "follow"): "follower.py is reworked on another branch; no caller passes it (a "
                                        "follower prints its two lines under -q too, as before)",
     ("reports/render.py", "render_run"): "the caller's choice, not the user's -q: selftest and bench write the "
                                          "page only (they print their own summary)",

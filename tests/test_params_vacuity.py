@@ -12,7 +12,7 @@ from ep_harness.check import single_check
 from ep_harness.errors import HarnessError
 from ep_harness.families import FAMILIES
 from ep_harness.families.driver import vacuity
-from ep_harness.plan import expand
+from ep_harness.run.plan import expand
 from ep_harness.subject import Platform, register
 from tests.conftest import REPO, run_cli
 

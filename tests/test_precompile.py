@@ -1,4 +1,4 @@
-"""harness/precompile.py on the CPU, against the FAKE deep_gemm in tests/fake_deep_gemm (no GPU
+"""harness/run/precompile.py on the CPU, against the FAKE deep_gemm in tests/fake_deep_gemm (no GPU
 here: it records each call's shapes, process and start/end time, and "compiles" by sleeping).
 
 * the calls gathered from a suite's planned checks are exactly those the checks make (the
@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness import precompile, precompile_worker
+from ep_harness.run import precompile
+
+from ep_harness.run import precompile_worker
 from ep_harness.cases import load_suite
 from ep_harness.check import single_check
 from ep_harness.families.gemm_calls import KernelCall
@@ -412,7 +414,7 @@ def test_a_worker_that_does_not_start_stops_its_thread_and_the_rest_is_not_tried
 
 SERVE_RAISES = """
 import os, sys
-from ep_harness import precompile
+from ep_harness.run import precompile
 from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
 

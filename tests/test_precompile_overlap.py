@@ -1,5 +1,5 @@
-"""The DeepGEMM compile beside the launches (harness/precompile.py `start`/`Background`,
-harness/verify.py, the ranks' wait in harness/worker.py), on the CPU.
+"""The DeepGEMM compile beside the launches (harness/run/precompile.py `start`/`Background`,
+harness/run/verify.py, the ranks' wait in harness/run/worker.py), on the CPU.
 
 A real `verify` on 2 gloo ranks (tests/cases/overlap.toml) with the compile played by a
 Background whose work the test controls: the check that "needs the kernels" (planned first)
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness import precompile
+from ep_harness.run import precompile
 from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
 from tests.conftest import REPO, gone, processes_with_env
@@ -50,7 +50,7 @@ def until(condition, seconds: float = 60.0) -> None:
 
 
 def run_verify(tmp_path, monkeypatch, capsys, fake_start):
-    from ep_harness.verify import RunOptions, verify
+    from ep_harness.run.verify import RunOptions, verify
 
     monkeypatch.setenv("OVERLAP_STAMPS", str(tmp_path / "stamps.jsonl"))
     monkeypatch.setattr(precompile, "start", fake_start)
@@ -221,7 +221,7 @@ def test_a_bad_wait_limit_is_one_clear_line(monkeypatch, value):
 
 
 def test_a_rank_waits_for_the_marker_within_its_own_limit(tmp_path):
-    from ep_harness.worker import PrecompileNotFinished, wait_for_precompile
+    from ep_harness.run.worker import PrecompileNotFinished, wait_for_precompile
 
     marker, calls = tmp_path / precompile.MARKER, []
     spec = {"marker": str(marker), "checks": ["x"], "limit_s": 5.0, "until": time.time() + 30}
@@ -242,10 +242,10 @@ def test_a_rank_waits_for_the_marker_within_its_own_limit(tmp_path):
 INTERRUPTED_RUN = """
 import sys
 from pathlib import Path
-from ep_harness import precompile
+from ep_harness.run import precompile
 from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
-from ep_harness.verify import RunOptions, verify
+from ep_harness.run.verify import RunOptions, verify
 
 def start(checks, platform, run_dir, quiet, multi_node=False, plugins=(), ranks=0):
     load_all()

@@ -4,9 +4,9 @@ import pytest
 
 from ep_harness import properties
 from ep_harness.errors import HarnessError
-from ep_harness.explore import searchable
+from ep_harness.run.explore import searchable
 from ep_harness.families.driver import Copy, Run, vacuity
-from ep_harness.plan import skip_reason
+from ep_harness.run.plan import skip_reason
 from ep_harness.properties import Property
 from ep_harness.subject import Platform
 

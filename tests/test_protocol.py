@@ -1,4 +1,4 @@
-"""The launcher <-> rank protocol (harness/protocol.py): every message kind survives its wire
+"""The launcher <-> rank protocol (harness/launch/protocol.py): every message kind survives its wire
 form and the run's signed store, anything else is refused with one line naming the key and
 the field, a rank that garbles a message ends its check with that line as the error, and no
 module but protocol.py formats a store key."""
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ep_harness import protocol
-from ep_harness.channel import Channel, tcp_store
+from ep_harness.launch import protocol
+from ep_harness.launch.channel import Channel, tcp_store
 from ep_harness.measurement import Measurement
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, run_cli
 
@@ -129,7 +129,7 @@ def test_a_malformed_value_stops_a_strict_reader_and_is_noted_by_a_lenient_one()
 
 
 def test_a_malformed_record_is_never_taken_for_a_measurement():
-    from ep_harness.launch import _collect
+    from ep_harness.launch.launcher import _collect
 
     store = tcp_store("127.0.0.1", 0, is_master=True, timeout_s=30)
     rank0, head = Channel(store, "ns", SECRET), Channel(store, "ns", SECRET, strict=False)
@@ -148,9 +148,9 @@ def test_a_malformed_record_is_never_taken_for_a_measurement():
 
 
 def test_a_node_whose_heartbeat_is_malformed_is_lost_with_that_line():
-    from ep_harness.channel import run_channel
-    from ep_harness.launch import Head
-    from ep_harness.nodes import Nodes
+    from ep_harness.launch.channel import run_channel
+    from ep_harness.launch.launcher import Head
+    from ep_harness.launch.nodes import Nodes
 
     run = "20261201-120000-abcd"
     head = Head(Nodes(nnodes=3, nproc_per_node=1, endpoint="127.0.0.1:0"), run)

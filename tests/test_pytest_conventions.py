@@ -101,7 +101,7 @@ def test_the_plugin_loads_nothing_heavy_into_a_session_that_does_not_use_it(tmp_
         import sys
 
         def test_nothing():
-            heavy = [m for m in ("torch", "pandas", "matplotlib", "ep_harness.verify", "ep_harness.launch",
+            heavy = [m for m in ("torch", "pandas", "matplotlib", "ep_harness.run.verify", "ep_harness.launch.launcher",
                                  "ep_harness.reports.html") if m in sys.modules]
             assert not heavy, heavy
     '''))

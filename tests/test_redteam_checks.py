@@ -193,8 +193,8 @@ def test_a_nan_payload_difference_is_bits_not_an_infinite_difference():
 def test_a_relaunch_that_fell_back_to_another_kernel_is_an_error_not_ok():
     """--fresh-processes compared only the relaunches' fingerprints: a relaunch whose declared
     kernel did not run (its measurement an error), with the same bits, left the check ok."""
-    from ep_harness.fresh import compare_launches
-    from ep_harness.launch import Outcome
+    from ep_harness.run.fresh import compare_launches
+    from ep_harness.launch.launcher import Outcome
 
     fp = "blake2b:" + "b" * 32
     first = record("c/x", bits_fingerprint=fp)

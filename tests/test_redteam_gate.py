@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ep_harness.errors import HarnessError
-from ep_harness.gate import fingerprint, gate, render_gate, update_baseline
+from ep_harness.regress.gate import fingerprint, gate, render_gate, update_baseline
 from ep_harness.records import write_jsonl
 from tests.conftest import REPO, run_cli
 from tests.test_gate import ENV, baseline_records, run_with

@@ -10,11 +10,11 @@ import subprocess
 import pytest
 
 from ep_harness import __version__
-from ep_harness.channel import Channel, Forged, publish_run, run_channel, tcp_store
+from ep_harness.launch.channel import Channel, Forged, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
-from ep_harness.follower import _validated_launch
-from ep_harness import nodes as nodes_module
-from ep_harness.nodes import Nodes, identity_difference
+from ep_harness.launch.follower import _validated_launch
+from ep_harness.launch import nodes as nodes_module
+from ep_harness.launch.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
 
@@ -149,7 +149,7 @@ def test_the_secret_is_never_recorded(tmp_path):
 
     assert recorded_env({"EP_HARNESS_RUN_SECRET": SECRET, "NCCL_ALGO": "ring"}) == {"NCCL_ALGO": "ring"}
     # the head's rerun commands never carry it (the other nodes are started as before)
-    from ep_harness.verify import rerun_command
+    from ep_harness.run.verify import rerun_command
 
     assert SECRET not in rerun_command("s.toml", "c", None, [], nodes=Nodes(2, 2, "h:1", 0, "torchrun", SECRET))
 

@@ -9,8 +9,8 @@ from ep_harness import subject as registry
 from ep_harness.cases import load_suite
 from ep_harness.environment import applicable_env, recorded_env, redacted_command
 from ep_harness.errors import HarnessError
-from ep_harness.plan import expand
-from ep_harness.verify import base_record
+from ep_harness.run.plan import expand
+from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import run_cli
 
@@ -108,7 +108,7 @@ def test_credentials_are_redacted_by_pattern_wherever_env_is_recorded(tmp_path):
 
 def test_credentials_in_nccls_own_log_are_redacted(tmp_path):
     """NCCL's ENV subsystem logs every variable it reads with its value, into the run directory."""
-    from ep_harness.launch import redact_logs
+    from ep_harness.launch.launcher import redact_logs
 
     log = tmp_path / "nccl-rank0-0.log"
     log.write_text("h:1:1 [0] NCCL INFO NCCL_IB_PASSWD set by environment to hunter2\n"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ep_harness.processes import ENDED_STATES, process_state
+from ep_harness.launch.processes import ENDED_STATES, process_state
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, run_cli
 
 CASE = """

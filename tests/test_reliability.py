@@ -107,7 +107,7 @@ def test_rerun_commands_select_exactly_their_check_whatever_its_id():
     import fnmatch
     import shlex
 
-    from ep_harness.verify import rerun_command
+    from ep_harness.run.verify import rerun_command
 
     cid = "odd[1]/rank-invariance/a*b?c"
     argv = shlex.split(rerun_command("suite.toml", cid, None, []))
@@ -133,7 +133,7 @@ def test_a_corrupt_history_line_is_skipped_and_appends_stay_whole(tmp_path, caps
 
 
 def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
-    from ep_harness import verify
+    from ep_harness.run import verify
 
     ids = iter(["same", "same", "other"])
     monkeypatch.setattr(verify, "new_run_id", lambda: next(ids))

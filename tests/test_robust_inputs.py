@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness import plan
+from ep_harness.run import plan
 from ep_harness import subject as registry
 from ep_harness.cases import load_suite
 from ep_harness.environment import applicable_env, recorded_env
 from ep_harness.errors import HarnessError
-from ep_harness.gate import gate, read_baseline, update_baseline
-from ep_harness.plan import MAX_CHECKS, expand
-from ep_harness.verify import base_record
+from ep_harness.regress.gate import gate, read_baseline, update_baseline
+from ep_harness.run.plan import MAX_CHECKS, expand
+from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import REPO, gone, run_cli
 from tests.test_gate import ENV, baseline_records, run_with

@@ -112,7 +112,7 @@ def test_the_count_comes_from_the_run_then_the_case_or_record_then_the_default()
 def test_a_case_pinning_a_bad_thread_count_is_refused_when_planned(tmp_path):
     from ep_harness import subject as registry
     from ep_harness.cases import load_suite
-    from ep_harness.plan import expand
+    from ep_harness.run.plan import expand
     from ep_harness.subject import Platform
 
     suite = tmp_path / "s.toml"
@@ -130,7 +130,7 @@ def test_the_user_is_told_when_their_omp_num_threads_is_not_used():
 
 
 def test_the_gate_tells_runs_on_other_thread_counts_apart():
-    from ep_harness.gate import describe, fingerprint, fingerprint_hash
+    from ep_harness.regress.gate import describe, fingerprint, fingerprint_hash
 
     env = {"backend": "gloo", "max_ranks": 4, "torch": "2.13.0+cpu", "cpu": {"model": "AMD EPYC"}, "threads": 1}
     one, two = fingerprint(env), fingerprint({**env, "threads": 2})

@@ -19,7 +19,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.families import FAMILIES
 from ep_harness.families.collective import CollectiveParams
 from ep_harness.families.moe_scenario import TokenParams
-from ep_harness.plan import expand
+from ep_harness.run.plan import expand
 from ep_harness.subject import Platform
 from tests.conftest import REPO
 

@@ -3,11 +3,11 @@ under conditions other than the ones pinned."""
 from types import SimpleNamespace
 
 from ep_harness.check import single_check
-from ep_harness.launch import Outcome
+from ep_harness.launch.launcher import Outcome
 from ep_harness.measurement import Measurement
 from ep_harness.subjects.collective.reduce_scatter_native import NativeReduceScatter
 from ep_harness.verdict import decide
-from ep_harness.verify import finalize
+from ep_harness.run.verify import finalize
 
 
 def measured(mismatched, total, predicted=None, exact=False, vacuous=None, **kw):

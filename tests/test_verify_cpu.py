@@ -123,7 +123,7 @@ def test_records_name_their_topology_and_the_tp_reduction(smoke_run):
 # with inductor not loaded (it must stay so: it costs each launch 1.4 s), then loaded.
 _DETERMINISM_PROBE = """
 import sys, torch
-from ep_harness.worker import use_deterministic_algorithms
+from ep_harness.run.worker import use_deterministic_algorithms
 use_deterministic_algorithms()
 print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
       "torch._inductor.config" in sys.modules)

@@ -18,7 +18,7 @@ from ep_harness import properties
 from ep_harness.errors import HarnessError, did_you_mean, registered
 from ep_harness.families import driver
 from ep_harness.families.driver import Family
-from ep_harness.families.layout import sizes_of  # noqa: F401  (a launch's subgroups: harness/worker.py)
+from ep_harness.families.layout import sizes_of  # noqa: F401  (a launch's subgroups: harness/run/worker.py)
 from ep_harness.params import CommonParams
 
 # One line per built-in family: harness/families/<module>.py defines FAMILY.

@@ -69,7 +69,7 @@ class Run:
 @dataclass(frozen=True)
 class Precompile:
     """The kernels a family's checks compile on their first call, made once before the checks
-    (Family.precompile): harness/precompile.py makes the planned calls in worker processes
+    (Family.precompile): harness/run/precompile.py makes the planned calls in worker processes
     beside the launches, and the checks find the kernels cached.
 
     * `calls(check)`: the calls the check will make ([] for none), or None when they are

@@ -194,10 +194,10 @@ def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], g
 
 def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest problem timed
-    against cuBLAS (ep_harness.cost). Absent on the CPU, never zero."""
+    against cuBLAS (ep_harness.cost.timing). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
     if ctx.device.type == "cuda":
-        from ep_harness import cost
+        from ep_harness.cost import timing
         from ep_harness.subject import get
 
         w, w_scale = case_weights(p, ctx)
@@ -205,7 +205,7 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
         largest = max(runs, key=lambda r: r.spec.counts[0] if dense else sum(r.spec.counts))
         problem = make_problem(p, largest.spec, w, w_scale).to(ctx.device)
         out = output_for(problem, p.n, out_dtype(p.dtype), ctx.device)
-        m.detail["cost"] = cost.gemm_check_cost(subject, problem, out, None if p.dtype == FP8 else get("torch_mm"))
+        m.detail["cost"] = timing.gemm_check_cost(subject, problem, out, None if p.dtype == FP8 else get("torch_mm"))
     return m
 
 
@@ -225,7 +225,7 @@ class _Injected(Wrapped):
 
 
 def _kernel_calls(check) -> list[KernelCall]:
-    """The calls of a check whose subject's JIT compiles ahead (harness/precompile.py)."""
+    """The calls of a check whose subject's JIT compiles ahead (harness/run/precompile.py)."""
     if not compiled_ahead(check.subject):
         return []
     p = check.params

@@ -1,4 +1,4 @@
-"""The GEMM calls the gemm and moe_layer families plan for harness/precompile.py (their
+"""The GEMM calls the gemm and moe_layer families plan for harness/run/precompile.py (their
 Family.precompile): one call of a GEMM subject with the exact shapes of its operands, scales
 and output (and `expected_m` for masked layouts), which is what a JIT such as DeepGEMM picks
 its kernel configuration from (a smaller stand-in shape could build another kernel than the

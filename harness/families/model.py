@@ -322,7 +322,7 @@ def _measure_reference(p: ModelParams, b: Batch, gathered) -> Measurement:
 
 
 def _kernel_calls(check) -> list | None:
-    """None for a model whose GEMM stages' JIT compiles ahead (harness/precompile.py): the
+    """None for a model whose GEMM stages' JIT compiles ahead (harness/run/precompile.py): the
     rows each expert receives are decided inside the model's layers at run time."""
     p = check.params
     if compiles_kernels(registry.get(check.subject), p) and any(

@@ -286,7 +286,7 @@ def _runs(prop: str, p: MoeParams, world: int) -> list:
 
 def _kernel_calls(check) -> list | None:
     """The layer's two expert GEMMs per run, when its GEMM's JIT compiles ahead
-    (harness/precompile.py), at world size 1 with torch's dispatcher: the experts' row counts
+    (harness/run/precompile.py), at world size 1 with torch's dispatcher: the experts' row counts
     follow from routing the run's tokens (cheap: the router alone). None on more ranks or
     another dispatcher: the rows each rank receives are decided by the other ranks."""
     p = check.params

@@ -170,14 +170,14 @@ def _measure_reference(p: QuantParams, q: torch.Tensor, s: torch.Tensor, dtype, 
 
 def _measure_with_cost(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], gathered) -> Measurement:
     """The verdict's measurement and, on a GPU, its price: the check's largest batch timed
-    against a device copy of as many bytes (ep_harness.cost). Absent on the CPU, never zero."""
+    against a device copy of as many bytes (ep_harness.cost.timing). Absent on the CPU, never zero."""
     m = _measure(check, subject, ctx, p, runs, gathered)
     if ctx.device.type == "cuda":
-        from ep_harness import cost
+        from ep_harness.cost import timing
 
         rows = max(run.spec for run in runs)
         x = _batch(p, rows, gen.dtype_of(p.dtype)).to(ctx.device)
-        m.detail["cost"] = cost.quant_check_cost(subject, x, p.ue8m0)
+        m.detail["cost"] = timing.quant_check_cost(subject, x, p.ue8m0)
     return m
 
 

@@ -24,19 +24,19 @@ from ep_harness.check import Check
 from ep_harness.environment import pinned_env, platform_for
 from ep_harness.run_environment import launcher_environment
 from ep_harness.errors import HarnessError
-from ep_harness.launch import Head, run_job
-from ep_harness.nodes import Nodes
-from ep_harness.plan import expand, jobs, literal
-from ep_harness.processes import Interrupted, interruptible
+from ep_harness.launch.launcher import Head, run_job
+from ep_harness.launch.nodes import Nodes
+from ep_harness.run.plan import expand, jobs, literal
+from ep_harness.launch.processes import Interrupted, interruptible
 from ep_harness.records import read_jsonl, write_json, write_jsonl
 from ep_harness.selftest import expectations, matrix
 from ep_harness.selftest.injections import Injection, parse
-from ep_harness.verify import claim_run_dir, finalize, point_latest, rerun_command
+from ep_harness.run.verify import claim_run_dir, finalize, point_latest, rerun_command
 
 
 @dataclasses.dataclass(frozen=True)
 class InjectedCheck(Check):
-    """A check as sent to the ranks with the defect to plant (harness/worker.py reads `inject`)."""
+    """A check as sent to the ranks with the defect to plant (harness/run/worker.py reads `inject`)."""
 
     inject: dict | None = None
 

@@ -1,6 +1,6 @@
 """On the ranks: a subject wrapped so that its output carries one injected defect.
 
-harness/worker.py calls `wrapped(subject, injection, check)` for a check whose job entry
+harness/run/worker.py calls `wrapped(subject, injection, check)` for a check whose job entry
 says `inject` (only `ep-harness selftest` sends one): the real subject runs first, then the
 wrapper changes its output (or input) as harness/selftest/injections.py describes. Every
 other attribute (the order model, unavailable, layouts, ...) is the real subject's. The

@@ -1,4 +1,4 @@
-"""Run under torchrun's agent (gloo; harness/agent/ forks the ranks): every collective
+"""Run under torchrun's agent (gloo; harness/launch/agent/ forks the ranks): every collective
 subject against its contract.
 
 For even and uneven (one empty) shards: the output equals the subject's order model bit
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ep_harness import subject as registry
 from ep_harness.inputs import values
-from ep_harness.processes import process_state
+from ep_harness.launch.processes import process_state
 from ep_harness.reference.collectives import shard_offsets
 
 DETERMINISTIC = ("all_reduce_slice", "all_gather_fold", "all_to_all_fold")

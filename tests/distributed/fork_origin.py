@@ -1,10 +1,10 @@
-"""Run under harness/agent/: each rank writes where it was forked from (the thread count and
+"""Run under harness/launch/agent/: each rank writes where it was forked from (the thread count and
 command line of its parent, the fork server), without a process group."""
 import json
 import os
 from pathlib import Path
 
-from ep_harness.processes import process_state
+from ep_harness.launch.processes import process_state
 
 
 def rank_main(out_dir):

@@ -66,7 +66,7 @@ def import_refusal() -> str | None:
 
 class DeepGemmJit:
     """DeepGEMM's JIT as ep_harness.subject.jit_of sees it: a kernel per shape, compiled on the
-    first call into DG_JIT_CACHE_DIR, which every process of a run shares (harness/precompile.py
+    first call into DG_JIT_CACHE_DIR, which every process of a run shares (harness/run/precompile.py
     compiles the planned calls there before the checks)."""
 
     @staticmethod

@@ -1,7 +1,7 @@
 """A FAKE `deep_gemm`, for tests on a machine without a GPU. It is not DeepGEMM: it computes
 nothing (the output is left as it was) and compiles nothing.
 
-It mimics what harness/precompile.py relies on: the first call of a kernel (function and
+It mimics what harness/run/precompile.py relies on: the first call of a kernel (function and
 shapes) in a cache directory "compiles" (sleeps FAKE_DEEP_GEMM_COMPILE_S) and leaves a file in
 DG_JIT_CACHE_DIR (or in this process's memory without one); a later call finds it there.
 

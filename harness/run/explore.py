@@ -1,6 +1,6 @@
 """`ep-harness explore`: search for an invariance violation of a subject, and shrink it.
 
-One torchrun launch (its ranks: harness/explore_rank.py): rank 0 runs a Hypothesis search
+One torchrun launch (its ranks: harness/run/explore_rank.py): rank 0 runs a Hypothesis search
 (`hypothesis.find`) over shapes, routing, batch composition and seeds; every example it draws
 is broadcast to all ranks, which run the check exactly as `verify` would. The smallest
 failing example is printed as a case-file snippet with its rerun command, and appended to a
@@ -66,8 +66,8 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     (default: beside the store, in its folder's explore/), never elsewhere."""
     from ep_harness import subject as registry
     from ep_harness.environment import detect, pinned_env
-    from ep_harness.nodes import Nodes
-    from ep_harness.processes import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
+    from ep_harness.launch.nodes import Nodes
+    from ep_harness.launch.processes import Interrupted, agent_command, import_paths, interruptible, kill_launch, spawn
 
     registry.load_all(plugins)
     subject = registry.get(subject_name)
@@ -75,7 +75,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
     platform = detect(gpus)
     if world_size > platform.ranks:
         raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
-    from ep_harness.verify import new_run_id
+    from ep_harness.run.verify import new_run_id
 
     job_dir = (out if out is not None else Path(store).parent / "explore") / f"{subject_name}-{new_run_id()}"
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
     env = {**os.environ, **pinned_env(platform, {}), **import_paths()}
-    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, job_dir, module="ep_harness.explore_rank",
+    proc = spawn(agent_command(Nodes(), world_size, job_dir.name, None, job_dir, module="ep_harness.run.explore_rank",
                                args=(str(job_dir),)), env, job_dir / "torchrun.log")
     try:
         with interruptible():
@@ -124,7 +124,7 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
 
 def _rank_groups(job_dir: Path) -> set[int]:
     """The process groups of this node's exploring ranks (each wrote its pid)."""
-    from ep_harness.processes import process_groups
+    from ep_harness.launch.processes import process_groups
 
     pids = []
     for pid_file in job_dir.glob("pid-rank*"):

@@ -3,7 +3,7 @@ logical bf16 tensor of V = 8 virtual shards at the launch's world size, each ran
 its V / W shards (harness/shards.py reduce_shards), native reduce-scatter against
 the tree over the shards; medians over repeats, the slowest rank's. Under torchrun:
 
-    torchrun --nproc-per-node 4 -m ep_harness.bench_layout OUT.json [MIN_KIB MAX_MIB REPEATS]
+    torchrun --nproc-per-node 4 -m ep_harness.cost.bench_layout OUT.json [MIN_KIB MAX_MIB REPEATS]
 
 Rank 0 writes JSON rows (subject, logical bytes, median seconds, ratio to native).
 """

@@ -1,7 +1,7 @@
-"""A pre-compilation process, and the head's handle on one (harness/precompile.py starts a
+"""A pre-compilation process, and the head's handle on one (harness/run/precompile.py starts a
 pool of them, `worker_count` processes):
 
-    python -m ep_harness.precompile_worker DEVICE [PLUGIN_MODULE ...]
+    python -m ep_harness.run.precompile_worker DEVICE [PLUGIN_MODULE ...]
 
 loads the subjects as a rank does (built-in, entry points, the run's plugin modules), readies
 each JIT they compile with (ep_harness.subject.jit_of: DeepGEMM imported), says {"ready": true}
@@ -24,7 +24,7 @@ import threading
 import traceback
 
 WORKERS_ENV = "EP_HARNESS_PRECOMPILE_WORKERS"
-NICENESS = 10  # added to the head's: the compile runs beside the ranks (harness/precompile.py)
+NICENESS = 10  # added to the head's: the compile runs beside the ranks (harness/run/precompile.py)
 
 
 # -- the head's side ------------------------------------------------------------------------
@@ -62,7 +62,7 @@ class Worker:
     so that waiting for one has a limit: a hung NVCC or kernel launch must not hang the run."""
 
     def __init__(self, env: dict, device: str, log, plugins: list[str], startup_s: float):
-        self.proc = subprocess.Popen([sys.executable, "-m", "ep_harness.precompile_worker", device, *plugins],
+        self.proc = subprocess.Popen([sys.executable, "-m", "ep_harness.run.precompile_worker", device, *plugins],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                      text=True, bufsize=1, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
@@ -113,7 +113,7 @@ class Worker:
         """End the worker's process group (and anything it started elsewhere): also when the
         worker itself has died, as its NVCC may still run. SIGTERM, then SIGKILL to whatever
         is left after 2 s; returns once the worker has been reaped."""
-        from ep_harness.processes import kill_launch
+        from ep_harness.launch.processes import kill_launch
 
         kill_launch(self.proc, grace_s=2.0)
         try:

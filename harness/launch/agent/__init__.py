@@ -1,6 +1,6 @@
 """torchrun's elastic agent, with every rank forked from a process that has imported torch.
 
-`python -m ep_harness.agent <torchrun options> -m MODULE [ARGS]` parses its options with
+`python -m ep_harness.launch.agent <torchrun options> -m MODULE [ARGS]` parses its options with
 torchrun's own parser and runs torchrun's LocalElasticAgent (elastic_launch, which is what the
 `torchrun` command runs: the same rendezvous, restarts, per-rank environment and teardown).
 The one difference: a rank is not a fresh interpreter running MODULE but a forked process
@@ -91,7 +91,7 @@ def _start_fork_server() -> None:
     spawn_anew = multiprocessing.util.spawnv_passfds
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
-        console.current().err(f"ep_harness.agent: {threads} threads after importing torch; the fork server is "
+        console.current().err(f"ep_harness.launch.agent: {threads} threads after importing torch; the fork server is "
                               f"started anew (it imports torch again)")
         multiprocessing.forkserver.ensure_running()
         return
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     _set_omp_threads_as_torchrun(argv)
     module = _entry_module(argv)
     if module is None or importlib.util.find_spec(module) is None:
-        raise SystemExit(f"ep_harness.agent: no importable entry module ({module!r}); "
+        raise SystemExit(f"ep_harness.launch.agent: no importable entry module ({module!r}); "
                          "end the options with -m MODULE [ARGS], MODULE defining rank_main")
     # What every rank runs, imported while this process has one thread: torch's launcher
     # (a rank starts in its wrapper) and MODULE. The fork server is then a fork of this process.
@@ -150,18 +150,18 @@ def main(argv: list[str] | None = None) -> int:
 
         importlib.import_module(module)
     # For a fork server started anew: the same, so that no rank imports torch itself.
-    multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "ep_harness.agent", module])
+    multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "ep_harness.launch.agent", module])
     _start_fork_server()
     _plain_launcher_logs()
     args = parse_args(argv)
     if not args.module or args.training_script != module:
-        raise SystemExit("ep_harness.agent: the ranks' entry point must be given as -m MODULE")
+        raise SystemExit("ep_harness.launch.agent: the ranks' entry point must be given as -m MODULE")
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     try:
         elastic_launch(config, entrypoint=_rank_entry)(args.training_script, *args.training_script_args)
     except ChildFailedError as exc:  # the ranks' own tracebacks are in this log and the run's store
         failed = ", ".join(f"{f.local_rank} (exit {f.exitcode})" for f in exc.failures.values())
-        console.current().err(f"ep_harness.agent: local rank(s) {failed} failed")
+        console.current().err(f"ep_harness.launch.agent: local rank(s) {failed} failed")
         return 1
     return 0

@@ -13,7 +13,7 @@ Every value is signed: an HMAC-SHA256, under the run's secret, over its key and 
 anything that reaches its port can write to it, and a value that is not signed with the
 run's secret is never taken for the head's (or a rank's) word.
 
-The keys and the messages under them: harness/protocol.py.
+The keys and the messages under them: harness/launch/protocol.py.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ import os
 import re
 import time
 
-from ep_harness import protocol
+from ep_harness.launch import protocol
 from ep_harness.errors import HarnessError
 
 CONNECT_TIMEOUT_S = 300.0
 SECRET_ENV = "EP_HARNESS_RUN_SECRET"
-RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # ep_harness.verify.new_run_id
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{4}")  # ep_harness.run.verify.new_run_id
 
 
 class Forged(HarnessError):

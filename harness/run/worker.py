@@ -1,16 +1,16 @@
 """One rank of a launch: init the process group once, run the job's checks in plan order.
 
-Each rank is forked by torchrun's elastic agent (harness/agent/, `-m ep_harness.worker`) on any
+Each rank is forked by torchrun's elastic agent (harness/launch/agent/, `-m ep_harness.run.worker`) on any
 node, so the imports below are done once per launch (by the agent, before it forks its fork
-server). Talks to the launchers only through the run's store (harness/channel.py), named by
+server). Talks to the launchers only through the run's store (harness/launch/channel.py), named by
 EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace), in the messages
-of harness/protocol.py: the Job, its Progress (which check, since when, pid, node), a RankError
+of harness/launch/protocol.py: the Job, its Progress (which check, since when, pid, node), a RankError
 (the traceback of a check that raised; the rank then exits so torchrun tears the job down), its
 Stack (all threads', on request) and rank 0's Record per finished check. EP_HARNESS_JOB_DIR is
 a directory of this node for NCCL's log.
 
 A job's `precompile` (single node only) names the marker file the head writes once the
-DeepGEMM kernels compiled beside the launch are done (harness/precompile.py) and the checks
+DeepGEMM kernels compiled beside the launch are done (harness/run/precompile.py) and the checks
 that need them: before the first of those a rank waits for the marker, in a progress state of
 its own (`waiting_until`, so that the launcher does not count the wait against the check), and
 rank 0 puts how long it waited (`precompile-waited`).
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ep_harness import protocol
+from ep_harness.launch import protocol
 from ep_harness import subject as registry
-from ep_harness.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
+from ep_harness.launch.channel import SECRET_ENV, Channel, local_node, parse_endpoint, tcp_store
 from ep_harness.check import Check
 from ep_harness.context import RankContext
 from ep_harness.run_environment import rank_environment

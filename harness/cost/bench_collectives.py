@@ -2,7 +2,7 @@
 side by side in one launch, medians over repeats. Run under torchrun (one process per GPU,
 or gloo ranks on the CPU):
 
-    python -m ep_harness.bench collectives --world-size 4 [--max-mib 256]
+    python -m ep_harness.cost.bench collectives --world-size 4 [--max-mib 256]
 
 Rank 0 writes JSON rows (subject, bytes, median seconds, ratio to native) to the path given.
 """

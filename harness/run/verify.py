@@ -1,7 +1,7 @@
 """plan -> launch -> records -> reports -> exit code.
 
 On a GPU, the DeepGEMM kernels the checks need compile beside the launches
-(harness/precompile.py): each launch runs its other checks first and those that need the
+(harness/run/precompile.py): each launch runs its other checks first and those that need the
 kernels after them (the same order within each part), their ranks waiting until the compile
 has ended; results.jsonl keeps the plan's order."""
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ep_harness.cases import EXPECTATIONS, load_suite, resolve_suite_path, suite
 from ep_harness.check import Check
 from ep_harness.errors import HarnessError
 from ep_harness.environment import applicable_env, pinned_env, platform_for, redacted
-from ep_harness.fresh import compared_records
-from ep_harness.launch import Head, Outcome, run_job
-from ep_harness.nodes import Nodes
-from ep_harness.plan import expand, jobs, literal, planned, selected
-from ep_harness.processes import Interrupted, interruptible
+from ep_harness.run.fresh import compared_records
+from ep_harness.launch.launcher import Head, Outcome, run_job
+from ep_harness.launch.nodes import Nodes
+from ep_harness.run.plan import expand, jobs, literal, planned, selected
+from ep_harness.launch.processes import Interrupted, interruptible
 from ep_harness.records import append_line, new_record, numbered_jsonl, write_atomic, write_json, write_jsonl
 from ep_harness.run_environment import EnvironmentRecord, source_suite_name
 from ep_harness.threads import of_env, user_setting_note
@@ -120,7 +120,7 @@ class Stream:
 def timing(records, wall_s: float, precompile_wait_s: float = 0.0) -> dict:
     """Where a run's time went: the launches' wall clock, the checks' own time, the untimed
     warm-up of JIT-compiling subjects (what a warm kernel cache saves) and how long rank 0
-    waited, in all launches, for the DeepGEMM compile beside them (harness/precompile.py)."""
+    waited, in all launches, for the DeepGEMM compile beside them (harness/run/precompile.py)."""
     records = list(records)
     warmed = [r["warm_up_seconds"] for r in records if r.get("warm_up_seconds") is not None]
     return {"wall_s": round(wall_s, 2), "check_s": round(sum(float(r.get("seconds") or 0) for r in records), 2),
@@ -271,7 +271,7 @@ def launch_grouping(options: RunOptions, platform, nodes: Nodes) -> str:
 @dataclass(frozen=True)
 class Launches:
     """A run's launches: its checks grouped into jobs (launch_grouping), each launched on
-    its world size, with the compile beside them (harness/precompile.py) once it started."""
+    its world size, with the compile beside them (harness/run/precompile.py) once it started."""
 
     checks: list[Check]
     platform: Any
@@ -284,7 +284,7 @@ class Launches:
     def start_compile(self):
         """The compile beside the launches (a Background), or None; each local rank takes a
         compile process's place."""
-        from ep_harness import precompile
+        from ep_harness.run import precompile
 
         grouping = launch_grouping(self.options, self.platform, self.nodes)
         local_ranks = max((self.nodes.ranks or ws for ws, _, _ in jobs(self.checks, grouping)), default=1)
@@ -293,7 +293,7 @@ class Launches:
 
     def run(self, head: Head, background, tag: str, on_outcome) -> dict[str, Outcome]:
         """Every job once, in new processes (`tag` names a relaunch's job directories)."""
-        from ep_harness.precompile import arranged
+        from ep_harness.run.precompile import arranged
 
         done: dict[str, Outcome] = {}
         platform = self.platform
@@ -316,13 +316,13 @@ class Launches:
 def launch_all(head: Head, launches: Launches, on_outcome
                ) -> tuple[dict[str, Outcome], list[dict[str, Outcome]], Interrupted | None]:
     """Every launch once the nodes are there, with the compile beside them, and with
-    --fresh-processes K every launch again K-1 times (harness/fresh.py): the first launches'
+    --fresh-processes K every launch again K-1 times (harness/run/fresh.py): the first launches'
     outcomes, each relaunch's, and the interrupt that ended them early (what finished is
     kept). The head is closed on the way out."""
     outcomes: dict[str, Outcome] = {}
     relaunched: list[dict[str, Outcome]] = []  # --fresh-processes: the outcomes of each later launch
     interrupted = None
-    background = None  # the DeepGEMM compile beside the launches (harness/precompile.py)
+    background = None  # the DeepGEMM compile beside the launches (harness/run/precompile.py)
     with interruptible():
         try:
             head.wait_for_nodes()
@@ -351,8 +351,8 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     """Run a suite, or (from_record) the checks of an earlier results.jsonl from their
     records alone: every effective parameter is in the record. With fresh_processes = K every
     launch is made K times, each in new processes, and a check whose bits differ between them
-    fails (harness/fresh.py). On several nodes this is the head's side (node rank 0); the
-    others run ep_harness.follower.follow."""
+    fails (harness/run/fresh.py). On several nodes this is the head's side (node rank 0); the
+    others run ep_harness.launch.follower.follow."""
     nodes, plugins = options.nodes.validate(), list(options.plugins)
     if options.from_record is not None:
         suite_path = options.from_record

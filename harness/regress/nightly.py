@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ep_harness import console
-from ep_harness.gate import NotComparable, append_history, gate, render_gate
-from ep_harness.verify import RunOptions, verify, write_ci_outputs
+from ep_harness.regress.gate import NotComparable, append_history, gate, render_gate
+from ep_harness.run.verify import RunOptions, verify, write_ci_outputs
 from ep_harness.reports.load import load_run
 from ep_harness.reports.render import render_run
 

@@ -1,8 +1,8 @@
-"""The ranks of an `ep-harness explore` launch (harness/explore.py starts it): rank 0 runs
+"""The ranks of an `ep-harness explore` launch (harness/run/explore.py starts it): rank 0 runs
 the Hypothesis search and broadcasts each example; every rank runs the check it names.
 
-Imports are at the top so that ep_harness.agent does them once per launch, before it forks its
-fork server, not once per rank (the CLI side, harness/explore.py, stays free of torch until
+Imports are at the top so that ep_harness.launch.agent does them once per launch, before it forks its
+fork server, not once per rank (the CLI side, harness/run/explore.py, stays free of torch until
 it launches).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis.errors import NoSuchExample
 
 from ep_harness import subject as registry
 from ep_harness.context import RankContext
-from ep_harness.explore import as_check, strategy
+from ep_harness.run.explore import as_check, strategy
 from ep_harness.families import execute
 from ep_harness.records import write_json
 

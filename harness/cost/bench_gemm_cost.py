@@ -1,6 +1,6 @@
 """GEMM and quantization cost at the shapes engines run, with each GEMM's batch-invariance verdict.
 
-    python3 -m ep_harness.bench_gemm_cost --out DIR      # one GPU; writes DIR/cost.json, DIR/cost.md
+    python3 -m ep_harness.cost.bench_gemm_cost --out DIR      # one GPU; writes DIR/cost.json, DIR/cost.md
 
 Sections, in this order (a time budget skips what is left, saying so):
 
@@ -14,7 +14,7 @@ Sections, in this order (a time budget skips what is left, saying so):
   K = intermediate), M tokens routed top-8 at random (seeded) into DeepGEMM's contiguous
   layout: cuBLAS per expert, DeepGEMM BF16 and FP8, torch._grouped_mm.
 
-Each point: the subjects timed interleaved call by call (ep_harness.cost), median of k. Batch
+Each point: the subjects timed interleaved call by call (ep_harness.cost.timing), median of k. Batch
 invariance: the probe row (token 0, or row 0 of a dense A, the same values at every M, built
 with the GEMM family's cancelling pair so that a K reordering shows) is compared bit for bit
 with its output at the smallest M; a subject's verdict counts the
@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_harness import console, cost
+from ep_harness import console
+
+from ep_harness.cost import timing
 from ep_harness.families.gemm import GemmParams
 from ep_harness.families.quant import QuantParams
 
@@ -122,7 +124,7 @@ def summarize(subject: str, probes: dict, sensitive: int) -> dict:
     mismatched = sum(counts.values())
     return {"subject": subject, "mismatched": mismatched, "total": total, "order_sensitive": sensitive,
             "m_values": sorted(probes), "per_m": {str(m): c for m, c in counts.items()},
-            "verdict": cost.invariance_verdict(mismatched, total, sensitive, len(probes))}
+            "verdict": timing.invariance_verdict(mismatched, total, sensitive, len(probes))}
 
 
 # --- rendering (pure; tested on the CPU) ----------------------------------------------------
@@ -131,16 +133,16 @@ def _pct(row):
     return f"{row['pct']:.1f} ({row['peak']})"
 
 
-def _columns(size: str, rate: cost.Column, peak: str, baseline: str) -> list[cost.Column]:
+def _columns(size: str, rate: timing.Column, peak: str, baseline: str) -> list[timing.Column]:
     """A section's table: size, subject, time, rate, share of the peak, time against the baseline."""
-    return [cost.Column(size, "m", lambda v: f"{v:,}"), cost.Column("subject", "subject"),
-            cost.Column("median µs", "us", cost.fmt_float(1)), rate, cost.Column(peak, "pct_cell"),
-            cost.Column(f"time / {baseline}", "ratio", lambda v: f"{v:.2f}x")]
+    return [timing.Column(size, "m", lambda v: f"{v:,}"), timing.Column("subject", "subject"),
+            timing.Column("median µs", "us", timing.fmt_float(1)), rate, timing.Column(peak, "pct_cell"),
+            timing.Column(f"time / {baseline}", "ratio", lambda v: f"{v:.2f}x")]
 
 
-GEMM_COLUMNS = [*_columns("M", cost.Column("TFLOP/s", "tflops", cost.fmt_float(1)), "% of peak", "cuBLAS"),
-                cost.Column("probe bits ≠ smallest M", "probe")]
-QUANT_COLUMNS = _columns("rows", cost.Column("GB/s", "gbps", cost.fmt_float(0)), "% of HBM peak", "copy")
+GEMM_COLUMNS = [*_columns("M", timing.Column("TFLOP/s", "tflops", timing.fmt_float(1)), "% of peak", "cuBLAS"),
+                timing.Column("probe bits ≠ smallest M", "probe")]
+QUANT_COLUMNS = _columns("rows", timing.Column("GB/s", "gbps", timing.fmt_float(0)), "% of HBM peak", "copy")
 
 
 def table_rows(section: dict) -> list[dict]:
@@ -178,7 +180,7 @@ def render_section(section: dict) -> str:
     if lines[-1] != "":
         lines.append("")
     columns = QUANT_COLUMNS if section["kind"] == "quant" else GEMM_COLUMNS
-    lines += [cost.markdown_table(columns, table_rows(section)), ""]
+    lines += [timing.markdown_table(columns, table_rows(section)), ""]
     return "\n".join(lines)
 
 
@@ -186,7 +188,7 @@ def render(result: dict) -> str:
     env = result["environment"]
     head = [f"# GEMM and quantization cost, {env.get('gpu', '?')}", "",
             f"torch {env.get('torch')}, triton {env.get('triton')}, deep_gemm {env.get('deep_gemm')}; "
-            f"{result['method']}", "", f"Peaks: {cost.PEAK_SOURCE}.", ""]
+            f"{result['method']}", "", f"Peaks: {timing.PEAK_SOURCE}.", ""]
     return "\n".join(head + [render_section(s) for s in result["sections"]])
 
 
@@ -231,7 +233,7 @@ class Bench:
         return x if scale == 1.0 else (x.float() * scale).to(dtype or self.torch.bfloat16)
 
     def time_point(self, calls: dict, hold_ms: float) -> dict:
-        return cost.time_interleaved(calls, self.repeats, self.warmup, cost.CudaClock(hold_ms))
+        return timing.time_interleaved(calls, self.repeats, self.warmup, timing.CudaClock(hold_ms))
 
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:
@@ -247,7 +249,7 @@ class Bench:
             problem = GemmProblem("dense", a_all[:m], b, [m], [0])
             outs = {name: torch.empty(m, n, dtype=torch.bfloat16, device=self.device) for name in ready}
             samples, failed = self._timed(ready, problem, outs, hold_ms=2.0)
-            point = {"m": m, "cost": self._gemm_costs(samples, cost.gemm_flops(m, n, k), "bf16"), "failed": failed}
+            point = {"m": m, "cost": self._gemm_costs(samples, timing.gemm_flops(m, n, k), "bf16"), "failed": failed}
             for name in samples:
                 probes[name][m] = outs[name][0].clone()
             point["probe"] = self._probe_rows(probes, m)
@@ -275,7 +277,7 @@ class Bench:
         out = {}
         for name, s in samples.items():
             peak = peak_of(name) if callable(peak_of) else peak_of
-            out[name] = cost.gemm_cost(s, flops, peak, base)
+            out[name] = timing.gemm_cost(s, flops, peak, base)
         return out
 
     @staticmethod
@@ -310,8 +312,8 @@ class Bench:
         x_all = self.randn((max(QUANT_ROWS), cols))
         for rows in QUANT_ROWS:
             x = x_all[:rows]
-            moved = cost.quant_bytes(rows, cols)
-            calls, failed = {"copy": cost.copy_of(moved, self.device)}, {}
+            moved = timing.quant_bytes(rows, cols)
+            calls, failed = {"copy": timing.copy_of(moved, self.device)}, {}
             for name, subject in ready.items():
                 try:
                     subject.quantize(x, False)
@@ -321,7 +323,7 @@ class Bench:
                     continue
                 calls[name] = (lambda s=subject: s.quantize(x, False))
             samples = self.time_point(calls, hold_ms=1.0)
-            costs = {name: cost.quant_cost(s, moved, samples["copy"]) for name, s in samples.items()}
+            costs = {name: timing.quant_cost(s, moved, samples["copy"]) for name, s in samples.items()}
             section["points"].append({"m": rows, "cost": costs, "failed": failed, "bytes": moved})
         return section
 
@@ -382,7 +384,7 @@ class Bench:
                     continue
                 calls[name] = (lambda s=subject, p=problems[name], o=outs[name]: s.run(p, o))
             samples = self.time_point(calls, hold_ms=10.0) if calls else {}
-            flops = cost.gemm_flops(m * model.topk, n, k)
+            flops = timing.gemm_flops(m * model.topk, n, k)
             costs = self._gemm_costs(samples, flops, lambda name: "fp8" if name in fp8_ready else "bf16")
             point = {"m": m, "rows": m * model.topk, "padded_rows": total, "cost": costs, "failed": failed}
             for name in samples:
@@ -437,7 +439,7 @@ def run(out_dir: Path, repeats: int, warmup: int, budget_s: float, seed: int, se
     if "grouped" in sections:
         plan += [(f"grouped {mdl.name} {proj}", lambda mdl=mdl, p=proj, n=n, k=k: bench.grouped(mdl, p, n, k, GROUPED_M))
                  for mdl in MOE_MODELS for proj, n, k in mdl.projections()]
-    result = {"environment": environment(), "peaks": cost.H200_PEAKS, "repeats": repeats, "warmup": warmup,
+    result = {"environment": environment(), "peaks": timing.H200_PEAKS, "repeats": repeats, "warmup": warmup,
               "seed": seed, "method": (f"CUDA events, {warmup} warm-up calls, subjects interleaved call by call, "
                                        f"median of {repeats}; operands reused (L2 warm for every subject)"),
               "sections": []}
@@ -469,7 +471,7 @@ def _write(out_dir: Path, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m ep_harness.bench_gemm_cost", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m ep_harness.cost.bench_gemm_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for cost.json and cost.md")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per subject and point (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per subject before timing")

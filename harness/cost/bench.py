@@ -1,11 +1,11 @@
 """`make bench`: timings that belong in BENCHMARKS.md, never in tests.
 
-    python -m ep_harness.bench suite   # CPU default suite: one launch per world size vs one per check
-    python -m ep_harness.bench startup # a one-test pytest run with the plugin vs `-p no:ep_harness`
-    python -m ep_harness.bench ep-suite  # `pytest --ep-suite` vs `ep-harness verify` on one suite
-    python -m ep_harness.bench report  # render a 2,000-record run: seconds and bytes
-    python -m ep_harness.bench compare # GPU: fused bitwise comparison vs device-to-device copy
-    python -m ep_harness.bench collectives  # native reduce-scatter vs the deterministic paths
+    python -m ep_harness.cost.bench suite   # CPU default suite: one launch per world size vs one per check
+    python -m ep_harness.cost.bench startup # a one-test pytest run with the plugin vs `-p no:ep_harness`
+    python -m ep_harness.cost.bench ep-suite  # `pytest --ep-suite` vs `ep-harness verify` on one suite
+    python -m ep_harness.cost.bench report  # render a 2,000-record run: seconds and bytes
+    python -m ep_harness.cost.bench compare # GPU: fused bitwise comparison vs device-to-device copy
+    python -m ep_harness.cost.bench collectives  # native reduce-scatter vs the deterministic paths
 
 Medians over repeats, measured side by side in one process.
 """
@@ -25,7 +25,7 @@ from ep_harness.records import read_jsonl, write_json, write_jsonl
 def bench_suite(repeats: int, suite: str, modes=("one", "per-world-size", "per-check")) -> dict:
     """The suite's wall time under each way of grouping checks into torchrun launches (the
     per-check mode once: it is by far the slowest)."""
-    from ep_harness.verify import RunOptions, verify
+    from ep_harness.run.verify import RunOptions, verify
 
     timings: dict[str, list[float]] = {m: [] for m in modes}
     checks = None
@@ -181,12 +181,12 @@ def bench_collectives(world_size: int, min_kib: int, max_mib: int, repeats: int)
     import subprocess
     import sys
 
-    from ep_harness.processes import REPO_ROOT
+    from ep_harness.launch.processes import REPO_ROOT
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-               "-m", "ep_harness.bench_collectives", str(out), str(min_kib), str(max_mib), str(repeats)]
+               "-m", "ep_harness.cost.bench_collectives", str(out), str(min_kib), str(max_mib), str(repeats)]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NCCL_NVLS_ENABLE": "0",
                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -199,7 +199,7 @@ BENCHES = ("suite", "startup", "ep-suite", "report", "compare", "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ep_harness.bench")
+    parser = argparse.ArgumentParser(prog="python -m ep_harness.cost.bench")
     parser.add_argument("what", nargs="*", metavar="WHAT",
                         help=f"any of {', '.join(BENCHES)} (default: suite startup ep-suite report)")
     parser.add_argument("--world-size", type=int, default=4)

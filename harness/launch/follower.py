@@ -1,8 +1,8 @@
 """A non-head node of a multi-node run (`ep-harness verify --node-rank K`, torchrun
 launcher): it joins the head's store, beats there every NODE_BEAT_S, checks every launch the
 head publishes before using any of it (_validated_launch), starts this node's torchrun agent
-for it and ends that agent's processes when the launch is over (harness/processes.py). The
-head's side is harness/launch.py.
+for it and ends that agent's processes when the launch is over (harness/launch/processes.py). The
+head's side is harness/launch/launcher.py.
 """
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import threading
 import time
 from pathlib import Path
 
-from ep_harness import console, protocol
-from ep_harness.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
+from ep_harness import console
+
+from ep_harness.launch import protocol
+from ep_harness.launch.channel import RUN_ID, Channel, current_run, parse_endpoint, run_channel, tcp_store
 from ep_harness.errors import HarnessError
-from ep_harness.launch import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
-from ep_harness.nodes import START_TIMEOUT_S, Nodes, identity_difference
-from ep_harness.processes import Interrupted, agent_command, child_env, interruptible, kill_launch, spawn
+from ep_harness.launch.launcher import NODE_LOCAL, POLL_S, local_groups, rank_states, redact_logs
+from ep_harness.launch.nodes import START_TIMEOUT_S, Nodes, identity_difference
+from ep_harness.launch.processes import Interrupted, agent_command, child_env, interruptible, kill_launch, spawn
 
 NODE_BEAT_S = 0.5  # how often a follower tells the head it is alive (the head's NODE_TIMEOUT_S: when it is not)
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a launch's directory: one plain path component

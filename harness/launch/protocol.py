@@ -1,5 +1,5 @@
 """What the launchers and the ranks say to each other through the run's store: every key,
-and a frozen dataclass per message with its wire form (the JSON value harness/channel.py
+and a frozen dataclass per message with its wire form (the JSON value harness/launch/channel.py
 signs and stores). No other module formats a store key (tests/test_protocol.py holds it).
 
 A value read back is checked before it is used: a rank or node that sends something else
@@ -212,7 +212,7 @@ class Launch(Message):
     job: str  # the launch's directory name under --out
     env: dict[str, str]
     node_local: list[str]  # pinned variables each node fills in itself (launch.NODE_LOCAL)
-    identity: dict  # the head's harness and plugins (ep_harness.nodes.identity)
+    identity: dict  # the head's harness and plugins (ep_harness.launch.nodes.identity)
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ class Job(Message):
     nccl: str | None  # the NCCL library the run names; a rank that loads another is an error
     pinned_env: dict[str, str]  # every rank checks that it sees these
     collective_timeout_s: float
-    precompile: dict | None  # ep_harness.precompile.Background.rank_wait, or None
+    precompile: dict | None  # ep_harness.run.precompile.Background.rank_wait, or None
 
 
 # --- a rank -> the launchers -------------------------------------------------------------

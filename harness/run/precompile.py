@@ -7,7 +7,7 @@ a new shape is called, into a cache directory every process of the run shares
 `start`
 1. asks each check's family for the calls it will make (Family.precompile, a
    ep_harness.families.driver.Precompile) and keeps the distinct ones (`planned_calls`);
-2. makes each once in a pool of worker processes (harness/precompile_worker.py), one per CPU
+2. makes each once in a pool of worker processes (harness/run/precompile_worker.py), one per CPU
    core less one per local rank (EP_HARNESS_PRECOMPILE_WORKERS, when set, is taken as is),
    printing progress; the kernels land in the cache, where the checks' warm-up finds them.
 This runs in a thread of the head (`Background`) while the ranks run the checks that need none
@@ -39,7 +39,7 @@ from typing import Callable
 
 from ep_harness import families
 from ep_harness import subject as registry
-from ep_harness.precompile_worker import Worker as _Worker, reason as _reason, worker_count
+from ep_harness.run.precompile_worker import Worker as _Worker, reason as _reason, worker_count
 
 MANIFEST = "ep-harness-precompiled.json"  # in the DeepGEMM cache directory: calls compiled there
 PROGRESS_EVERY_S = 2.0
@@ -188,7 +188,7 @@ def compile_all(calls: list, workers: int, env: dict, device: str, log_path: Pat
                     _drain(todo)
                     outcome.failed += [(c, STOPPED) for c in calls if c not in answered]
                     break
-                try:  # in slices, so that a signal (ep_harness.processes.interruptible) is taken at once
+                try:  # in slices, so that a signal (ep_harness.launch.processes.interruptible) is taken at once
                     call, answer = answers.get(timeout=0.5)
                 except queue.Empty:
                     if not any(t.is_alive() for t in threads) and answers.empty():
@@ -378,7 +378,7 @@ def start(checks, platform, run_dir: Path, quiet: bool, multi_node: bool = False
     limit_s = wait_limit()
     from ep_harness.console import line
     from ep_harness.environment import deep_gemm_cache_dir, pinned_env
-    from ep_harness.processes import import_paths
+    from ep_harness.launch.processes import import_paths
 
     say = (lambda text: None) if quiet else (lambda text: line(f"# {text}"))
     failed_say = lambda text: line(f"# {text}")  # noqa: E731  (printed under -q too)

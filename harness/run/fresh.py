@@ -6,7 +6,7 @@ repeats (run-to-run) cannot see such drift."""
 from __future__ import annotations
 
 from ep_harness.check import Check
-from ep_harness.launch import Outcome
+from ep_harness.launch.launcher import Outcome
 
 
 def _first_block(a: dict | None, b: dict | None) -> str:

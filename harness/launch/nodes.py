@@ -9,7 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from ep_harness.channel import parse_endpoint
+from ep_harness.launch.channel import parse_endpoint
 from ep_harness.errors import HarnessError
 
 # How long ranks may take to start, and other nodes to join (EP_HARNESS_START_TIMEOUT_S).
@@ -27,7 +27,7 @@ class Nodes:
     endpoint: str | None = None
     node_rank: int = 0
     launcher: str = "torchrun"
-    run_secret: str | None = None  # what signs the run's store (harness/channel.py); never recorded
+    run_secret: str | None = None  # what signs the run's store (harness/launch/channel.py); never recorded
 
     @property
     def multi(self) -> bool:

@@ -1,5 +1,5 @@
-"""Process plumbing shared by every launcher (harness/launch.py, harness/follower.py,
-harness/explore.py): torchrun's agent command and environment, spawning it in a session of
+"""Process plumbing shared by every launcher (harness/launch/launcher.py, harness/launch/follower.py,
+harness/run/explore.py): torchrun's agent command and environment, spawning it in a session of
 its own that dies with its launcher, the processes' state (psutil), and teardown (every
 process group and stray process of a launch ended, SIGTERM then SIGKILL). Signals that end a
 run raise Interrupted while launches run.
@@ -18,15 +18,15 @@ from typing import NamedTuple
 
 import psutil
 
-from ep_harness.channel import SECRET_ENV
-from ep_harness.nodes import START_TIMEOUT_S, Nodes
+from ep_harness.launch.channel import SECRET_ENV
+from ep_harness.launch.nodes import START_TIMEOUT_S, Nodes
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the launcher dies (Linux), so a killed
-    launcher never leaves its torchrun agent (whose ranks then follow: ep_harness.worker)."""
+    launcher never leaves its torchrun agent (whose ranks then follow: ep_harness.run.worker)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -34,8 +34,8 @@ def _die_with_parent() -> None:
 
 
 def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None, job_dir: Path,
-                  module: str = "ep_harness.worker", args: tuple[str, ...] = ()) -> list[str]:
-    """torchrun's agent on this node (harness/agent/: torchrun's options, ranks forked); on
+                  module: str = "ep_harness.run.worker", args: tuple[str, ...] = ()) -> list[str]:
+    """torchrun's agent on this node (harness/launch/agent/: torchrun's options, ranks forked); on
     several nodes, c10d rendezvous at the head's store, which the agents reach as
     clients (is_host=false); with Slurm, wrapped in one srun task per node. torchrun's own
     log directory goes under `job_dir` (its default is a new /tmp/torchelastic_* per launch,
@@ -45,7 +45,7 @@ def agent_command(nodes: Nodes, nproc: int, rdzv_id: str, endpoint: str | None, 
                       "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host=false,join_timeout={int(START_TIMEOUT_S)}"]
     else:  # what torchrun's --standalone means
         rendezvous = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", rdzv_id]
-    agent = [sys.executable, "-m", "ep_harness.agent", *rendezvous, "--nproc-per-node", str(nproc),
+    agent = [sys.executable, "-m", "ep_harness.launch.agent", *rendezvous, "--nproc-per-node", str(nproc),
              "--max-restarts", "0", "--monitor-interval", "0.1", "--log-dir", str(Path(job_dir) / "torchelastic"),
              "-m", module, *args]
     if nodes.launcher == "slurm":
@@ -64,7 +64,7 @@ def import_paths() -> dict[str, str]:
 
 def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, nodes: Nodes,
               secret: str | None = None) -> dict[str, str]:
-    # Under srun every node's tasks name their node by SLURM_NODEID (ep_harness.channel.local_node).
+    # Under srun every node's tasks name their node by SLURM_NODEID (ep_harness.launch.channel.local_node).
     node = {} if nodes.launcher == "slurm" else {"EP_HARNESS_NODE": str(nodes.node_rank)}
     # On several nodes the ranks build their own process-group store (the rendezvous store is
     # the run's); on one they share their agent's, which holds its port from the start (an
@@ -199,7 +199,7 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-        self.outcomes: dict = {}  # check id -> ep_harness.launch.Outcome
+        self.outcomes: dict = {}  # check id -> ep_harness.launch.launcher.Outcome
 
 
 @contextlib.contextmanager

@@ -1,17 +1,17 @@
 """The local launch: start torchrun's agent for a job's checks and watch it through the run's store.
 
-The launcher starts torchrun's agent (harness/agent/; with `--launcher slurm`, through srun)
-and nothing else (spawning and teardown: harness/processes.py). The head node's launcher
-(Head) hosts the run's TCPStore (harness/channel.py); on several nodes it sits at the
+The launcher starts torchrun's agent (harness/launch/agent/; with `--launcher slurm`, through srun)
+and nothing else (spawning and teardown: harness/launch/processes.py). The head node's launcher
+(Head) hosts the run's TCPStore (harness/launch/channel.py); on several nodes it sits at the
 rendezvous endpoint, where every torchrun agent's c10d rendezvous uses it too, and the other
-nodes' launchers (harness/follower.py) start their agents for each launch the head publishes.
+nodes' launchers (harness/launch/follower.py) start their agents for each launch the head publishes.
 
 A check that raises on any rank, or does not finish within its timeout (stacks dumped
 first), is recorded as an error and the job is relaunched from the next check, so one bad
 subject never costs the whole run and no process outlives it. A node that dies or never
 arrives makes every check it would have run an error naming it.
 
-While the DeepGEMM kernels compile beside a launch (harness/precompile.py), a rank that waits
+While the DeepGEMM kernels compile beside a launch (harness/run/precompile.py), a rank that waits
 for them says so in its progress (`waiting_until`): that time is not the check's, and is
 bounded by the wait's own limit instead of the check's timeout_s.
 """
@@ -25,16 +25,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_harness import console, protocol
-from ep_harness.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
+from ep_harness import console
+
+from ep_harness.launch import protocol
+from ep_harness.launch.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
 from ep_harness.nccl import library as nccl_library
-from ep_harness.nodes import START_TIMEOUT_S, Nodes, identity
-from ep_harness.processes import Interrupted, agent_command, child_env, kill_launch, process_groups, spawn
+from ep_harness.launch.nodes import START_TIMEOUT_S, Nodes, identity
+from ep_harness.launch.processes import Interrupted, agent_command, child_env, kill_launch, process_groups, spawn
 
 # A node launcher silent this long is gone (EP_HARNESS_NODE_TIMEOUT_S; it beats every 0.5 s:
-# ep_harness.follower.NODE_BEAT_S).
+# ep_harness.launch.follower.NODE_BEAT_S).
 NODE_TIMEOUT_S = float(os.environ.get("EP_HARNESS_NODE_TIMEOUT_S", "6"))
 POLL_S = 0.1
 WAIT_SLACK_S = 30.0  # past a rank's own limit on waiting for the compile, the launcher ends the launch
@@ -192,7 +194,7 @@ def _collect(launch: Channel, checks: list, start: int, outcomes: dict) -> None:
 
 
 def rank_states(launch: Channel, world_size: int) -> list[protocol.Progress | None]:
-    """Each rank's progress through the launch's checks (ep_harness.worker), None before it
+    """Each rank's progress through the launch's checks (ep_harness.run.worker), None before it
     starts (or when what it said is malformed: kept in launch.malformed)."""
     return [launch.read(protocol.progress_key(r), protocol.Progress) for r in range(world_size)]
 
@@ -203,7 +205,7 @@ def local_groups(states, node: int) -> set[int]:
 
 
 def _dump_stacks(launch: Channel, world_size: int) -> dict[str, str]:
-    """Ask every rank, wherever it runs, for all its threads' stacks (ep_harness.worker.Watcher)."""
+    """Ask every rank, wherever it runs, for all its threads' stacks (ep_harness.run.worker.Watcher)."""
     launch.add(protocol.STACKS_REQUESTED)
     deadline = time.time() + STACKS_TIMEOUT_S  # a rank that is gone never answers
     while time.time() < deadline and not all(launch.has(protocol.stack_key(r)) for r in range(world_size)):
@@ -249,7 +251,7 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
                 if time.time() > s.waiting_until + WAIT_SLACK_S:  # the rank's own limit did not end it
                     stuck = [r for r, x in enumerate(states) if x and x.waiting_until is not None]
                     return s.index, (f"ranks {stuck} still waiting for the DeepGEMM compile past its limit "
-                                     f"(harness/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
+                                     f"(harness/run/precompile.py); set EP_HARNESS_PRECOMPILE=0 to compile in the "
                                      f"checks"), {"stacks": _dump_stacks(launch, world_size)}
                 continue
             if time.time() - s.since > checks[s.index].timeout_s:
@@ -290,7 +292,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
     how NCCL ranks beyond the visible GPUs share them ("hosts", "single-node"; harness/emulation.py).
     on_outcome(check, outcome) is called for every check as soon as it is finished.
     precompile_wait: the marker the ranks wait for before the checks it names
-    (ep_harness.precompile.Background.rank_wait), or None."""
+    (ep_harness.run.precompile.Background.rank_wait), or None."""
     job_dir.mkdir(parents=True, exist_ok=True)
     nodes = head.nodes
     nproc = nodes.nproc_per_node or world_size
@@ -321,7 +323,7 @@ def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: li
             backend=backend, plugins=plugins, checks=[c.to_json() for c in checks], start=start, emulate=emulate,
             # the NCCL the run names (read from the library on the head): a rank running another is an error
             nccl=nccl_library.loaded().text if backend == "nccl" else None,
-            # every rank checks that it sees these (harness/worker.py); a node's own paths excepted
+            # every rank checks that it sees these (harness/run/worker.py); a node's own paths excepted
             pinned_env={n: v for n, v in env.items() if n not in NODE_LOCAL},
             # Collective timeouts sit above the launcher's: the launcher must see a hang first.
             collective_timeout_s=longest + 60,

@@ -1,0 +1,1 @@
+"""The cost wing: benchmarks and GPU cost tables (timed interleaved, medians), never verdicts."""
