@@ -26,6 +26,9 @@ from ep_harness.errors import HarnessError
 
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
 DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")
+# "top" (harness/inputs.py): sums of a few values near the top of the wire dtype's range, for
+# collectives only (a GEMM's K products of such values overflow in any correct kernel)
+COLLECTIVE_DATA = (*DATA_KINDS, "top")
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
 SEED_MAX = 2**31 - 1
 
@@ -94,7 +97,7 @@ class CollectiveParams(LayoutParams):
     position_rows: int = _opt(8, minimum=1)
     repeats: int = _opt(3, minimum=1)
     shards: str = _opt("even", choices=("even", "uneven"))
-    data: str = _opt("spread", choices=DATA_KINDS)
+    data: str = _opt("spread", choices=COLLECTIVE_DATA)
     message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
     # prefill-decode-invariance: prefill probes one row inside each of this many equal parts
     channel_probes: int = _opt(8, minimum=1)
@@ -109,20 +112,30 @@ class GemmParams(CommonParams):
     n: int = _opt(256, minimum=1)
     k: int = _opt(512, minimum=2)
     groups: int = _opt(4, minimum=1)
-    probe_group: int = _opt(0, minimum=0)
+    # None: expert 1 where there is one (dense: 0), so the probe's rows start past row 0 of A
+    # once expert 0 is loaded; other_loads[0] loads the other experts during the M sweep
+    # (37: not a multiple of any tile), and the sweep's later runs move the probe's row offset
+    probe_group: int | None = _opt(None, minimum=0)
     m_values: list[int] = _opt([1, 3, 17, 128, 1000], minimum=1, nonempty=True)
-    other_loads: list[int] = _opt([0, 64, 512], minimum=0, nonempty=True)
+    other_loads: list[int] = _opt([37, 0, 512], minimum=0, nonempty=True)
     expected_m_values: list[int] = _opt([1, 64, 1024], minimum=1, nonempty=True)
-    position_m: int = _opt(256, minimum=1)
+    # the reference's rows per expert and the position sweep's: 199 = 3 * 64 + 7 leaves a
+    # partial tail tile for every power-of-two tile height from 2 to 128
+    position_m: int = _opt(199, minimum=1)
     repeats: int = _opt(3, minimum=1)
     alignment: int = _opt(128, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)
     cancel: bool = _opt(True)
 
     def completed(self, subject):
-        return self if self.layout is not None else replace(self, layout=subject.layouts[0])
+        p = self if self.layout is not None else replace(self, layout=subject.layouts[0])
+        if p.probe_group is None:
+            p = replace(p, probe_group=0 if p.layout == "dense" or p.groups == 1 else 1)
+        return p
 
     def validate(self, subject):
+        if self.layout == "dense" and self.probe_group:
+            return f"probe_group = {self.probe_group} with layout = 'dense': a dense problem is one expert; use 0"
         if self.probe_group >= self.groups:
             return f"probe_group = {self.probe_group} but there are only {self.groups} groups (0..{self.groups - 1})"
         if self.layout not in subject.layouts:
@@ -173,6 +186,9 @@ class TokenParams(LayoutParams):
 
 @dataclass(frozen=True, kw_only=True)
 class DispatchParams(TokenParams):
+    # 136 = 128 + 8 tokens per rank: every check crosses into a second 128-token chunk (the
+    # unit DeepEP-style kernels walk tokens in), with a partial one
+    tokens: int = _opt(136, minimum=1)
     expert_quant: str = _opt("bf16", choices=("bf16", "fp8"))
     wire: str = _opt("auto", choices=("auto", "bf16", "fp8"))
     ue8m0: bool = _opt(True)
