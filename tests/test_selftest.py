@@ -216,8 +216,10 @@ def test_stale_keeps_the_previous_calls_value(tmp_path, monkeypatch):
     ref = clean(s, [3, 3, 2])
     outs, _, logged = calls(s, CLASSES["stale"], [3, 3, 2], tmp_path, monkeypatch)
     assert torch.equal(outs[0], ref[0]) and logged == [1, 2]  # nothing before the first call
-    assert torch.equal(outs[1][:, 0], ref[0][:, 0]) and torch.equal(outs[1][:, 1:], ref[1][:, 1:])
-    assert torch.equal(outs[2][:, 0], ref[1][:2, 0])  # the previous call's true value, not its stale one
+    # the previous call's value one row further on (another token's), rows wrapping round
+    assert torch.equal(outs[1][:, 0], ref[0][[1, 2, 0], 0]) and torch.equal(outs[1][:, 1:], ref[1][:, 1:])
+    assert torch.equal(outs[2][:, 0], ref[1][[1, 2], 0])  # the previous call's true value, not its stale one
+    assert (outs[1][:, 0] != ref[1][:, 0]).all()  # never the value it replaces
 
 
 def test_out_of_slice_writes_the_input_not_the_output(tmp_path, monkeypatch):
