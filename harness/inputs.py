@@ -92,12 +92,13 @@ def _generate(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str
     return x.to(dtype)
 
 
-# "top": below the largest power of two of the dtype by this many bits, so a sum of up to 2^4 =
-# 16 values (8 ranks, twice over) stays finite when it is accumulated in float32 or rounded
-# to the wire dtype after every add (fp16: |x| <= 2^12, any 8 of them sum below 2^15 < 65504;
-# bf16 and fp32: |x| <= 2^124). What overflows is what should not be there: bf16 operands
-# carried in an fp16 accumulator (anything above 65504), or a scale applied on the wrong side
-# of the sum (x * 2^4 before the add, / 2^4 after: exact, so invisible at smaller values).
+# "top": |x| <= 2^(e_max + 1 - TOP_HEADROOM_BITS), e_max the exponent of the dtype's largest
+# value, so a sum of up to 15 values stays finite when it is accumulated in float32 or rounded
+# to the wire dtype after every add (fp16: |x| <= 2^12 and 15 * 2^12 = 61,440 < 65,504; any 8
+# ranks sum below 2^15; bf16 and fp32: |x| <= 2^124). What overflows is what should not be
+# there: bf16 operands carried in an fp16 accumulator (anything above 65,504), or a scale
+# applied on the wrong side of the sum (x * 2^4 before the add, / 2^4 after: exact, so
+# invisible at smaller values, and 2^12 * 2^4 = 2^16 is past fp16's range).
 TOP_HEADROOM_BITS = 4
 
 

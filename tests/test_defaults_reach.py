@@ -60,6 +60,8 @@ def test_the_gemm_probe_sits_in_expert_1_except_where_there_is_one_expert():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_top_of_range_data_reaches_the_top_and_every_sum_of_8_stays_finite(dtype):
     x = gen.values((8, 4, 2048), dtype, 3, "top-test", data="top")
+    ceiling_sum = 15 * 2.0 ** (math.floor(math.log2(torch.finfo(dtype).max)) + 1 - gen.TOP_HEADROOM_BITS)
+    assert ceiling_sum < torch.finfo(dtype).max  # 15 values at the ceiling, same sign: still finite
     ceiling = 2.0 ** (math.floor(math.log2(torch.finfo(dtype).max)) + 1 - gen.TOP_HEADROOM_BITS)  # fp16: 2^12
     assert ceiling / 2 <= x.abs().max() <= ceiling  # its top binade reached, 2^4 below the dtype's
     assert (x > 0).any() and (x < 0).any()
