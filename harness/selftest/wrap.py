@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ep_harness.families.driver import SENTINEL_BITS, still_sentinel
 from ep_harness.selftest.injections import Injection
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -178,7 +179,10 @@ class _Wrapped:
                 width = old.shape[1]
                 rows = (torch.div(index, width, rounding_mode="floor") + STALE_ROW_SHIFT) % old.shape[0]
                 bits = old.reshape(-1).view(_INT[old.element_size()])
-                target.view(bits.dtype).copy_(bits.index_select(0, rows * width + index % width))
+                taken = bits.index_select(0, rows * width + index % width)
+                if old.dtype in SENTINEL_BITS:  # padding the previous call never had to write: nothing kept
+                    taken = torch.where(still_sentinel(taken.view(old.dtype)), target.view(bits.dtype), taken)
+                target.view(bits.dtype).copy_(taken)
         changed = -1 if before is None else sum(_differ(b, t) for b, t in zip(before, targets))
         if changed:
             with open(self._log, "a") as f:
