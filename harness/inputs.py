@@ -8,6 +8,7 @@ them in another order changes the rounding (vLLM and SGLang tests do the same).
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 
 import cachetools
@@ -47,7 +48,8 @@ def values(shape, dtype: torch.dtype, seed: int, *key, data: str = "spread") -> 
     """Seeded float values in `dtype`.
 
     data: "spread" (randn times 2^k, k uniform in [-s, s]), "randn", "uniform" ([0, 1)),
-    "integers" (small integers: every sum is exact, so no order can change the bits), or
+    "integers" (small integers: every sum is exact, so no order can change the bits), "top"
+    (the spread near the top of the dtype's range: _top_of_range), or
     "subnormal" / "nonfinite" (spread values with subnormals, or NaN and +-Inf, at seeded
     places: does the subject propagate them as the reference does?).
 
@@ -79,12 +81,36 @@ def _generate(shape: tuple, dtype: torch.dtype, seed: int, key: tuple, data: str
         x = torch.rand(shape, generator=g, dtype=torch.float64)
     elif data == "integers":
         x = torch.randint(-8, 9, shape, generator=g).to(torch.float64)
+    elif data == "top":
+        x = _top_of_range(shape, g, dtype)
     elif data in SPECIALS:
         x = _generate(shape, dtype, seed, key, "spread").to(torch.float64)
         x = SPECIALS[data](x, g, dtype)
     else:
-        raise ValueError(f"unknown data kind {data!r}; known: spread, randn, uniform, integers, {', '.join(SPECIALS)}")
+        raise ValueError(f"unknown data kind {data!r}; known: spread, randn, uniform, integers, top, "
+                         f"{', '.join(SPECIALS)}")
     return x.to(dtype)
+
+
+# "top": |x| <= 2^(e_max + 1 - TOP_HEADROOM_BITS), e_max the exponent of the dtype's largest
+# value, so a sum of up to 15 values stays finite when it is accumulated in float32 or rounded
+# to the wire dtype after every add (fp16: |x| <= 2^12 and 15 * 2^12 = 61,440 < 65,504; any 8
+# ranks sum below 2^15; bf16 and fp32: |x| <= 2^124). What overflows is what should not be
+# there: bf16 operands carried in an fp16 accumulator (anything above 65,504), or a scale
+# applied on the wrong side of the sum (x * 2^4 before the add, / 2^4 after: exact, so
+# invisible at smaller values, and 2^12 * 2^4 = 2^16 is past fp16's range).
+TOP_HEADROOM_BITS = 4
+
+
+def _top_of_range(shape: tuple, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Spread values (SPREAD[dtype] + 1 binades, random signs) whose largest binade ends
+    TOP_HEADROOM_BITS below the top of `dtype` (fp16: [2^7, 2^12]; bf16: [2^115, 2^124])."""
+    s = SPREAD[dtype]
+    top = int(math.log2(torch.finfo(dtype).max)) - TOP_HEADROOM_BITS  # fp16 11, bf16 and fp32 123
+    mantissa = 1.0 + torch.rand(shape, generator=g, dtype=torch.float64)
+    exponent = torch.randint(top - s, top + 1, shape, generator=g).to(torch.float64)
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    return sign * mantissa * torch.exp2(exponent)
 
 
 def _every(x: torch.Tensor, g: torch.Generator, n: int) -> torch.Tensor:

@@ -31,6 +31,9 @@ from ep_harness.errors import HarnessError
 
 DTYPES_WIRE = ("bfloat16", "float16", "float32")
 DATA_KINDS = ("spread", "randn", "uniform", "integers", "subnormal", "nonfinite")
+# "top" (harness/inputs.py): sums of a few values near the top of the wire dtype's range, for
+# collectives only (a GEMM's K products of such values overflow in any correct kernel)
+COLLECTIVE_DATA = (*DATA_KINDS, "top")
 SEED_MAX = 2**31 - 1
 
 

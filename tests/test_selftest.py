@@ -10,7 +10,7 @@ import torch
 from ep_harness.bits import ulp_distance
 from ep_harness import properties
 from ep_harness.errors import HarnessError
-from ep_harness.families import collective, dispatch, gemm, moe_layer, quant
+from ep_harness.families import collective, dispatch, driver, gemm, moe_layer, quant
 from ep_harness.selftest import expectations, matrix
 from ep_harness.families import BUILT_IN, FAMILIES
 from ep_harness.selftest.injections import CLASSES, parse
@@ -217,8 +217,27 @@ def test_stale_keeps_the_previous_calls_value(tmp_path, monkeypatch):
     ref = clean(s, [3, 3, 2])
     outs, _, logged = calls(s, CLASSES["stale"], [3, 3, 2], tmp_path, monkeypatch)
     assert torch.equal(outs[0], ref[0]) and logged == [1, 2]  # nothing before the first call
-    assert torch.equal(outs[1][:, 0], ref[0][:, 0]) and torch.equal(outs[1][:, 1:], ref[1][:, 1:])
-    assert torch.equal(outs[2][:, 0], ref[1][:2, 0])  # the previous call's true value, not its stale one
+    # the previous call's value one row further on (another token's), rows wrapping round
+    assert torch.equal(outs[1][:, 0], ref[0][[1, 2, 0], 0]) and torch.equal(outs[1][:, 1:], ref[1][:, 1:])
+    assert torch.equal(outs[2][:, 0], ref[1][[1, 2], 0])  # the previous call's true value, not its stale one
+    assert (outs[1][:, 0] != ref[1][:, 0]).all()  # never the value it replaces
+
+
+class PaddedGemm(FakeGemm):
+    """FakeGemm whose last output row is padding: left as the harness filled it (its sentinel)."""
+
+    def run(self, problem, out):
+        super().run(problem, out)
+        out[-1:].view(torch.int32).fill_(driver.SENTINEL_BITS[torch.float32])
+
+
+def test_stale_never_keeps_a_padding_element_the_previous_call_did_not_write(tmp_path, monkeypatch):
+    s = PaddedGemm("fake-stale-padding")
+    ref = clean(s, [3, 3])
+    outs, _, logged = calls(s, CLASSES["stale"], [3, 3], tmp_path, monkeypatch)
+    # row 1 would take the previous call's row 2, padding: it keeps its own value instead
+    assert torch.equal(outs[1][:, 0], torch.stack([ref[0][1, 0], ref[1][1, 0], ref[0][0, 0]]))
+    assert not driver.still_sentinel(outs[1][:2]).any() and logged == [1]
 
 
 def test_out_of_slice_writes_the_input_not_the_output(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
 from ep_harness.nccl.models import NcclContext, NoPrediction
 from ep_harness.nccl.pins import channel_pin, channel_pin_violations, escaped_paths, pin_violations
-from ep_harness.params import DATA_KINDS, DTYPES_WIRE, LayoutParams, _opt, _required
+from ep_harness.params import COLLECTIVE_DATA, DTYPES_WIRE, LayoutParams, _opt, _required
 from ep_harness.subject import CollectiveSubject, order_model_of
 from ep_harness.tolerances import gamma
 from ep_harness.reference import orders
@@ -67,7 +67,7 @@ class CollectiveParams(LayoutParams):
     position_rows: int = _opt(8, minimum=1)
     repeats: int = _opt(3, minimum=1)
     shards: str = _opt("even", choices=("even", "uneven"))
-    data: str = _opt("spread", choices=DATA_KINDS)
+    data: str = _opt("spread", choices=COLLECTIVE_DATA)
     message_bytes: list[int] = _opt([4096, 65536, 1 << 20, 16 << 20], minimum=1, nonempty=True)
     # prefill-decode-invariance: prefill probes one row inside each of this many equal parts
     channel_probes: int = _opt(8, minimum=1)

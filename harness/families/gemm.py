@@ -43,20 +43,30 @@ class GemmParams(CommonParams):
     n: int = _opt(256, minimum=1)
     k: int = _opt(512, minimum=2)
     groups: int = _opt(4, minimum=1)
-    probe_group: int = _opt(0, minimum=0)
+    # None: expert 1 where there is one (dense: 0), so the probe's rows start past row 0 of A
+    # once expert 0 is loaded; other_loads[0] loads the other experts during the M sweep
+    # (37: not a multiple of any tile), and the sweep's later runs move the probe's row offset
+    probe_group: int | None = _opt(None, minimum=0)
     m_values: list[int] = _opt([1, 3, 17, 128, 1000], minimum=1, nonempty=True)
-    other_loads: list[int] = _opt([0, 64, 512], minimum=0, nonempty=True)
+    other_loads: list[int] = _opt([37, 0, 512], minimum=0, nonempty=True)
     expected_m_values: list[int] = _opt([1, 64, 1024], minimum=1, nonempty=True)
-    position_m: int = _opt(256, minimum=1)
+    # the reference's rows per expert and the position sweep's: 199 = 3 * 64 + 7 leaves a
+    # partial tail tile for every power-of-two tile height from 2 to 128
+    position_m: int = _opt(199, minimum=1)
     repeats: int = _opt(3, minimum=1)
     alignment: int = _opt(128, minimum=1)
     data: str = _opt("randn", choices=DATA_KINDS)
     cancel: bool = _opt(True)
 
     def completed(self, subject):
-        return self if self.layout is not None else replace(self, layout=subject.layouts[0])
+        p = self if self.layout is not None else replace(self, layout=subject.layouts[0])
+        if p.probe_group is None:
+            p = replace(p, probe_group=0 if p.layout == "dense" or p.groups == 1 else 1)
+        return p
 
     def validate(self, subject):
+        if self.layout == "dense" and self.probe_group:
+            return f"probe_group = {self.probe_group} with layout = 'dense': a dense problem is one expert; use 0"
         if self.probe_group >= self.groups:
             return f"probe_group = {self.probe_group} but there are only {self.groups} groups (0..{self.groups - 1})"
         if self.layout not in subject.layouts:

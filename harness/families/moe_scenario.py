@@ -47,6 +47,9 @@ class TokenParams(LayoutParams):
 
 @dataclass(frozen=True, kw_only=True)
 class DispatchParams(TokenParams):
+    # 136 = 128 + 8 tokens per rank: every check crosses into a second 128-token chunk (the
+    # unit DeepEP-style kernels walk tokens in), with a partial one
+    tokens: int = _opt(136, minimum=1)
     expert_quant: str = _opt("bf16", choices=("bf16", "fp8"))
     wire: str = _opt("auto", choices=("auto", "bf16", "fp8"))
     ue8m0: bool = _opt(True)

@@ -9,7 +9,8 @@ A property must catch an injection when the defect changes what the property com
   dispatch), it must catch 1 ULP as well.
 * `run-to-run` repeats one call: it must catch a 1-ULP change on the first call (`ulp`)
   and another order on the k-th call (`kth-call`). Not `stale`: every call has the same
-  inputs, so the previous call's value is the right one.
+  inputs, so a buffer kept from the previous call holds the right values (the selftest
+  plants the next row's, another token's, which run-to-run may still show).
 * `batch-invariance`, `position-invariance`, `size-invariance`, `others-invariance` compare
   calls with different inputs: they must catch a change on one call (`ulp`, `kth-call`);
   batch- and size-invariance also a change above a batch or message size.
@@ -18,8 +19,8 @@ A property must catch an injection when the defect changes what the property com
 * A stale value is kept per position: only a property that moves the probe to another row
   between calls (`position-invariance`, `prefill-decode-invariance`) or compares every
   element (`reference`) must see it. Batch-, size- and others-invariance may keep the probe in the same row of every call
-  (the GEMM's probe is always its expert's first row), where the previous call's value is
-  the probe's own, right value.
+  (the GEMM's probe is always its expert's first row), where a buffer kept from the previous
+  call holds the probe's own, right value.
 * `rank-invariance` compares the probe on different ranks within one call: `one-rank`.
 * `graph-invariance` compares eager and CUDA-graph runs: `in-graph`, and `ulp` (the eager
   call differs). Not `kth-call`: the k-th call is a warm-up whose output the replay overwrites.

@@ -5,7 +5,9 @@ An injection is a *defect* (what is wrong with the output), a *place* (which ele
 a *trigger* (on which rank, call and batch it happens). Every defect is a value a kernel
 could really produce: a step of one unit in the last place (the bit pattern's integer
 magnitude plus one, the smallest change an order of summation makes; never an xor of
-elements), NaN, +Inf, a value kept from the previous call, or a write into the input.
+elements), NaN, +Inf, a value kept from the previous call (from its next row: another
+token's, as a buffer reused across batches holds; the previous call of a selftest often
+computed the same tokens in the same rows), or a write into the input.
 
 A call is one call of the subject's output-producing method within one check (the
 collective's reduce_scatter, the GEMM's run, quantize, the dispatcher's combine, or its
@@ -102,8 +104,9 @@ CLASSES: dict[str, Injection] = {i.name: i for i in (
     Injection("rare", "ulp", "row", "1 ULP on every element of one row of one rank's output, on about 1 call "
               "in 50 (seeded per call)", when="rare", threshold=50),
     Injection("stale", "stale", "column",
-              "one element of every row keeps the previous call's value (the previous call of the "
-              "same subject on this rank, of any check, with rows of the same width and dtype)"),
+              "one element of every row keeps the previous call's value from the next row, another "
+              "token's (the previous call of the same subject on this rank, of any check, with rows "
+              "of the same width and dtype)"),
 )}
 
 

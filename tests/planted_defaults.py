@@ -1,0 +1,129 @@
+"""Test-only subjects, one per defect class that the old defaults never reached (issue 32,
+"defaults that reach each class"; tests/test_defaults_reach.py). Each is correct, bit for
+bit or within its bound, everywhere the old defaults looked, and wrong only where the new
+ones look: the top of fp16's and bf16's range, a hidden size with a remainder, a partial
+tail tile after full ones, an expert whose rows start past row 0, a second 128-token chunk.
+Registered through `--plugin tests.planted_defaults`, as a third-party subject would be."""
+import torch
+
+from ep_harness.inputs import TOP_HEADROOM_BITS
+from ep_harness.subject import register
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
+from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
+from tests.planted import split_k, whole_k
+
+VECTOR = 128  # the fold's "vector" width: a kernel walking hidden in blocks of this many
+TILE = 64  # the GEMM's tile height
+CHUNK = 128  # the dispatcher copies each rank's tokens in chunks of this many
+
+
+class _Unmodelled(AllGatherFold):
+    def order_model(self, backend):  # the verdicts come from the references, not an order model
+        return None
+
+
+@register
+class HalfAccumulatorFold(_Unmodelled):
+    """The fold, but 16-bit operands are carried in fp16 (a half-precision accumulator):
+    exact for bf16 values within fp16's range and a little more precise than bf16 per hop,
+    so inside the bound there; bf16 values above 65504 become Inf."""
+
+    name = "planted_fp16_accumulator"
+    summary = "all-gather + fold accumulating 16-bit data in fp16"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        if inp.dtype != torch.bfloat16:
+            return super().reduce_scatter(out, inp, sizes, group)
+        half = torch.empty(out.shape, dtype=torch.float16, device=out.device)
+        super().reduce_scatter(half, inp.to(torch.float16), sizes, group)
+        out.copy_(half)
+
+
+@register
+class ScaleBeforeSumFold(_Unmodelled):
+    """The fold, with a power-of-two scale on the wrong side of the sum: x * 2^4 before the
+    add, / 2^4 after (a pre-divide factor applied as a multiplier). Power-of-two scaling is
+    exact, so nothing changes unless a scaled value leaves the wire dtype's range."""
+
+    name = "planted_scale_before_sum"
+    summary = "all-gather + fold scaling by 16 before the sum and back after it"
+    factor = 2.0 ** TOP_HEADROOM_BITS
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp * self.factor, sizes, group)
+        out.div_(self.factor)
+
+
+@register
+class RemainderLoopFold(_Unmodelled):
+    """The fold, but its remainder loop (the hidden % 128 columns after the last full block)
+    rewrites the previous block's last columns there: an index off by one block."""
+
+    name = "planted_remainder_loop"
+    summary = "all-gather + fold whose hidden % 128 remainder copies the previous block"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp, sizes, group)
+        hidden = out.shape[-1]
+        full, rest = hidden // VECTOR * VECTOR, hidden % VECTOR
+        if full and rest:
+            out[..., full:] = out[..., full - rest:full].clone()
+
+
+class _PerExpertRows:
+    """A contiguous-layout bf16 GEMM that computes each expert's rows itself."""
+
+    family = "gemm"
+    layouts = ("contiguous",)
+    dtypes = ("bfloat16",)
+
+    def unavailable(self, platform, params):
+        return None
+
+    def run(self, problem, out):
+        for g, count in enumerate(problem.counts):
+            s = problem.starts[g]
+            out[s:s + count] = self.rows(problem.a[s:s + count], problem.b[g], s).to(out.dtype)
+
+
+@register
+class TailTileDropsK(_PerExpertRows):
+    """Right for every full 64-row tile and for an expert of fewer than 64 rows (one partial
+    tile), but a partial tile after full ones leaves out the last 64 K products."""
+
+    name = "planted_gemm_tail_tile"
+    summary = "GEMM whose partial tail tile after full tiles drops the last 64 of K"
+
+    def rows(self, a, b, start):
+        d = whole_k(a, b)
+        full = a.shape[0] // TILE * TILE
+        if full and full < a.shape[0]:
+            d[full:] = whole_k(a[full:, :-64], b[:, :-64])
+        return d
+
+
+@register
+class SplitKPastRowZero(_PerExpertRows):
+    """Right to float32 rounding everywhere, but an expert whose rows start past row 0 of A
+    sums its two K halves separately: its bits depend on how many rows the experts before
+    it hold."""
+
+    name = "planted_gemm_offset_split_k"
+    summary = "GEMM that splits K for experts whose rows start past row 0"
+
+    def rows(self, a, b, start):
+        return split_k(a, b) if start > 0 else whole_k(a, b)
+
+
+@register
+class SecondChunkOffByOne(TorchAllToAllDispatcher):
+    """The torch dispatcher, but each rank's tokens past the first 128 are sent one row late:
+    token t of the second chunk carries token t - 1's hidden state."""
+
+    name = "planted_dispatch_second_chunk"
+    summary = "dispatcher whose second 128-token chunk is read one row late"
+
+    def dispatch(self, x, topk_idx, topk_weights, cfg, group):
+        sent = x.clone()
+        sent[CHUNK:] = x[CHUNK - 1:-1]
+        return super().dispatch(sent, topk_idx, topk_weights, cfg, group)
