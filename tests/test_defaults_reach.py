@@ -12,7 +12,9 @@ import torch
 
 from ep_harness import inputs as gen
 from ep_harness.errors import HarnessError
-from ep_harness.params import DispatchParams, GemmParams, build
+from ep_harness.check import typed_params
+from ep_harness.families.gemm import GemmParams
+from ep_harness.families.moe_scenario import DispatchParams
 from ep_harness.subject import get
 from ep_harness.subjects.collective.common import fold_in_order
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, _shared_run
@@ -46,7 +48,7 @@ def test_the_old_defaults_are_gone_from_the_families():
 
 
 def _gemm(layout, **raw):
-    return build("gemm", {"dtype": "bfloat16", "layout": layout, **raw}, get("torch_mm"), "t")
+    return typed_params("gemm", {"dtype": "bfloat16", "layout": layout, **raw}, get("torch_mm"), "t")
 
 
 def test_the_gemm_probe_sits_in_expert_1_except_where_there_is_one_expert():
