@@ -93,7 +93,9 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == code, output[-2000:]
-    assert time.time() - sent < 15
+    # the signal ended it (the hang alone runs to its 600 s timeout): a liveness bound, not a
+    # speed claim, so it stays far above what a loaded 2-core machine takes (15 s flaked at load 16)
+    assert time.time() - sent < 60
     assert all(gone(pid) for pid in workers + spawned), [p for p in workers + spawned if not gone(p)]
     statuses = {json.loads(line)["case"]: json.loads(line)["status"]
                 for line in (run_dir / "results.jsonl").read_text().splitlines()}
