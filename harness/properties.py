@@ -104,7 +104,7 @@ for _prop in (
     # Layout size (docs/layout-invariance.md): the same logical inputs through world sizes
     # 1, 2, 4 (8) on subgroups of one launch; a placement is a world size, so one size is
     # "only one run" and a repeated size "one and the same placement" (driver vacuity).
-    Property("tp-size-invariance", "placement"),
-    Property("ep-size-invariance", "placement"),
+    Property("tp-size-invariance", "placement", _INVARIANCE),
+    Property("ep-size-invariance", "placement", _INVARIANCE),
 ):
     register(_prop)

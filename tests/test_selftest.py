@@ -56,6 +56,34 @@ def test_what_a_property_must_catch():
     assert expectations.required(record("run-to-run", family="gemm"), "out-of-slice")[0] is False
 
 
+
+def test_the_layout_size_properties_are_held_to_what_every_invariance_catches():
+    for family, prop in (("collective", "tp-size-invariance"), ("moe_layer", "tp-size-invariance"),
+                         ("moe_layer", "ep-size-invariance")):
+        assert expectations.required(record(prop, family=family), "ulp")[0] is True
+        assert expectations.required(record(prop, family=family), "kth-call")[0] is True
+    assert expectations.required(record("tp-size-invariance", family="collective"), "out-of-slice")[0] is True
+    assert expectations.NOT_TARGETED == {}
+
+
+@pytest.mark.slow
+def test_the_selftest_reaches_the_layout_size_calls(tmp_path):
+    """The smoke suite's layout fixes that must hold (the tree reduce-scatter across TP sizes,
+    the MoE layer across TP and EP sizes): every injection they must catch, planted through
+    reduce_shards / forward_shards, is caught (before, their cells were not applicable)."""
+    proc = run_cli("selftest", "--suite", "smoke", "--check", "tp-size-tree", "--check", "moe-layout-fixed",
+                   "--injections", "ulp,kth-call,out-of-slice", "--no-report", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
+    assert result["blind"] == [] and result["broken"] == []
+    states = {(r["check"].split("/")[0], r["property"]): {name: cell["state"] for name, cell in r["cells"].items()}
+              for r in result["checks"]}
+    assert {("tp-size-tree", "tp-size-invariance"), ("moe-layout-fixed", "tp-size-invariance"),
+            ("moe-layout-fixed", "ep-size-invariance")} <= set(states), sorted(states)
+    for key, cells in states.items():
+        assert cells["ulp"] == cells["kth-call"] == "caught", (key, cells)
+    assert states[("tp-size-tree", "tp-size-invariance")]["out-of-slice"] == "caught"
+
 def test_cells_that_cannot_be_tested_are_not_applicable():
     assert expectations.required(record(expect="violated"), "ulp")[0] is None  # a control
     assert expectations.required(record(status="vacuous"), "ulp")[0] is None

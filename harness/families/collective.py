@@ -396,6 +396,14 @@ class _Injected(Wrapped):
         start = sum(sizes[:rank])
         self._inject(out, inp, (start, start + sizes[rank]))
 
+    def reduce_shards(self, out, shards, sizes, group):
+        """tp-size-invariance's call (ep_harness.shards.reduce_shards: the subject's own hook,
+        or its reduce_scatter of the local partial); every shard is outside this rank's output."""
+        from ep_harness.shards import reduce_shards
+
+        reduce_shards(self._subject, out, shards, sizes, group)
+        self._inject(out, shards.view(-1, shards.shape[-1]))
+
 
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
                 protocol=CollectiveSubject, search_space=_search_space,

@@ -312,6 +312,12 @@ class _Injected(Wrapped):
         self._inject(out, partials)
         return out, experts
 
+    def forward_shards(self, shards, weights, params, group):
+        """The layout-size properties' call: the layer on this rank's virtual shards."""
+        out, experts = self._subject.forward_shards(shards, weights, params, group)
+        self._inject(out, shards)
+        return out, experts
+
 
 FAMILY = Family("moe_layer", PROPERTIES, MoeParams, _runs, _observe, _measure,
                 protocol=MoeLayerSubject, precompile=Precompile(_kernel_calls), selftest_wrapper=_Injected)

@@ -110,11 +110,14 @@ class Stream:
 
     def finished(self, check: Check, outcome: Outcome) -> None:
         record = self.records[check.id] = finalize(check, outcome, self.run_id, self.rerun(check))
-        append_line(self.path, record)
+        # The row before the line on disk: a signal that lands between the two (Interrupted
+        # is raised in this thread) then never hides a streamed record's row; the record is
+        # kept either way (the final results.jsonl is written from every outcome).
         if not self.out.quiet:
             count = f"[{len(self.records)}/{self.runnable}]"
             row = self.terminal.row(record, self.keys[check.case], self.out.colour)
             self.out.info(f"{count:<10}{time.time() - self.began:7.1f}s {row[2:]}")
+        append_line(self.path, record)
 
 
 def timing(records, wall_s: float, precompile_wait_s: float = 0.0) -> dict:
