@@ -13,6 +13,38 @@ REPO_ON_PYTHONPATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.
 
 
 
+# The tests that take longest (from `pytest --durations`), longest first; order only, never
+# asserted. Under `--dist worksteal` each xdist worker starts on one contiguous share of the
+# collection and idle workers steal from the tail of others: the longest tests are dealt to the
+# head of every share, so none of them starts last and leaves one worker running alone.
+LONGEST = [line for line in (Path(__file__).parent / "longest.txt").read_text().splitlines() if line]
+
+
+def _shares(count: int, workers: int) -> list[int]:
+    """The sizes of worksteal's first shares (xdist.scheduler.worksteal.check_schedule)."""
+    sizes = []
+    for remaining in range(workers, 0, -1):
+        sizes.append((count - sum(sizes)) // remaining)
+    return sizes
+
+
+def pytest_collection_modifyitems(config, items):
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2:
+        return
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST)}
+    position = {id(item): rank.get(item.nodeid.partition("[")[0]) for item in items}
+    heavy = sorted((item for item in items if position[id(item)] is not None), key=lambda item: position[id(item)])
+    light = [item for item in items if position[id(item)] is None]
+    ordered = []
+    for share, size in enumerate(_shares(len(items), workers)):
+        mine = heavy[share::workers]
+        take = max(0, size - len(mine))
+        ordered += mine + light[:take]
+        light = light[take:]
+    items[:] = ordered + light
+
+
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """The subject registry as a copy for a test that registers subjects: whatever it adds is
@@ -31,24 +63,40 @@ def run_cli(*args, cwd=REPO, timeout=600):
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _shared_run(tmp_path_factory, name: str, *args: str):
-    """`ep-harness verify ARGS --out <shared>/NAME`, once per test session: under pytest-xdist
-    the first worker that needs it runs it and the others read its output (pytest-xdist's
-    recipe: a file lock in the temporary directory the workers share). Returns the process
-    and the run's output directory."""
+def shared_dir(tmp_path_factory) -> Path:
+    """The temporary directory every xdist worker of this session shares (this session's own
+    where there are no workers)."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
+        tmp_path_factory.getbasetemp()
+
+
+def once_per_session(tmp_path_factory, name: str, make):
+    """`make(folder)` once per test session, in a folder NAME of the directory the xdist workers
+    share: the first worker that needs it runs it and the others wait on a file lock and read its
+    result (pytest-xdist's recipe). `make` returns something JSON can hold."""
     import json
 
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
-        tmp_path_factory.getbasetemp()
-    out, done = shared / name, shared / f"{name}.json"
+    shared = shared_dir(tmp_path_factory)
+    done = shared / f"{name}.json"
     with FileLock(str(shared / f"{name}.lock")):
         if not done.exists():
-            proc = run_cli("verify", *(a.format(out=out) for a in args), "--out", str(out))
-            done.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout,
-                                        "stderr": proc.stderr}))
-    result = json.loads(done.read_text())
+            done.write_text(json.dumps(make(shared / name)))
+    return json.loads(done.read_text())
+
+
+def completed(proc: subprocess.CompletedProcess) -> dict:
+    """A finished process as JSON can hold it (subprocess.CompletedProcess(**it) rebuilds it)."""
+    return {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def _shared_run(tmp_path_factory, name: str, *args: str):
+    """`ep-harness verify ARGS --out <shared>/NAME`, once per test session (once_per_session).
+    Returns the process and the run's output directory."""
+    out = shared_dir(tmp_path_factory) / name
+    result = once_per_session(tmp_path_factory, name, lambda out: completed(
+        run_cli("verify", *(a.format(out=out) for a in args), "--out", str(out))))
     return subprocess.CompletedProcess(**result), out
 
 

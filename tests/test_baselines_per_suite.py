@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, once_per_session
 
 
 
@@ -24,10 +24,12 @@ def _verify(*args: str) -> Path:
     return (out / "latest").resolve()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def subset_run(tmp_path_factory) -> Path:
-    """`verify --suite smoke --check fold-reference`: a --check subset of the smoke suite."""
-    return _verify("--suite", "smoke", "--check", "fold-reference", "--out", str(tmp_path_factory.mktemp("subset")))
+    """`verify --suite smoke --check fold-reference`: a --check subset of the smoke suite (once
+    per session)."""
+    return Path(once_per_session(tmp_path_factory, "subset-run", lambda out: str(
+        _verify("--suite", "smoke", "--check", "fold-reference", "--out", str(out)))))
 
 
 def test_a_from_record_run_keeps_its_suites_baseline(subset_run, tmp_path):

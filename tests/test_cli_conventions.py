@@ -11,7 +11,7 @@ import pytest
 
 from ep_harness import subject as registry
 from ep_harness.errors import HarnessError
-from tests.conftest import REPO
+from tests.conftest import REPO, completed, once_per_session, shared_dir
 
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
@@ -289,13 +289,18 @@ world_size = [3]
 '''
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quiet_run(tmp_path_factory):
-    """`verify -q` of one check that holds and one that fails (the native control claimed to hold)."""
-    tmp = tmp_path_factory.mktemp("quiet")
-    (tmp / "q.toml").write_text(QUIET_SUITE)
-    proc = harness("verify", "-q", "--suite", str(tmp / "q.toml"), "--gpus", "0", "--out", str(tmp / "runs"))
-    return proc, tmp / "runs"
+    """`verify -q` of one check that holds and one that fails (the native control claimed to hold),
+    once per session."""
+    def run(tmp):
+        tmp.mkdir()
+        (tmp / "q.toml").write_text(QUIET_SUITE)
+        return completed(harness("verify", "-q", "--suite", str(tmp / "q.toml"), "--gpus", "0", "--out",
+                                 str(tmp / "runs")))
+
+    proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "quiet-run", run))
+    return proc, shared_dir(tmp_path_factory) / "quiet-run" / "runs"
 
 
 @pytest.mark.slow

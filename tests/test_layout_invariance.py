@@ -97,12 +97,13 @@ def test_the_expert_order_combine_adds_by_expert_id_from_zero():
     assert subject_named("torch_a2a_dispatch").fold(y, w, None).item() == 0.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def layout_run(tmp_path_factory):
-    from tests.conftest import run_cli
+    """tests/cases/layout.toml in one launch, once per session (shared by the xdist workers)."""
+    from tests.conftest import _shared_run
 
-    out = tmp_path_factory.mktemp("layout")
-    proc = run_cli("verify", "--suite", "tests/cases/layout.toml", "--gpus", "0", "--no-report", "--out", str(out))
+    proc, out = _shared_run(tmp_path_factory, "layout-run", "--suite", "tests/cases/layout.toml", "--gpus", "0",
+                            "--no-report")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # the planted defect fails the run
     lines = (out / "latest" / "results.jsonl").read_text().splitlines()
     return {r["check"]: r for r in map(json.loads, lines)}

@@ -21,7 +21,7 @@ import torch
 from ep_harness.kernels import bi_matmul as kernel
 from ep_harness.families.gemm import GemmParams
 from ep_harness.subject import Platform, load_all
-from tests.conftest import REPO, REPO_ON_PYTHONPATH
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, completed, once_per_session
 
 CPU = Platform("gloo", "cpu", 1)
 H200 = Platform("nccl", "cuda", 1, "NVIDIA H200", (9, 0), gpus=1)
@@ -111,12 +111,13 @@ def interpreter_checks() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+@pytest.fixture(scope="session")
+def interpreted(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed here (pip install triton: ~190 MB wheel)")
     env = {**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_matmul"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "triton-interpreted", lambda _: completed(
+        subprocess.run([sys.executable, "-m", "tests.test_triton_matmul"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 

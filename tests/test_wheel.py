@@ -10,10 +10,11 @@ import sys
 import tomllib
 import venv
 import zipfile
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, once_per_session
 from tests.doc_blocks import doc_block
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -122,11 +123,16 @@ def test_the_wheel_in_a_venv_verifies_and_runs_pytest_from_a_project_with_its_ow
     assert "Mismatched elements: " in readme.stdout, readme.stdout[-3000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def wheel(tmp_path_factory):
+    """Built once per session, by whichever xdist worker needs it first."""
+    return Path(once_per_session(tmp_path_factory, "wheel", lambda out: str(_build_wheel(out, out / "source"))))
+
+
+def _build_wheel(out, source):
     """Built from a copy of the sources: setuptools reuses a checkout's build/lib, so a wheel
     built in a checkout that built one before could carry files of an older layout."""
-    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source") / "ep-harness"
+    source = source / "ep-harness"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", ".pytest_cache", ".hypothesis",
                                                                 "build", "*.egg-info", "__pycache__", "out"))
     # The copy is built as the checkout it came from: git reads the checkout's repository with
