@@ -148,7 +148,7 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
     states = {pid: process_state(pid) for pid in launched}
     parent = {pid: state.parent for pid, state in states.items() if state is not None}  # None: gone meanwhile
     agents = [pid for pid in parent if parent[pid] not in parent]
-    assert [b"\0-m\0ep_harness.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
+    assert [b"\0-m\0ep_harness.launch.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
     assert len([pid for pid in parent if parent.get(parent[pid]) in agents]) == 2 * 2, parent
     os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
     out, _ = head.communicate(timeout=120)
