@@ -46,7 +46,7 @@ def samples(seed: int) -> list[protocol.Message]:
         protocol.Stack(word() + "\n" + word()),
         protocol.Record(index=rng.randint(0, 9), check=word(), seconds=rng.random(), measured=measured,
                         warm_up_seconds=rng.choice([None, rng.random()])),
-        protocol.RankFingerprints([{"rank": r, "host": word()} for r in range(rng.randint(1, 4))]),
+        protocol.RankEnvironments([{"rank": r, "host": word()} for r in range(rng.randint(1, 4))]),
         protocol.NcclTopology({"rings": [[rng.randint(0, 7) for _ in range(4)]]}),
         protocol.PrecompileWaited(round(rng.uniform(0, 30), 3)),
         protocol.NodeBeat(time=rng.random(), host=word(), pid=rng.randint(1, 99)),

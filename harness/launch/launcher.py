@@ -410,7 +410,7 @@ def redact_logs(job_dir: Path) -> None:
 
 
 def launch_results(launch: Channel) -> dict:
-    """What rank 0 reported about the launch: the ranks' fingerprints and NCCL's topology."""
-    ranks = launch.read(protocol.RANKS, protocol.RankFingerprints)
+    """What rank 0 reported about the launch: the ranks' environments and NCCL's topology."""
+    ranks = launch.read(protocol.RANKS, protocol.RankEnvironments)
     topology = launch.read(protocol.NCCL_TOPOLOGY, protocol.NcclTopology)
     return {"ranks": ranks.ranks if ranks else None, "nccl_topology": topology.summary if topology else None}

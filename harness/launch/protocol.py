@@ -17,7 +17,7 @@ A value read back is checked before it is used: a rank or node that sends someth
     launch<k>/error/<rank>        RankError: a rank's exception (or a note that SIGTERM ended it)
     launch<k>/stack/<rank>        Stack: a rank's threads, when stacks-requested was counted up
     launch<k>/record/<index>      Record: rank 0's measurement of a finished check
-    launch<k>/ranks               RankFingerprints: every rank's software and hardware
+    launch<k>/ranks               RankEnvironments: every rank's software and hardware
     launch<k>/nccl-topology       NcclTopology: the communicator's rings and trees
     launch<k>/precompile-waited   PrecompileWaited: how long rank 0 waited for the compile
     launch<k>/abort, stacks-requested   a flag (true) and a counter (TCPStore.add)
@@ -315,10 +315,10 @@ class Record(Message):
 
 
 @dataclass(frozen=True)
-class RankFingerprints(Bare):
-    """launch<k>/ranks: every rank's ep_harness.run_environment.rank_fingerprint, by rank."""
+class RankEnvironments(Bare):
+    """launch<k>/ranks: every rank's ep_harness.run_environment.rank_environment, by rank."""
 
-    KIND: ClassVar[str] = "rank fingerprints"
+    KIND: ClassVar[str] = "rank environments"
     ranks: list[dict]
 
 

@@ -246,7 +246,7 @@ class RunOptions:
     selection: list[str] | None = None  # --check: case names, id prefixes or globs
     plugins: list[str] = ()  # added to the suite's own
     out_root: Path = Path("reports/out")
-    command: list[str] = ()  # the command line, for the fingerprint
+    command: list[str] = ()  # the command line, for environment.json
     render: bool = True
     launches: str = "auto"  # how checks are grouped into torchrun launches
     emulate: str | None = None  # "hosts" or "single-node" (harness/emulation.py)
@@ -409,22 +409,22 @@ def verify(options: RunOptions) -> tuple[int, Path]:
                                                                            head.precompile_wait_s))
     for line in differ:
         out.warning(f"the nodes differ, {line}")
-    fingerprint = environment.data
+    described = environment.data  # environment.json; the gate's run fingerprint is drawn from it
 
     records = [stream.records.get(c.id) or finalize(c, outcomes.get(c.id), run_id, rerun(c), interrupted)
                for c in checks]
     records = compared_records(records, checks, relaunched, options.fresh_processes, interrupted)
-    write_json(run_dir / "environment.json", fingerprint)
+    write_json(run_dir / "environment.json", described)
     write_jsonl(run_dir / "results.jsonl", records)  # the whole run, in plan order, atomically
     point_latest(options.out_root, run_dir)
-    out.info(timing_line(fingerprint["timing"]))
+    out.info(timing_line(described["timing"]))
     for line in unmeasured_cases(records):  # before the verdict, which stays the last lines
         out.warning(line)
     if options.render:
         from ep_harness.reports.render import render_run
 
         render_run(run_dir, show_skipped=options.show_skipped, rows=out.quiet)
-    write_ci_outputs(run_dir, records, fingerprint, options.junit_xml, options.summary_md)
+    write_ci_outputs(run_dir, records, described, options.junit_xml, options.summary_md)
     if interrupted is not None:
         return 128 + interrupted.signum, run_dir
     failing = sum(r["status"] in FAILING for r in records)

@@ -167,9 +167,9 @@ def rank_main() -> None:
         dist.init_process_group(job.backend, timeout=timeout)
     ctx = RankContext(rank=rank, world_size=world_size, backend=job.backend, device=device,
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))
-    fingerprints = ctx.gather(rank_environment())
+    environments = ctx.gather(rank_environment())
     if rank == 0:
-        channel.put(protocol.RANKS, protocol.RankFingerprints(fingerprints).to_wire())
+        channel.put(protocol.RANKS, protocol.RankEnvironments(environments).to_wire())
     pinned = job.pinned_env or {}
     env_error = _pinned_env_error(ctx.gather({**unpinned(pinned), **threads_unlike(pinned, threads)}))
     if job.backend == "nccl":
