@@ -211,7 +211,7 @@ def test_a_relaunch_that_fell_back_to_another_kernel_is_an_error_not_ok():
 
 
 NONFINITE_EMPTY_SLOT = {"data": "nonfinite", "routing": "empty", "num_experts": 2, "topk": 2, "world_size": 1,
-                        "probe_experts": [0, 1]}
+                        "probe_experts": [0, 1], "tokens": 16}  # one chunk: the defect is the empty slot
 
 
 def test_an_empty_slot_does_not_turn_an_infinite_input_into_a_nan_reference(one_rank):

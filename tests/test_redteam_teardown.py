@@ -96,7 +96,7 @@ def test_nothing_configures_a_retry_of_a_failing_check():
     """No rerun plugin, marker or option anywhere a check or test is run from (pytest's
     configuration, the Makefile, the CI workflows, the pytest plugin, the nightly)."""
     places = [REPO / "pyproject.toml", REPO / "Makefile", REPO / "tests" / "conftest.py",
-              REPO / "harness" / "pytest_plugin.py", REPO / "harness" / "nightly.py", *sorted((REPO / "ci").glob("*.yml"))]
+              REPO / "harness" / "pytest_plugin.py", REPO / "harness" / "regress" / "nightly.py", *sorted((REPO / "ci").glob("*.yml"))]
     for path in places:
         text = path.read_text().lower()
         for word in ("reruns", "rerunfailures", "flaky", "retry", "retries"):
