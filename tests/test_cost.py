@@ -160,8 +160,10 @@ def test_probe_summary_counts_differences_against_the_smallest_m():
 
 def _section():
     c = timing.gemm_cost([0.1], timing.gemm_flops(256, 64, 64), "bf16", [0.05])
+    cold = timing.gemm_cost([0.12], timing.gemm_flops(256, 64, 64), "bf16", [0.04])
     return {"kind": "dense", "title": "dense 64 x 64", "unavailable": {"deepgemm_bf16_dense": "needs sm90"},
-            "points": [{"m": 256, "cost": {"triton_bi_matmul": c}, "failed": {"other": "RuntimeError: boom"},
+            "points": [{"m": 256, "cost": {"triton_bi_matmul": c}, "cost_cold": {"triton_bi_matmul": cold},
+                        "failed": {"other": "RuntimeError: boom"},
                         "probe": {"triton_bi_matmul": {"mismatched": 0, "total": 64}}}],
             "invariance": {"triton_bi_matmul": bench.summarize("triton_bi_matmul", {1: torch.ones(64),
                                                                                      256: torch.ones(64)}, 5)}}
@@ -172,7 +174,7 @@ def test_rendered_section_shows_verdict_cost_and_what_did_not_run():
     assert "triton_bi_matmul: batch invariance **holds**: 0 / 128" in text
     assert "deepgemm_bf16_dense: not run (needs sm90)" in text
     row = next(line for line in text.splitlines() if "| triton_bi_matmul |" in line)
-    assert "| 256 | triton_bi_matmul | 100.0 |" in row and "| 2.00x | 0 / 64 |" in row
+    assert "| 256 | triton_bi_matmul | 100.0 |" in row and "| 2.00x | 120.0 | 3.00x | 0 / 64 |" in row
     failed = next(line for line in text.splitlines() if "| other |" in line)
     assert "failed: RuntimeError: boom" in failed and "0.0" not in failed  # no cost, not a zero cost
     skipped = bench.render_section({"kind": "skipped", "title": "t", "skipped": "budget spent", "points": []})

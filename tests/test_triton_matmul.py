@@ -27,18 +27,39 @@ CPU = Platform("gloo", "cpu", 1)
 H200 = Platform("nccl", "cuda", 1, "NVIDIA H200", (9, 0), gpus=1)
 
 
-def test_tile_configuration_takes_no_m():
-    assert list(inspect.signature(kernel.tile_config).parameters) == ["n", "k", "dtype"]
-    for n, k, dtype in ((4096, 4096, "bfloat16"), (2048, 7168, "bfloat16"), (100, 36, "bfloat16"), (48, 200, "float32")):
-        plans = {m: kernel.launch_plan(m, n, k, dtype, torch.device("cpu")) for m in (1, 7, 64, 129, 1000, 8192)}
-        assert len({cfg for cfg, _ in plans.values()}) == 1  # one configuration for every M
-        assert plans[1][0] == kernel.tile_config(n, k, dtype)
-    assert kernel.tile_config(4096, 4096, "bfloat16").tma and not kernel.tile_config(100, 36, "bfloat16").tma
+def test_tiles_follow_m_but_the_k_walk_does_not():
+    """Tiles may change with M (small M: thin tiles for every SM); what orders an element's
+    additions (`k_walk`: K steps, kernel) must be the same at every M of one (N, K, dtype)."""
+    m_values = (1, 7, 16, 64, 100, 129, 256, 1000, 2048, 8192)
+    shapes = [(4096, 4096, "bfloat16"), (2048, 7168, "bfloat16"), (7168, 2048, "bfloat16"), (3072, 1536, "bfloat16"),
+              (100, 36, "bfloat16"), (48, 200, "float32")]
+    changed = 0
+    for n, k, dtype in shapes:
+        plans = {m: kernel.launch_plan(m, n, k, dtype, torch.device("cpu"))[0] for m in m_values}
+        assert len({kernel.k_walk(cfg, k) for cfg in plans.values()}) == 1, (n, k, dtype)
+        if len(set(plans.values())) > 1:  # where tiles change, no K depth pads K with zero steps of its own
+            assert all(k % cfg.block_k == 0 or cfg.block_k == kernel.REFERENCE_TILES.block_k for cfg in plans.values())
+            changed += 1
+    assert changed >= 3  # not vacuous: the tuned shapes and an untuned one do change tiles with M
+    assert kernel.tile_config(1, 4096, 4096, "bfloat16").tma and not kernel.tile_config(1, 100, 36, "bfloat16").tma
+    assert list(inspect.signature(kernel.k_walk).parameters) == ["config", "k"]  # no M in the walk
+
+
+def test_a_table_entry_that_walks_k_otherwise_is_refused(tmp_path):
+    good = {"max_m": None, "config": kernel.REFERENCE_TILES.__dict__}
+    bad = {"max_m": 64, "config": {**kernel.REFERENCE_TILES.__dict__, "block_k": 96}}  # 4096 % 96 != 0
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"shapes": {"4096x4096": [bad, good]}}))
+    with pytest.raises(ValueError, match="walk K differently"):
+        kernel.tuned_tiles(table)
+    table.write_text(json.dumps({"shapes": {"4096x4096": [{**good, "max_m": 64}]}}))
+    with pytest.raises(ValueError, match="the last must cover every M"):
+        kernel.tuned_tiles(table)
 
 
 def test_bad_operands_get_one_line_errors():
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        kernel.tile_config(64, 64, "float16")
+        kernel.tile_config(1, 64, 64, "float16")
     with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\]"):
         kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(4, 9))
     with pytest.raises(ValueError, match="both operands"):
@@ -62,6 +83,27 @@ def test_gpu_without_triton_says_so(monkeypatch):
     assert "triton cannot be imported" in subject.unavailable(H200, GemmParams(layout="dense", dtype="bfloat16"))
     with pytest.raises(RuntimeError, match="needs triton"):
         kernel.bi_matmul(torch.zeros(2, 8), torch.zeros(3, 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or kernel.triton is None,
+                    reason="needs a CUDA GPU and triton (the tiled kernels' bits are the GPU's; run on the GPU machine)")
+def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
+    """The table's claim, on this GPU: at each tuned (N, K), every tile shape the table uses
+    gives every output bit the reference tiles give (rows at tile edges included), and
+    walking K's halves the other way round does not (the comparison sees an order change)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    table = kernel.tuned_tiles()
+    assert table, "bi_matmul_tiles.json holds no tuned shape"
+    for (n, k), buckets in table.items():
+        a = torch.randn(300, k, generator=g, device="cuda").bfloat16()
+        b = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
+        want = kernel.bi_matmul(a, b, config=kernel.REFERENCE_TILES)
+        for _, cfg in buckets:
+            got = kernel.bi_matmul(a, b, config=cfg)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, cfg)
+        swapped = kernel.bi_matmul(a.roll(k // 2, 1).contiguous(), b.roll(k // 2, 1).contiguous(),
+                                   config=kernel.REFERENCE_TILES)
+        assert int((swapped.view(torch.int16) != want.view(torch.int16)).sum()) > 0
 
 
 # --- float32 under the interpreter (child process) --------------------------------------------

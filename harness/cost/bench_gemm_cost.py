@@ -4,8 +4,11 @@
 
 Sections, in this order (a time budget skips what is left, saying so):
 
-* dense: cuBLAS `torch.mm`, this project's Triton matmul and DeepGEMM bf16, at 4096 x 4096,
-  7168 x 7168 and the thin-N control 2048 x 7168, M = 1 .. 8192.
+* dense: cuBLAS `torch.mm`, this project's Triton matmul, DeepGEMM bf16 and
+  batch_invariant_ops' matmul, at 4096 x 4096, 7168 x 7168, the thin-N control 2048 x 7168
+  and DeepSeek-V3's expert down-projection 7168 x 2048, M = 1 .. 8192, each point L2-warm
+  (operands reused) and L2-cold (a rotation of operand copies larger than L2); the bits
+  across a wider sweep of M (`INVARIANCE_M`: tile edges and odd sizes).
 * quantization: the per-token-group FP8 quantizers in GB/s against a device copy of the same
   number of bytes.
 * grouped: the expert GEMMs of DeepSeek-V3 (hidden 7168, intermediate 2048, 256 experts,
@@ -16,7 +19,8 @@ Sections, in this order (a time budget skips what is left, saying so):
 
 Each point: the subjects timed interleaved call by call (ep_harness.cost.timing), median of k. Batch
 invariance: the probe row (token 0, or row 0 of a dense A, the same values at every M, built
-with the GEMM family's cancelling pair so that a K reordering shows) is compared bit for bit
+with the GEMM family's cancelling pair so that a K reordering shows; dense: also copied into
+A's last row, so that it sits at another place in its tile) is compared bit for bit
 with its output at the smallest M; a subject's verdict counts the
 differing elements over all M, and is `vacuous` where no probe output is sensitive to the K
 order. The cuBLAS rows are the positive control.
@@ -37,6 +41,7 @@ from ep_harness.families.gemm import GemmParams
 from ep_harness.families.quant import QuantParams
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
+INVARIANCE_M = (2, 3, 7, 8, 17, 31, 33, 100, 127, 129, 500, 777, 1000, 1025, 2047, 3000, 4095, 6000)  # bits only
 GROUPED_M = (1, 16, 64, 256, 1024, 4096, 8192)
 QUANT_ROWS = (1, 64, 1024, 8192)
 QUANT_COLS = (7168, 2048)
@@ -44,8 +49,9 @@ DENSE_SHAPES = (
     ("dense 4096 x 4096 (a 4096-wide projection)", 4096, 4096),
     ("dense 7168 x 7168 (a DeepSeek-V3-wide projection)", 7168, 7168),
     ("dense 2048 x 7168 (thin N, long K: the cuBLAS control)", 2048, 7168),
+    ("dense 7168 x 2048 (DeepSeek-V3's expert down-projection as one GEMM: short K)", 7168, 2048),
 )
-DENSE_SUBJECTS = ("torch_mm", "triton_bi_matmul", "deepgemm_bf16_dense")
+DENSE_SUBJECTS = ("torch_mm", "triton_bi_matmul", "deepgemm_bf16_dense", "batch_invariant_ops_matmul")
 GROUPED_SUBJECTS = ("torch_mm", "deepgemm_bf16_contiguous", "torch_grouped_mm", "deepgemm_fp8_contiguous")
 QUANT_SUBJECTS = ("torch_fp8_quant", "torch_fp8_quant_reciprocal", "deepgemm_fp8_quant")
 BASELINE = "torch_mm"
@@ -141,6 +147,8 @@ def _columns(size: str, rate: timing.Column, peak: str, baseline: str) -> list[t
 
 
 GEMM_COLUMNS = [*_columns("M", timing.Column("TFLOP/s", "tflops", timing.fmt_float(1)), "% of peak", "cuBLAS"),
+                timing.Column("L2-cold µs", "us_cold", timing.fmt_float(1)),
+                timing.Column("cold time / cuBLAS", "ratio_cold", lambda v: f"{v:.2f}x"),
                 timing.Column("probe bits ≠ smallest M", "probe")]
 QUANT_COLUMNS = _columns("rows", timing.Column("GB/s", "gbps", timing.fmt_float(0)), "% of HBM peak", "copy")
 
@@ -149,10 +157,12 @@ def table_rows(section: dict) -> list[dict]:
     """Flatten a section's measurements into table rows; a missing cost stays missing."""
     rows = []
     for point in section["points"]:
-        for subject, c in point["cost"].items():
+        for subject, c in point.get("cost", {}).items():
+            cold = point.get("cost_cold", {}).get(subject, {})
             row = {"m": point["m"], "subject": subject, "us": c["median_ms"] * 1e3,
                    "tflops": c.get("tflops"), "gbps": c.get("gbps"), "pct": c["pct_of_peak"], "peak": c["peak"],
-                   "ratio": c.get("time_vs_baseline")}
+                   "ratio": c.get("time_vs_baseline"), "ratio_cold": cold.get("time_vs_baseline"),
+                   "us_cold": cold["median_ms"] * 1e3 if cold else None}
             row["pct_cell"] = _pct(row)
             probe = point.get("probe", {}).get(subject)
             if probe is not None:
@@ -245,32 +255,71 @@ class Bench:
         a_all, b = self.randn((max(m_values), k)), self.randn((n, k), k ** -0.5)
         plant_cancellation(a_all[0], b, k)
         probes = {name: {} for name in ready}
-        for m in m_values:
-            problem = GemmProblem("dense", a_all[:m], b, [m], [0])
+        for m in sorted(set(m_values) | {m for m in INVARIANCE_M if m <= max(m_values)}):
+            a = a_all[:m].clone()
+            a[m - 1] = a_all[0]  # the probe row again, at another place in its tile
+            problem = GemmProblem("dense", a, b, [m], [0])
             outs = {name: torch.empty(m, n, dtype=torch.bfloat16, device=self.device) for name in ready}
-            samples, failed = self._timed(ready, problem, outs, hold_ms=2.0)
-            point = {"m": m, "cost": self._gemm_costs(samples, timing.gemm_flops(m, n, k), "bf16"), "failed": failed}
-            for name in samples:
-                probes[name][m] = outs[name][0].clone()
+            calls, failed = self._first_calls(ready, problem, outs)
+            for name in calls:
+                probes[name][m] = torch.stack([outs[name][0], outs[name][m - 1]])
+            if m not in m_values:
+                continue  # bits only
+            point = {"m": m, "failed": failed}
+            if calls:
+                flops = timing.gemm_flops(m, n, k)
+                warm = self.time_point(self._rotating(calls, [(problem, outs)]), hold_ms=2.0)
+                cold_sets = self._operand_copies(problem, outs)
+                cold = self.time_point(self._rotating(calls, cold_sets), hold_ms=2.0)
+                point.update(cost=self._gemm_costs(warm, flops, "bf16"), cost_cold=self._gemm_costs(cold, flops, "bf16"),
+                             cold_copies=len(cold_sets))
+                del cold_sets
             point["probe"] = self._probe_rows(probes, m)
             section["points"].append(point)
             if m == 256:
-                section["reference"] = self._reference(problem, {name: outs[name] for name in samples}, n, k)
+                section["reference"] = self._reference(problem, {name: outs[name] for name in calls}, n, k)
         sensitive = order_sensitive(a_all[0], b, torch.bfloat16)
-        section["invariance"] = {name: summarize(name, p, sensitive) for name, p in probes.items() if p}
+        section["invariance"] = {name: summarize(name, p, 2 * sensitive) for name, p in probes.items() if p}
+        torch.cuda.empty_cache()
         return section
 
-    def _timed(self, ready: dict, problem, outs: dict, hold_ms: float) -> tuple[dict, dict]:
+    def _first_calls(self, ready: dict, problem, outs: dict) -> tuple[dict, dict]:
+        """Each subject once (it compiles: Triton, DeepGEMM's JIT; a broken one shows alone);
+        returns the subjects that ran, as the call to time, and why the others failed."""
         calls, failed = {}, {}
         for name, subject in ready.items():
-            try:  # first call apart: compiles (Triton, DeepGEMM JIT), and shows a broken subject alone
+            try:
                 subject.run(problem, outs[name])
                 self.torch.cuda.synchronize()
             except Exception as exc:  # reported in the table, the others still measured
                 failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                 continue
-            calls[name] = (lambda s=subject, o=outs[name]: s.run(problem, o))
-        return (self.time_point(calls, hold_ms) if calls else {}), failed
+            # a library that allocates its own output is timed without the copy into ours
+            product = getattr(subject, "product", None)
+            calls[name] = (lambda p, o, f=product: f(p)) if product else \
+                (lambda p, o, s=subject, n=name: s.run(p, o[n]))
+        return calls, failed
+
+    def _operand_copies(self, problem, outs: dict) -> list:
+        """Enough copies of the operands (same values) and outputs that calls rotating through
+        them find theirs out of L2."""
+        l2 = self.torch.cuda.get_device_properties(0).L2_cache_size
+        one = sum(t.numel() * t.element_size() for t in (problem.a, problem.b, *outs.values()))
+        sets = [(problem, outs)]
+        for _ in range(timing.Rotation.copies(one, l2) - 1):
+            sets.append((problem.to(problem.a.device), {name: self.torch.empty_like(o) for name, o in outs.items()}))
+        return sets
+
+    @staticmethod
+    def _rotating(calls: dict, sets: list) -> dict:
+        rotation = timing.Rotation(sets)
+
+        def call_of(fn):
+            def call():
+                problem, outs = rotation.take()
+                fn(problem, outs)
+            return call
+        return {name: call_of(fn) for name, fn in calls.items()}
 
     def _gemm_costs(self, samples: dict, flops: int, peak_of) -> dict:
         base = samples.get(BASELINE)
@@ -425,7 +474,8 @@ def environment() -> dict:
         env["deep_gemm"] = f"unavailable: {exc}"
     from ep_harness.kernels.bi_matmul import tile_config
 
-    env["triton_tiles"] = {f"{n}x{k}": tile_config(n, k, "bfloat16").__dict__ for _, n, k in DENSE_SHAPES}
+    env["triton_tiles"] = {f"{n}x{k}": {m: tile_config(m, n, k, "bfloat16").__dict__ for m in DENSE_M}
+                           for _, n, k in DENSE_SHAPES}
     return env
 
 
@@ -441,7 +491,8 @@ def run(out_dir: Path, repeats: int, warmup: int, budget_s: float, seed: int, se
                  for mdl in MOE_MODELS for proj, n, k in mdl.projections()]
     result = {"environment": environment(), "peaks": timing.H200_PEAKS, "repeats": repeats, "warmup": warmup,
               "seed": seed, "method": (f"CUDA events, {warmup} warm-up calls, subjects interleaved call by call, "
-                                       f"median of {repeats}; operands reused (L2 warm for every subject)"),
+                                       f"median of {repeats}; L2-warm: operands reused; dense also L2-cold: "
+                                       f"every call takes the next of several operand copies, together over 3x L2"),
               "sections": []}
     for title, measure in plan:
         reason = bench.over_budget()

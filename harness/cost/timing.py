@@ -3,7 +3,9 @@
 Timing: CUDA events around each call, after warm-up calls; the subjects of one shape are
 interleaved call by call (the first subject rotates every repeat, so none always runs
 right after another's cache footprint), and each subject's median of k calls is kept.
-Operands are reused between calls, so L2 is as warm for one subject as for the other.
+Two cache states: L2-warm (operands reused between calls, as warm for one subject as for
+the other) and L2-cold (`Rotation`: every call takes the next of several copies of the
+operands, together larger than L2, as a model's layers evict each other's weights).
 
 Rates: TFLOP/s for GEMMs (2*M*N*K useful products, padding rows not counted), GB/s for
 the memory-bound quantizers (bytes read + written). Each is put against the H200's
@@ -93,6 +95,25 @@ def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, wa
             marks[name].append((start, end))
     clock.synchronize()
     return {name: [clock.elapsed_ms(s, e) for s, e in pairs] for name, pairs in marks.items()}
+
+
+class Rotation:
+    """Copies of one call's operands that calls take in turn, so that each finds its operands
+    out of L2. `copies(nbytes, l2_bytes)` says how many: together at least `spill` times L2."""
+
+    def __init__(self, sets: list):
+        if not sets:
+            raise ValueError("a rotation needs at least one operand set")
+        self.sets, self._next = sets, 0
+
+    @staticmethod
+    def copies(set_bytes: int, l2_bytes: int, spill: float = 3.0) -> int:
+        return max(2, -(-int(spill * l2_bytes) // max(1, set_bytes)))
+
+    def take(self):
+        chosen = self.sets[self._next]
+        self._next = (self._next + 1) % len(self.sets)
+        return chosen
 
 
 def median_ms(samples: list[float]) -> float:

@@ -1,28 +1,37 @@
 """A batch-invariant dense matmul in Triton: C[M, N] = A[M, K] @ B[N, K]^T.
 
-Why it is batch-invariant (cuBLAS is not: it picks kernel, tile and split-K from M):
+Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
 
-* The tile configuration is a function of (N, K, dtype) only (`tile_config`), never of M.
-* No split-K: one program computes a whole output tile, walking K from 0 upward in fixed
-  BLOCK_K steps into one float32 accumulator, so every output element sees the same
-  sequence of additions whatever M is. Rows are independent inside `tl.dot`: a row's
-  result does not depend on the other rows of its tile (masked rows load zeros).
-* The compiled kernel is the same for every M: M and the program count are excluded from
-  Triton's value specialization (`do_not_specialize`), which would otherwise compile a
-  separate variant for M == 1 or M divisible by 16.
-* Persistent: min(SMs, tiles) programs each take tiles pid, pid + programs, ... . Which
-  program computes a tile changes with M; what it computes does not.
+* One K walk per (N, K, dtype), whatever M is: no split-K; one program computes a whole
+  output tile, walking K from 0 upward into one float32 accumulator, the tensor cores adding
+  16 products at a time, so every output element sees the same sequence of additions. Rows
+  and columns are independent inside `tl.dot`: an element's result does not depend on the
+  other rows or columns of its tile (masked rows load zeros).
+* Tiles may follow M (`tile_config`), the walk may not: the tile's rows, columns, K depth per
+  pipeline stage, warps and stages change how many programs share the work, not the order of
+  an element's additions. Every table entry's K depth divides K (no zero-padded K steps), and
+  the whole output of every tile shape in the table is measured bit-identical to the
+  reference tiles' on the GPU before it is used (harness/cost/tune_bi_matmul.py; the table,
+  bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
+  every SM: what cuBLAS gets from split-K, without changing the sum.
+* The compiled kernel does not depend on M beyond its tiles: M and the program count are
+  excluded from Triton's value specialization (`do_not_specialize`), which would otherwise
+  compile a separate variant for M == 1 or M divisible by 16.
+* Persistent: min(SMs x programs per SM, tiles) programs each take tiles pid, pid +
+  programs, ... . Which program computes a tile changes with M; what it computes does not.
 
 Two kernels with the same tile walk: operands through TMA descriptors (bf16 where rows are
-16-byte aligned: the fast path on Hopper), or through masked pointer loads. Which one runs is
-part of the (N, K, dtype) configuration too. bf16 and float32 operands, float32 accumulation,
-output in the operand dtype. float32 uses IEEE products (`input_precision="ieee"`), not TF32,
-so it stays within the float32 bound (and runs on the FMA units, far below cuBLAS).
+16-byte aligned: the fast path on Hopper), or through masked pointer loads (one tile shape
+for every M). bf16 and float32 operands, float32 accumulation, output in the operand dtype.
+float32 uses IEEE products (`input_precision="ieee"`), not TF32, so it stays within the
+float32 bound (and runs on the FMA units, far below cuBLAS), with one tile shape.
 """
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,28 +53,71 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # operands and output through TMA descriptors (Hopper)
+    ctas_per_sm: int = 1  # persistent programs per SM (small tiles leave room for two)
+    # Triton's software pipelining across tiles: "" (each tile's K loop alone), "flatten" (the
+    # next tile's loads overlap this tile's epilogue) or "warp_specialize" (producer and
+    # consumer warps). They schedule the same tile walk, not another order of additions.
+    schedule: str = ""
 
 
-# Measured on the H200 (bf16, M = 1 .. 8192 at 4096 x 4096, 7168 x 7168, 2048 x 7168, candidates
-# timed against cuBLAS interleaved, 2026-12-01): TMA 128 x 128 x 64 tiles, 4 warps, 5 stages came within 1.16x of cuBLAS for
-# M >= 512 everywhere and at M = 256 on 7168 x 7168; 128 x 256 tiles matched cuBLAS (1.00-1.04x)
-# from M = 1024 up but were 1.7-3.7x slower at M = 256-512 (too few tiles for 132 SMs without
-# split-K). fp32 runs IEEE products on the FMA units (no tensor cores): small tiles.
-_TMA_BF16 = TileConfig(128, 128, 64, 8, 4, 5, tma=True)
-_POINTERS_BF16 = TileConfig(128, 128, 64, 8, 8, 4)  # rows not 16-byte aligned: no TMA
-_FP32 = TileConfig(64, 64, 32, 8, 4, 3)
+# Measured on the H200 (bf16, 2026-12-01): TMA 128 x 128 x 64 tiles, 4 warps, 5 stages came
+# within 1.16x of cuBLAS for M >= 512; the tiles every M used before the table, and the
+# reference whose bits every tuned tile shape must reproduce.
+REFERENCE_TILES = TileConfig(128, 128, 64, 8, 4, 5, tma=True)
+_POINTERS_BF16 = TileConfig(128, 128, 64, 8, 8, 4)  # rows not 16-byte aligned: no TMA, one shape
+_FP32 = TileConfig(64, 64, 32, 8, 4, 3)  # IEEE products on the FMA units: small tiles, one shape
+# Untuned shapes: the largest of these whose tile count fills the SMs (all with K depth 64).
+_LADDER = (TileConfig(128, 256, 64, 8, 8, 3, tma=True), REFERENCE_TILES, TileConfig(64, 128, 64, 8, 4, 6, tma=True),
+           TileConfig(64, 64, 64, 8, 4, 6, tma=True), TileConfig(64, 32, 64, 8, 4, 6, tma=True))
+TILES_FILE = Path(__file__).with_name("bi_matmul_tiles.json")
+H200_SMS = 132
 
 
-def tile_config(n: int, k: int, dtype: str) -> TileConfig:
-    """The one tile configuration used for every M at this (N, K, dtype). Takes no M on
-    purpose: choosing tiles by M is exactly what makes cuBLAS batch-variant."""
+def k_walk(config: TileConfig, k: int) -> tuple:
+    """What fixes an element's order of additions: the K steps (zero-padded to a multiple of
+    the K depth) and the kernel. Every tile shape used at one (N, K, dtype) has the same."""
+    return (-(-k // config.block_k) * config.block_k, config.tma)
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[int | None, TileConfig], ...]]:
+    """(N, K) -> ((largest M, tiles), ...) from the tuner's table; refuses an entry whose K
+    walk is not the reference's (it would make bits follow M)."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    table = {}
+    for shape, entries in raw["shapes"].items():
+        n, k = (int(x) for x in shape.split("x"))
+        buckets = tuple((e["max_m"], TileConfig(**e["config"])) for e in entries)
+        for _, cfg in buckets:
+            if k_walk(cfg, k) != k_walk(REFERENCE_TILES, k) or k % cfg.block_k:
+                raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles; "
+                                 f"re-run python3 -m ep_harness.cost.tune_bi_matmul")
+        if buckets[-1][0] is not None:
+            raise ValueError(f"{path}: the {shape} entries end at M = {buckets[-1][0]}; the last must cover every M")
+        table[(n, k)] = buckets
+    return table
+
+
+def tile_config(m: int, n: int, k: int, dtype: str, sms: int = H200_SMS) -> TileConfig:
+    """The tiles for one call. The K walk (`k_walk`) depends on (N, K, dtype) only; the tile
+    shape follows M so that small M still make enough tiles for every SM."""
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"bi_matmul takes bfloat16 or float32 operands, not {dtype}")
     if n < 1 or k < 1:
         raise ValueError(f"bi_matmul needs N >= 1 and K >= 1, got N={n}, K={k}")
     if dtype == "float32":
         return _FP32
-    return _TMA_BF16 if n % 8 == 0 and k % 8 == 0 else _POINTERS_BF16  # TMA: 16-byte row strides
+    if n % 8 or k % 8:  # TMA needs 16-byte row strides
+        return _POINTERS_BF16
+    for max_m, cfg in tuned_tiles().get((n, k), ()):
+        if max_m is None or m <= max_m:
+            return cfg
+    for cfg in _LADDER:
+        if -(-m // cfg.block_m) * -(-n // cfg.block_n) >= sms:
+            return cfg
+    return _LADDER[-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,11 +125,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def program_count(tiles: int, device: torch.device) -> int:
-    """Persistent grid: one program per SM at most (all tiles when fewer)."""
+def program_count(tiles: int, device: torch.device, ctas_per_sm: int = 1) -> int:
+    """Persistent grid: `ctas_per_sm` programs per SM at most (all tiles when fewer)."""
     if device.type != "cuda":  # the interpreter: few programs, so each walks several tiles
         return max(1, min(tiles, 4))
-    return max(1, min(tiles, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(tiles, sms * ctas_per_sm))
 
 
 if triton is not None:
@@ -137,13 +190,37 @@ if triton is not None:
             tile += num_programs
 
 
+    @triton.jit(do_not_specialize=["M", "num_programs"])
+    def _bi_matmul_tma_scheduled_kernel(a_desc, b_desc, c_desc, M, N, num_programs,
+                                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # _bi_matmul_tma_kernel's walk as a tl.range loop, which Triton can pipeline across
+        # tiles (FLATTEN) or split into producer and consumer warps (WARP_SPECIALIZE).
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+            off_m = tile_m * BLOCK_M
+            off_n = tile_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):  # K from 0 upward, the same steps for every tile
+                a = a_desc.load([off_m, k0])
+                b = b_desc.load([off_n, k0])
+                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 def launch_plan(m: int, n: int, k: int, dtype: str, device: torch.device,
                 config: TileConfig | None = None) -> tuple[TileConfig, int]:
-    """(tile configuration, programs) for one call. The configuration depends on (N, K,
-    dtype) only; the program count may follow M (it changes who computes a tile, not how)."""
-    config = config or tile_config(n, k, dtype)
+    """(tile configuration, programs) for one call. Both may follow M: they change who
+    computes an element and beside which others, not the order of its additions."""
+    if config is None:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else H200_SMS
+        config = tile_config(m, n, k, dtype, sms)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    return config, program_count(tiles, device)
+    return config, program_count(tiles, device, config.ctas_per_sm)
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -176,12 +253,17 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                 raise ValueError(f"bi_matmul's TMA path needs {name} with unit column stride, 16-byte aligned "
                                  f"start and row stride; pass {name}.contiguous() (a fresh allocation)")
 
-        _bi_matmul_tma_kernel[(programs,)](
-            TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k]),
-            TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]),
-            m, n, programs, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        descriptors = (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+                       TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k]),
+                       TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]))
+        shape = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                     DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.schedule:
+            _bi_matmul_tma_scheduled_kernel[(programs,)](*descriptors, m, n, programs, **shape,
+                                                         FLATTEN=cfg.schedule == "flatten",
+                                                         WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
+        else:
+            _bi_matmul_tma_kernel[(programs,)](*descriptors, m, n, programs, **shape)
         return out
     _bi_matmul_kernel[(programs,)](
         a, b, out, m, n, programs,

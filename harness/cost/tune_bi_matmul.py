@@ -1,0 +1,268 @@
+"""Choose `triton_bi_matmul`'s tiles for each M on one GPU, keeping every M's bits.
+
+    python3 -m ep_harness.cost.tune_bi_matmul --out DIR     # DIR/tune.json, DIR/bi_matmul_tiles.json
+
+Why tiles may follow M at all: every candidate walks K the same way (tensor-core steps from
+K = 0 upward into one float32 accumulator, no split-K), so an output element's additions do
+not depend on the tile it sits in. That is a claim about the compiled kernels, so it is
+measured here before any timing: each candidate's whole output, at three M (one row, a
+partial tile, 2,048 rows), is compared bit for bit with the reference tiles'
+(`bi_matmul.REFERENCE_TILES`); a candidate that differs in one element is never chosen.
+cuBLAS's output is compared the same way, as the control that the comparison sees another
+order.
+
+Then each shape and M: the bit-identical candidates, cuBLAS, DeepGEMM's BF16 dense GEMM and
+batch_invariant_ops' matmul, timed interleaved call by call (median of k), L2-warm (operands
+reused) and L2-cold (a rotation of operand copies larger than L2). The chosen candidate is the
+one with the smallest worse-of-the-two ratio to cuBLAS; `bi_matmul_tiles.json` is the table
+that harness/kernels/ reads (commit it with the tune.json it came from).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ep_harness import console
+from ep_harness.cost import timing
+from ep_harness.kernels import bi_matmul as kernel
+
+SHAPES = ((4096, 4096), (7168, 7168), (2048, 7168), (7168, 2048))  # (N, K); the last: DeepSeek-V3's down-projection
+M_VALUES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+BITS_M = (1, 100, 2048)
+
+T = kernel.TileConfig
+# (block_m, block_n, block_k, group_m, warps, stages, tma, ctas_per_sm), by the M they are tried at.
+# Small M are memory-bound: thin tiles (N / block_n programs for every SM), deep K stages.
+CANDIDATES = {
+    "small": (T(16, 16, 256, 8, 4, 6, True, 2), T(16, 16, 128, 8, 4, 8, True, 2), T(16, 16, 256, 8, 2, 6, True, 2),
+              T(16, 32, 256, 8, 4, 4, True, 2), T(16, 32, 128, 8, 4, 8, True, 2), T(16, 64, 128, 8, 4, 5, True, 2),
+              T(32, 16, 256, 8, 4, 5, True, 2), T(32, 32, 256, 8, 4, 4, True, 2), T(64, 16, 256, 8, 4, 4, True),
+              T(64, 32, 128, 8, 4, 6, True), T(64, 32, 256, 8, 4, 4, True), T(64, 64, 128, 8, 4, 5, True),
+              T(64, 64, 64, 8, 4, 6, True), T(64, 32, 64, 8, 4, 6, True),
+              # deeper K pipelines for thin N (N = 2048: 128 programs of 16 columns, long K)
+              T(16, 16, 512, 8, 4, 5, True), T(16, 16, 256, 8, 4, 10, True), T(16, 32, 256, 8, 4, 8, True),
+              T(16, 32, 512, 8, 4, 4, True)),
+    "mid": (T(64, 128, 64, 8, 4, 6, True), T(128, 64, 64, 8, 4, 6, True), T(128, 128, 64, 8, 4, 5, True),
+            T(128, 128, 64, 8, 8, 4, True), T(64, 128, 128, 8, 4, 4, True), T(128, 64, 128, 8, 4, 4, True),
+            T(128, 128, 64, 8, 4, 4, True, 1, "flatten"), T(64, 128, 128, 8, 4, 4, True, 1, "flatten")),
+    # two programs per SM: one's epilogue runs beside the other's main loop (short K)
+    "large": (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(256, 128, 64, 8, 8, 3, True),
+              T(128, 128, 64, 8, 4, 5, True), T(128, 128, 64, 8, 4, 3, True, 2), T(128, 128, 64, 8, 8, 3, True, 2),
+              T(128, 256, 64, 16, 8, 4, True),
+              # the next tile's loads beside this tile's epilogue; producer and consumer warps
+              T(128, 256, 64, 8, 8, 3, True, 1, "flatten"), T(128, 128, 64, 8, 4, 4, True, 1, "flatten"),
+              T(128, 256, 64, 8, 8, 3, True, 1, "warp_specialize"), T(128, 128, 64, 8, 8, 4, True, 1, "warp_specialize"),
+              T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize")),
+}
+BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
+
+
+def name_of(cfg: kernel.TileConfig) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
+            f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
+            f"{f'-{cfg.schedule}' if cfg.schedule else ''}")
+
+
+def all_candidates() -> dict[str, kernel.TileConfig]:
+    out = {}
+    for group in CANDIDATES.values():
+        for cfg in group:
+            out.setdefault(name_of(cfg), cfg)
+    return out
+
+
+def bit_check(a_all, b, candidates: dict, reference) -> dict:
+    """Each candidate's mismatches against the reference tiles at BITS_M (None: no error)."""
+    import torch
+
+    from ep_harness.bits import int_view
+
+    want = {m: kernel.bi_matmul(a_all[:m], b, config=reference) for m in BITS_M}
+    result = {}
+    for name, cfg in candidates.items():
+        try:
+            got = {m: kernel.bi_matmul(a_all[:m], b, config=cfg) for m in BITS_M}
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile that does not compile or fit: not a candidate
+            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+            continue
+        result[name] = {"mismatched": {m: int((int_view(got[m]) != int_view(want[m])).sum()) for m in BITS_M},
+                        "elements": {m: want[m].numel() for m in BITS_M}}
+    # Controls that the comparison sees another order: cuBLAS, and the reference tiles walking
+    # K's two halves the other way round (the same products, summed in another order).
+    half = a_all.shape[1] // 2
+    swapped_a, swapped_b = a_all.roll(half, 1), b.roll(half, 1)
+    controls = {"cublas (control)": lambda m: torch.mm(a_all[:m], b.t()),
+                "K halves swapped (control)": lambda m: kernel.bi_matmul(swapped_a[:m].contiguous(), swapped_b,
+                                                                         config=reference)}
+    for name, product in controls.items():
+        result[name] = {"mismatched": {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M},
+                        "elements": {m: want[m].numel() for m in BITS_M}}
+    return result
+
+
+def identical(check: dict) -> bool:
+    return "error" not in check and not any(check["mismatched"].values())
+
+
+class Shape:
+    """One (N, K): operands, a rotation of copies for cold timing, the rival subjects."""
+
+    def __init__(self, n: int, k: int, m_max: int, seed: int):
+        import torch
+
+        from ep_harness.contracts import GemmProblem
+        from ep_harness.subject import Platform, load_all
+
+        self.torch, self.n, self.k, self.GemmProblem = torch, n, k, GemmProblem
+        dev = torch.device("cuda", 0)
+        g = torch.Generator(device=dev).manual_seed(seed + n + k)
+        self.a_all = torch.randn(m_max, k, generator=g, device=dev).to(torch.bfloat16)
+        self.b = (torch.randn(n, k, generator=g, device=dev) * k ** -0.5).to(torch.bfloat16)
+        props = torch.cuda.get_device_properties(0)
+        self.l2 = props.L2_cache_size
+        platform = Platform("nccl", "cuda", 1, props.name, (props.major, props.minor), gpus=1)
+        from ep_harness.families.gemm import GemmParams
+
+        params = GemmParams(layout="dense", dtype="bfloat16")
+        subjects = load_all()
+        self.rivals, self.unavailable = {}, {}
+        for name in ("torch_mm", "deepgemm_bf16_dense", "batch_invariant_ops_matmul"):
+            reason = subjects[name].unavailable(platform, params) if name in subjects else "not registered"
+            if reason:
+                self.unavailable[name] = reason
+            else:
+                self.rivals[name] = subjects[name]
+
+    def operand_sets(self, m: int, cold: bool) -> timing.Rotation:
+        torch = self.torch
+        set_bytes = 2 * (m * self.k + self.n * self.k + m * self.n)
+        copies = timing.Rotation.copies(set_bytes, self.l2) if cold else 1
+        sets = []
+        for i in range(copies):  # copies hold the same values: the bits do not change, the addresses do
+            a = self.a_all[:m] if i == 0 else self.a_all[:m].clone()
+            b = self.b if i == 0 else self.b.clone()
+            sets.append((self.GemmProblem("dense", a, b, [m], [0]), torch.empty(m, self.n, dtype=torch.bfloat16,
+                                                                                  device=a.device)))
+        return timing.Rotation(sets)
+
+    def calls(self, rotation: timing.Rotation, tiles: dict) -> dict:
+        """One zero-argument call per subject, each taking the rotation's next operand set."""
+        def candidate(cfg):
+            def call():
+                problem, out = rotation.take()
+                kernel.bi_matmul(problem.a, problem.b, out=out, config=cfg)
+            return call
+
+        def rival(subject):
+            timed = getattr(subject, "product", None)
+
+            def call():
+                problem, out = rotation.take()
+                timed(problem) if timed else subject.run(problem, out)
+            return call
+
+        calls = {name: rival(s) for name, s in self.rivals.items()}
+        calls.update({name: candidate(cfg) for name, cfg in tiles.items()})
+        return calls
+
+
+def time_point(shape: Shape, m: int, tiles: dict, repeats: int, warmup: int) -> dict:
+    point = {"m": m}
+    for state, cold in (("warm", False), ("cold", True)):
+        rotation = shape.operand_sets(m, cold)
+        samples = timing.time_interleaved(shape.calls(rotation, tiles), repeats, warmup, timing.CudaClock(2.0))
+        base = timing.median_ms(samples["torch_mm"])
+        point[state] = {name: {"median_ms": timing.median_ms(s), "time_vs_baseline": timing.median_ms(s) / base}
+                        for name, s in samples.items()}
+        point[f"{state}_copies"] = len(rotation.sets)
+        del rotation
+        shape.torch.cuda.empty_cache()
+    return point
+
+
+def choose(point: dict, eligible: list[str]) -> str:
+    """The candidate whose worse ratio (warm or cold) to cuBLAS is smallest."""
+    return min(eligible, key=lambda name: max(point["warm"][name]["time_vs_baseline"],
+                                              point["cold"][name]["time_vs_baseline"]))
+
+
+def table_entries(points: list[dict], tiles: dict) -> list[dict]:
+    """M buckets of the table: each measured M covers the M above the previous one."""
+    entries = []
+    for point in sorted(points, key=lambda p: p["m"]):
+        cfg = tiles[point["chosen"]]
+        if entries and entries[-1]["config"] == asdict(cfg):
+            entries[-1]["max_m"] = point["m"]
+        else:
+            entries.append({"max_m": point["m"], "config": asdict(cfg)})
+    entries[-1]["max_m"] = None  # the last tiles serve every larger M
+    return entries
+
+
+def run(out_dir: Path, repeats: int, warmup: int, seed: int, shapes=SHAPES) -> dict:
+    import torch
+
+    began = time.perf_counter()
+    candidates = all_candidates()
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": kernel.triton.__version__,
+              "reference_tiles": asdict(kernel.REFERENCE_TILES), "repeats": repeats, "warmup": warmup,
+              "candidates": {n: asdict(c) for n, c in candidates.items()}, "shapes": []}
+    table = {}
+    out = console.current()
+    for n, k in shapes:
+        shape = Shape(n, k, max(M_VALUES), seed)
+        bits = bit_check(shape.a_all, shape.b, candidates, kernel.REFERENCE_TILES)
+        same = [name for name in candidates if identical(bits[name])]
+        entry = {"n": n, "k": k, "bits": bits, "identical": same, "unavailable": shape.unavailable, "points": []}
+        out.line(f"[{time.perf_counter() - began:6.1f} s] {n} x {k}: {len(same)} of {len(candidates)} candidates "
+                 f"bit-identical; controls differ in {bits['cublas (control)']['mismatched']} (cuBLAS), "
+                 f"{bits['K halves swapped (control)']['mismatched']} (K halves swapped)")
+        for m in M_VALUES:
+            names = [name for name in same if any(BANDS[g][0] <= m <= BANDS[g][1] and candidates[name] in CANDIDATES[g]
+                                                  for g in CANDIDATES)]
+            if not names:
+                continue
+            point = time_point(shape, m, {name: candidates[name] for name in names}, repeats, warmup)
+            point["chosen"] = choose(point, names)
+            entry["points"].append(point)
+            best = point["chosen"]
+            out.line(f"  M={m:5d}: {best:28s} warm {point['warm'][best]['time_vs_baseline']:.2f}x "
+                     f"cold {point['cold'][best]['time_vs_baseline']:.2f}x cuBLAS "
+                     f"({point['warm']['torch_mm']['median_ms'] * 1e3:.1f} / "
+                     f"{point['cold']['torch_mm']['median_ms'] * 1e3:.1f} us)")
+        if entry["points"]:
+            table[f"{n}x{k}"] = table_entries(entry["points"], candidates)
+        result["shapes"].append(entry)
+        del shape
+        torch.cuda.empty_cache()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tune.json").write_text(json.dumps(result, indent=1))
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    (out_dir / "tune.json").write_text(json.dumps(result, indent=1))
+    tiles = {"tuned_on": result["gpu"], "triton": result["triton"], "dtype": "bfloat16", "shapes": table}
+    (out_dir / "bi_matmul_tiles.json").write_text(json.dumps(tiles, indent=1) + "\n")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m ep_harness.cost.tune_bi_matmul", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for tune.json and bi_matmul_tiles.json")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or kernel.triton is None:
+        console.current().err("error: tuning needs a CUDA GPU and triton; run it on the GPU machine")
+        return 2
+    run(args.out, args.repeats, args.warmup, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
