@@ -35,7 +35,7 @@ def test_table_buckets_merge_equal_neighbours_and_the_last_covers_every_m(tmp_pa
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"shapes": {"4096x4096": entries}}))
     loaded = kernel.tuned_tiles(path)[(4096, 4096)]
-    assert loaded == ((16, small), (None, large))
+    assert loaded == ((16, kernel.TilePlan(small)), (None, kernel.TilePlan(large)))
 
 
 def test_candidates_share_the_reference_k_walk_at_the_tuned_shapes_and_names_are_unique():
@@ -44,6 +44,17 @@ def test_candidates_share_the_reference_k_walk_at_the_tuned_shapes_and_names_are
     for n, k in tune.SHAPES:
         for cfg in tune.all_candidates().values():
             assert k % cfg.block_k == 0 and kernel.k_walk(cfg, k) == kernel.k_walk(kernel.REFERENCE_TILES, k)
+
+
+def test_rows_past_the_whole_waves_go_to_the_tail_tiles():
+    big, small = kernel.TileConfig(128, 256, 64, 8, 8, 3, True), kernel.TileConfig(128, 128, 64, 8, 4, 5, True)
+    plan = kernel.TilePlan(big, small)
+    # M = 2048, N = 7168: 16 x 28 = 448 tiles of 128 x 256 = 3 waves of 132 (396 tiles = 14 tile rows) + 52
+    assert kernel.row_slices(2048, 7168, plan, 132) == [(0, 1792, big), (1792, 2048, small)]
+    assert kernel.row_slices(100, 7168, plan, 132) == [(0, 100, big)]  # less than a wave: one launch
+    assert kernel.row_slices(2048, 7168, kernel.TilePlan(big), 132) == [(0, 2048, big)]  # no tail
+    assert kernel.row_slices(1792, 7168, plan, 132) == [(0, 1792, big)]  # 2.97 waves: the last nearly full
+    assert kernel.row_slices(4224, 7168, plan, 132) == [(0, 4224, big)]  # 924 tiles: 7 whole waves
 
 
 def test_a_candidate_is_identical_only_with_no_mismatch_and_no_error():
@@ -56,8 +67,8 @@ def test_the_committed_table_loads_and_is_used_for_its_shapes():
     table = kernel.tuned_tiles()
     assert set(table) == set(tune.SHAPES)
     for (n, k), buckets in table.items():
-        for max_m, cfg in buckets:
-            assert kernel.tile_config(max_m or 8192, n, k, "bfloat16") == cfg
+        for max_m, plan in buckets:
+            assert kernel.tile_plan(max_m or 8192, n, k, "bfloat16") == plan
 
 
 def test_the_tuner_refuses_a_machine_without_gpu(capsys):

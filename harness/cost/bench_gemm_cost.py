@@ -472,9 +472,11 @@ def environment() -> dict:
         env["deep_gemm"] = deepgemm.settings()
     except ImportError as exc:
         env["deep_gemm"] = f"unavailable: {exc}"
-    from ep_harness.kernels.bi_matmul import tile_config
+    from dataclasses import asdict
 
-    env["triton_tiles"] = {f"{n}x{k}": {m: tile_config(m, n, k, "bfloat16").__dict__ for m in DENSE_M}
+    from ep_harness.kernels.bi_matmul import tile_plan
+
+    env["triton_tiles"] = {f"{n}x{k}": {m: asdict(tile_plan(m, n, k, "bfloat16")) for m in DENSE_M}
                            for _, n, k in DENSE_SHAPES}
     return env
 

@@ -58,12 +58,34 @@ CANDIDATES = {
               T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize")),
 }
 BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
+# Two-launch plans (kernel.TilePlan): large tiles over whole waves, the rest of the rows in a tail
+# of smaller tiles; tried wherever the large tiles would leave the last wave less than half full.
+PLAN_MAINS = (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(128, 256, 64, 8, 8, 3, True, 1, "flatten"),
+              T(128, 128, 64, 8, 4, 5, True))
+PLAN_TAILS = (T(128, 128, 64, 8, 4, 5, True), T(64, 128, 64, 8, 4, 6, True), T(64, 128, 128, 8, 4, 4, True),
+              T(64, 64, 128, 8, 4, 5, True))
 
 
 def name_of(cfg: kernel.TileConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
             f"{f'-{cfg.schedule}' if cfg.schedule else ''}")
+
+
+def plan_name(plan: kernel.TilePlan) -> str:
+    return name_of(plan.main) + (f"+tail:{name_of(plan.tail)}" if plan.tail else "")
+
+
+def plans_at(m: int, n: int, identical_names: set[str], sms: int) -> dict[str, kernel.TilePlan]:
+    """The two-launch plans whose tiles are all bit-identical and that split M's rows."""
+    plans = {}
+    for main in PLAN_MAINS:
+        for tail in PLAN_TAILS:
+            plan = kernel.TilePlan(main, tail)
+            if tail != main and {name_of(main), name_of(tail)} <= identical_names \
+                    and len(kernel.row_slices(m, n, plan, sms)) == 2:
+                plans[plan_name(plan)] = plan
+    return plans
 
 
 def all_candidates() -> dict[str, kernel.TileConfig]:
@@ -194,11 +216,13 @@ def table_entries(points: list[dict], tiles: dict) -> list[dict]:
     """M buckets of the table: each measured M covers the M above the previous one."""
     entries = []
     for point in sorted(points, key=lambda p: p["m"]):
-        cfg = tiles[point["chosen"]]
-        if entries and entries[-1]["config"] == asdict(cfg):
+        chosen = tiles[point["chosen"]]
+        plan = chosen if isinstance(chosen, kernel.TilePlan) else kernel.TilePlan(chosen)
+        entry = {"config": asdict(plan.main), **({"tail": asdict(plan.tail)} if plan.tail else {})}
+        if entries and {k: v for k, v in entries[-1].items() if k != "max_m"} == entry:
             entries[-1]["max_m"] = point["m"]
         else:
-            entries.append({"max_m": point["m"], "config": asdict(cfg)})
+            entries.append({"max_m": point["m"], **entry})
     entries[-1]["max_m"] = None  # the last tiles serve every larger M
     return entries
 
@@ -226,16 +250,23 @@ def run(out_dir: Path, repeats: int, warmup: int, seed: int, shapes=SHAPES) -> d
                                                   for g in CANDIDATES)]
             if not names:
                 continue
-            point = time_point(shape, m, {name: candidates[name] for name in names}, repeats, warmup)
+            tiles = {name: candidates[name] for name in names}
+            plans = plans_at(m, n, set(same), torch.cuda.get_device_properties(0).multi_processor_count)
+            tiles.update(plans)
+            names += list(plans)
+            point = time_point(shape, m, tiles, repeats, warmup)
             point["chosen"] = choose(point, names)
             entry["points"].append(point)
             best = point["chosen"]
-            out.line(f"  M={m:5d}: {best:28s} warm {point['warm'][best]['time_vs_baseline']:.2f}x "
+            out.line(f"  M={m:5d}: {best:40s} warm {point['warm'][best]['time_vs_baseline']:.2f}x "
                      f"cold {point['cold'][best]['time_vs_baseline']:.2f}x cuBLAS "
                      f"({point['warm']['torch_mm']['median_ms'] * 1e3:.1f} / "
                      f"{point['cold']['torch_mm']['median_ms'] * 1e3:.1f} us)")
         if entry["points"]:
-            table[f"{n}x{k}"] = table_entries(entry["points"], candidates)
+            every = {**candidates, **{name: plan for p in entry["points"] for name, plan in
+                                      plans_at(p["m"], n, set(same), torch.cuda.get_device_properties(0)
+                                               .multi_processor_count).items()}}
+            table[f"{n}x{k}"] = table_entries(entry["points"], every)
         result["shapes"].append(entry)
         del shape
         torch.cuda.empty_cache()

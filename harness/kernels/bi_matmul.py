@@ -13,7 +13,9 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   the whole output of every tile shape in the table is measured bit-identical to the
   reference tiles' on the GPU before it is used (harness/cost/tune_bi_matmul.py; the table,
   bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
-  every SM: what cuBLAS gets from split-K, without changing the sum.
+  every SM: what cuBLAS gets from split-K, without changing the sum. Where main's tiles would
+  leave a last wave part-filled, the rows past the whole waves go to a second launch in
+  smaller tiles (`TilePlan.tail`), again without changing any element's walk.
 * The compiled kernel does not depend on M beyond its tiles: M and the program count are
   excluded from Triton's value specialization (`do_not_specialize`), which would otherwise
   compile a separate variant for M == 1 or M divisible by 16.
@@ -60,6 +62,15 @@ class TileConfig:
     schedule: str = ""
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """The tiles for one M: `main`, and `tail` for the rows past the last whole wave of main's
+    tiles, in a second launch (M = 2,048 at N = 7,168 makes 3.4 waves of 128 x 256 tiles on 132
+    SMs: 3 waves of them, then the last 256 rows in smaller tiles). Same K walk, so the same bits."""
+    main: TileConfig
+    tail: TileConfig | None = None
+
+
 # Measured on the H200 (bf16, 2026-12-01): TMA 128 x 128 x 64 tiles, 4 warps, 5 stages came
 # within 1.16x of cuBLAS for M >= 512; the tiles every M used before the table, and the
 # reference whose bits every tuned tile shape must reproduce.
@@ -80,7 +91,7 @@ def k_walk(config: TileConfig, k: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[int | None, TileConfig], ...]]:
+def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[int | None, TilePlan], ...]]:
     """(N, K) -> ((largest M, tiles), ...) from the tuner's table; refuses an entry whose K
     walk is not the reference's (it would make bits follow M)."""
     if not path.exists():
@@ -89,11 +100,13 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
     table = {}
     for shape, entries in raw["shapes"].items():
         n, k = (int(x) for x in shape.split("x"))
-        buckets = tuple((e["max_m"], TileConfig(**e["config"])) for e in entries)
-        for _, cfg in buckets:
-            if k_walk(cfg, k) != k_walk(REFERENCE_TILES, k) or k % cfg.block_k:
-                raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles; "
-                                 f"re-run python3 -m ep_harness.cost.tune_bi_matmul")
+        buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]), TileConfig(**e["tail"]) if e.get("tail") else None))
+                        for e in entries)
+        for _, plan in buckets:
+            for cfg in filter(None, (plan.main, plan.tail)):
+                if k_walk(cfg, k) != k_walk(REFERENCE_TILES, k) or k % cfg.block_k:
+                    raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles; "
+                                     f"re-run python3 -m ep_harness.cost.tune_bi_matmul")
         if buckets[-1][0] is not None:
             raise ValueError(f"{path}: the {shape} entries end at M = {buckets[-1][0]}; the last must cover every M")
         table[(n, k)] = buckets
@@ -101,6 +114,11 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
 
 
 def tile_config(m: int, n: int, k: int, dtype: str, sms: int = H200_SMS) -> TileConfig:
+    """The main tiles for one call (`tile_plan`'s main)."""
+    return tile_plan(m, n, k, dtype, sms).main
+
+
+def tile_plan(m: int, n: int, k: int, dtype: str, sms: int = H200_SMS) -> TilePlan:
     """The tiles for one call. The K walk (`k_walk`) depends on (N, K, dtype) only; the tile
     shape follows M so that small M still make enough tiles for every SM."""
     if dtype not in ("bfloat16", "float32"):
@@ -108,16 +126,31 @@ def tile_config(m: int, n: int, k: int, dtype: str, sms: int = H200_SMS) -> Tile
     if n < 1 or k < 1:
         raise ValueError(f"bi_matmul needs N >= 1 and K >= 1, got N={n}, K={k}")
     if dtype == "float32":
-        return _FP32
+        return TilePlan(_FP32)
     if n % 8 or k % 8:  # TMA needs 16-byte row strides
-        return _POINTERS_BF16
-    for max_m, cfg in tuned_tiles().get((n, k), ()):
+        return TilePlan(_POINTERS_BF16)
+    for max_m, plan in tuned_tiles().get((n, k), ()):
         if max_m is None or m <= max_m:
-            return cfg
+            return plan
     for cfg in _LADDER:
         if -(-m // cfg.block_m) * -(-n // cfg.block_n) >= sms:
-            return cfg
-    return _LADDER[-1]
+            return TilePlan(cfg)
+    return TilePlan(_LADDER[-1])
+
+
+def row_slices(m: int, n: int, plan: TilePlan, sms: int) -> list[tuple[int, int, TileConfig]]:
+    """(first row, end row, tiles) of each launch: main's tiles over the rows that fill whole
+    waves of programs, the tail's over the rest; one launch where there is no tail, or where
+    main's last wave is at least half full (a second launch would cost more than it saves)."""
+    main = plan.main
+    tiles_n = -(-n // main.block_n)
+    per_wave = sms * main.ctas_per_sm
+    tiles = -(-m // main.block_m) * tiles_n
+    whole_waves, rest = divmod(tiles, per_wave)
+    rows = (whole_waves * per_wave // tiles_n) * main.block_m
+    if plan.tail is None or rows <= 0 or rows >= m or rest * 2 >= per_wave:
+        return [(0, m, main)]
+    return [(0, rows, main), (rows, m, plan.tail)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,22 +244,26 @@ if triton is not None:
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H200_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def launch_plan(m: int, n: int, k: int, dtype: str, device: torch.device,
                 config: TileConfig | None = None) -> tuple[TileConfig, int]:
-    """(tile configuration, programs) for one call. Both may follow M: they change who
+    """(main tile configuration, programs) for one call. Both may follow M: they change who
     computes an element and beside which others, not the order of its additions."""
     if config is None:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else H200_SMS
-        config = tile_config(m, n, k, dtype, sms)
+        config = tile_config(m, n, k, dtype, _device_sms(device))
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     return config, program_count(tiles, device, config.ctas_per_sm)
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-              config: TileConfig | None = None) -> torch.Tensor:
+              config: TileConfig | TilePlan | None = None) -> torch.Tensor:
     """C = a @ b.T with a [M, K], b [N, K] (both bf16 or both float32); writes `out` [M, N]
-    (the operand dtype) when given. `config` overrides the (N, K, dtype) table (tests)."""
+    (the operand dtype) when given. `config` overrides the table's tiles (tests, the tuner)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"bi_matmul needs a [M, K] and b [N, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype or a.dtype not in DTYPES:
@@ -243,7 +280,22 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         raise RuntimeError("bi_matmul needs triton; pip install 'ep-harness[gpu]'")
     if m == 0:
         return out
-    cfg, programs = launch_plan(m, n, k, DTYPES[a.dtype], a.device, config)
+    if isinstance(config, TileConfig):
+        slices = [(0, m, config)]
+    else:
+        plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
+        slices = row_slices(m, n, plan, _device_sms(a.device))
+    for first, end, cfg in slices:
+        rows = a if (first, end) == (0, m) else a[first:end]
+        _launch(rows, b, out if (first, end) == (0, m) else out[first:end], cfg)
+    return out
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig) -> None:
+    """One kernel launch over all of a's rows with the tiles `cfg`."""
+    m, k = a.shape
+    n = b.shape[0]
+    _, programs = launch_plan(m, n, k, DTYPES[a.dtype], a.device, cfg)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     if cfg.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -264,11 +316,10 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                                                          WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
         else:
             _bi_matmul_tma_kernel[(programs,)](*descriptors, m, n, programs, **shape)
-        return out
+        return
     _bi_matmul_kernel[(programs,)](
         a, b, out, m, n, programs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
