@@ -22,7 +22,7 @@ def library():
 class BatchInvariantOpsMatmul:
     name = "batch_invariant_ops_matmul"
     family = "gemm"
-    summary = "batch_invariant_ops.matmul_persistent (thinking-machines-lab; one tile configuration per dtype)"
+    summary = "batch_invariant_ops.matmul_persistent (thinking-machines-lab; one tile shape per dtype)"
     layouts = ("dense",)
     dtypes = ("bfloat16", "float32")
 

@@ -1,8 +1,8 @@
 """This project's batch-invariant dense matmul (harness/kernels/bi_matmul.py) as a GEMM subject.
 
 The fix for cuBLAS's batch variance on the dense projections that are not grouped GEMMs
-(attention, shared experts, LM head): one tile configuration per (N, K, dtype), no
-split-K, K walked in one fixed order for every output element.
+(attention, shared experts, LM head): no split-K, K walked in one fixed order for every
+output element at every M; the tiles follow M (a tuned table) without changing that order.
 """
 from ep_harness.kernels import bi_matmul as kernel
 from ep_harness.subject import register
@@ -13,7 +13,7 @@ from ep_harness.subjects.gemm.common import unsupported
 class TritonBiMatmul:
     name = "triton_bi_matmul"
     family = "gemm"
-    summary = "batch-invariant Triton matmul (fixed tiles per N, K, dtype; no split-K)"
+    summary = "batch-invariant Triton matmul (one K walk per N, K, dtype, tiles by M; no split-K)"
     layouts = ("dense",)
     dtypes = ("bfloat16", "float32")
 
