@@ -6,6 +6,7 @@ each with one line, having started nothing and written nothing outside its --out
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,8 @@ from ep_harness.errors import HarnessError
 from ep_harness.launch.follower import _validated_launch
 from ep_harness.launch import nodes as nodes_module
 from ep_harness.launch.nodes import Nodes, identity_difference
-from tests.conftest import REPO_ON_PYTHONPATH
+from tests.conftest import REPO_ON_PYTHONPATH, once_per_session
+from tests.shared_tC import cli_batch
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
 
 RUN = "20261201-120000-abcd"
@@ -32,32 +34,35 @@ def genuine_launch(**changes) -> dict:
     return launch
 
 
-@pytest.fixture
-def fake_head():
-    """A TCPStore at a free port that serves RUN, as a head would; put(launch, secret) writes
-    launch 0 signed with `secret` (None: unsigned)."""
+def serve(run=RUN):
+    """A TCPStore at a free port that serves `run`, as a head would."""
     store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
-    publish_run(store, RUN)
-
-    def put(launch, secret=SECRET):
-        run_channel(store, RUN, secret).put("launch/0", launch)
-        return store
-
-    return store, put
+    publish_run(store, run)
+    return store
 
 
-def follower(tmp_path, port, *extra, secret=SECRET):
+def follower_env() -> dict:
     env = {**os.environ, **REPO_ON_PYTHONPATH, "EP_HARNESS_COMMIT": COMMIT, "EP_HARNESS_START_TIMEOUT_S": "20"}
     env.pop("EP_HARNESS_RUN_SECRET", None)
-    args = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+    return env
+
+
+def follower_args(tmp_path, port, *extra, secret=SECRET) -> list:
+    args = ["verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--node-rank", "1", "--gpus", "0", "--out", str(tmp_path / "out"), *extra]
     if secret:
         args += ["--run-secret", secret]
-    (tmp_path / "work").mkdir(exist_ok=True)
-    return subprocess.run(args, cwd=tmp_path / "work", capture_output=True, text=True, timeout=120, env=env)
+    (tmp_path / "work").mkdir(parents=True, exist_ok=True)
+    return args
 
 
-@pytest.mark.parametrize("launch, secret, named", [
+def follower(tmp_path, port, *extra, secret=SECRET):
+    args = follower_args(tmp_path, port, *extra, secret=secret)
+    return subprocess.run([EXE, *args], cwd=tmp_path / "work", capture_output=True, text=True, timeout=120,
+                          env=follower_env())
+
+
+FORGED = [
     # no secret, or another one: a forged launch, whatever it says
     (genuine_launch(env={"LD_PRELOAD": "/tmp/evil.so"}), None, "not signed with this run's secret"),
     (genuine_launch(), "another-secret-0123456789", "not signed with this run's secret"),
@@ -74,11 +79,40 @@ def follower(tmp_path, port, *extra, secret=SECRET):
      f"harness version differs (here {__version__}, on the head 9.9.9)"),
     (genuine_launch(identity={"version": __version__, "commit": COMMIT, "plugins": {"tests.planted": "0" * 12}}),
      SECRET, "plugin tests.planted differs"),
-])
-def test_a_follower_refuses_a_forged_or_foreign_launch(tmp_path, fake_head, launch, secret, named):
-    store, put = fake_head
-    put(launch, secret)
-    proc = follower(tmp_path, store.port)
+]
+
+
+@pytest.fixture(scope="session")
+def refused_followers(tmp_path_factory):
+    """A fake head (its own store) and a real follower for every launch of FORGED, then for a
+    follower with a plugin the head lacks and for a head that names a run outside --out, once
+    per session: the followers run one after another in one interpreter (cli_batch; the one
+    loading a plugin last). Per follower: the process, its directory (the test's tmp_path as
+    it was) and what it told its head (node/1/refused, None where it has no head of FORGED)."""
+    def make(folder):
+        stores, jobs = [], []
+        for i, (launch, secret, _) in enumerate(FORGED):
+            stores.append(serve())
+            run_channel(stores[-1], RUN, secret).put("launch/0", launch)
+            jobs.append(follower_args(folder / f"case{i}", stores[-1].port))
+        stores.append(serve("../../escape"))
+        jobs.append(follower_args(folder / "outside", stores[-1].port))
+        stores.append(serve())
+        run_channel(stores[-1], RUN, SECRET).put("launch/0", genuine_launch())
+        jobs.append(follower_args(folder / "plugin", stores[-1].port, "--plugin", "tests.planted"))
+        dirs = [folder / f"case{i}" for i in range(len(FORGED))] + [folder / "outside", folder / "plugin"]
+        procs = cli_batch(folder / "batch", [(args, d / "work") for args, d in zip(jobs, dirs)], follower_env())
+        refusals = [run_channel(store, RUN, SECRET).get("node/1/refused") for store in stores[:len(FORGED)]]
+        return [{"proc": proc, "dir": str(d), "refusal": refusal}
+                for proc, d, refusal in zip(procs, dirs, refusals + [None, None])]
+
+    done = once_per_session(tmp_path_factory, "redteam-followers", make)
+    return [(subprocess.CompletedProcess(**f["proc"]), Path(f["dir"]), f["refusal"]) for f in done]
+
+
+@pytest.mark.parametrize("launch, secret, named", FORGED)
+def test_a_follower_refuses_a_forged_or_foreign_launch(refused_followers, launch, secret, named):
+    [(proc, tmp_path, refusal)] = [refused_followers[i] for i, case in enumerate(FORGED) if case[0] is launch]
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "escape").exists() and not (tmp_path / "out" / "escape").exists()
@@ -86,14 +120,11 @@ def test_a_follower_refuses_a_forged_or_foreign_launch(tmp_path, fake_head, laun
     written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
     assert written == [], written  # nothing but its own (empty) log directory under --out
     # the follower said why to the head (signed with its secret, so a real head can read it)
-    refusal = run_channel(store, RUN, SECRET).get("node/1/refused")
     assert refusal is not None and named in refusal["reason"]
 
 
-def test_a_follower_with_a_plugin_the_head_lacks_is_refused(tmp_path, fake_head):
-    store, put = fake_head
-    put(genuine_launch())
-    proc = follower(tmp_path, store.port, "--plugin", "tests.planted")
+def test_a_follower_with_a_plugin_the_head_lacks_is_refused(refused_followers):
+    proc, _, _ = refused_followers[len(FORGED) + 1]
     assert proc.returncode == 2 and "plugin tests.planted is loaded here but not on the head" in proc.stderr, \
         proc.stderr
 
@@ -104,10 +135,8 @@ def test_a_follower_without_the_secret_is_refused_before_it_connects(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_fake_head_cannot_name_a_run_outside_out(tmp_path):
-    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
-    publish_run(store, "../../escape")
-    proc = follower(tmp_path, store.port)
+def test_a_fake_head_cannot_name_a_run_outside_out(refused_followers):
+    proc, tmp_path, _ = refused_followers[len(FORGED)]
     assert proc.returncode == 2 and "which is not a run id" in proc.stderr, proc.stderr
     assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()
 
