@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import REPO, completed, once_per_session, shared_dir
+
 # One interpreter for many `ep-harness` command lines: each job is what the console script
 # does (`sys.exit(main(ARGS))`) in its own working directory, with its stdout and stderr (file
 # descriptors 1 and 2, so C-level output too) in files of its own, and the warning filters
@@ -61,3 +65,21 @@ def cli_batch(folder: Path, jobs: list[tuple[list[str], Path]], env: dict, timeo
     codes = json.loads((folder / "results.json").read_text())
     return [{"args": ["ep-harness", *job["args"]], "returncode": rc, "stdout": Path(job["stdout"]).read_text(),
              "stderr": Path(job["stderr"]).read_text()} for job, rc in zip(described, codes)]
+
+
+@pytest.fixture(scope="session")
+def plugin_items_session(tmp_path_factory):
+    """`pytest -q -rs --ep-suite tests/cases/plugin_items.toml --ep-gpus 0 -k "fold or split-k"
+    tests/test_gate.py --junitxml=...` (no xdist), once per session: one pytest session (and
+    its one launch) whose three items pass, fail and are skipped. Returns the process and the
+    path of its JUnit XML."""
+    def make(folder):
+        folder.mkdir(parents=True)
+        return completed(subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ep-suite", "tests/cases/plugin_items.toml",
+             "--ep-gpus", "0", "-rs", "tests/test_gate.py", "-k", "fold or split-k", f"--junitxml={folder / 'junit.xml'}"],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}))
+
+    proc = once_per_session(tmp_path_factory, "plugin-items-session", make)
+    return subprocess.CompletedProcess(**proc), shared_dir(tmp_path_factory) / "plugin-items-session" / "junit.xml"
