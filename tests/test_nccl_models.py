@@ -54,7 +54,7 @@ def ar_inputs(dtype: torch.dtype, world_size: int, n: int) -> torch.Tensor:
     """[world_size, n]: every rank's input of the recorder's all-reduce of n elements (the same
     for every recording of that world size). Generating them is most of this module's time, and
     the sweeps up to 1 MiB are shared by the free, treefree and treech1 recordings (and the
-    pinned one's sizes): those are kept for the module's other tests (about 170 MB at most),
+    pinned one's sizes): those are kept for the module's other tests (under 150 MiB in all),
     larger ones made afresh. No model writes into its input."""
     key = (dtype, world_size, n)
     if key not in _AR_INPUTS:
