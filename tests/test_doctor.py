@@ -5,8 +5,10 @@ import sys
 import tomllib
 import types
 
+import pytest
+
 from ep_harness import doctor
-from tests.conftest import REPO
+from tests.conftest import REPO, completed, once_per_session
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 PINNED_DEEPGEMM = " ".join(f"'{r}'" for r in EXTRAS["deepgemm"])  # the extra's pins, each quoted for the shell
@@ -28,10 +30,22 @@ def run_doctor(tmp_path, env=None, planted=None):
     return proc, lines, by_component
 
 
-def test_doctor_on_this_machine_is_one_line_per_component_and_exit_0(tmp_path):
+@pytest.fixture(scope="session")
+def plain_doctor(tmp_path_factory):
+    """`ep-harness doctor` with nothing planted, once per session: run_doctor's three values."""
+    def make(folder):
+        folder.mkdir(parents=True)
+        return completed(run_doctor(folder)[0])
+
+    proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "plain-doctor", make))
+    lines = proc.stdout.strip().splitlines()
+    return proc, lines, {line.split()[1]: line for line in lines[1:-1]}
+
+
+def test_doctor_on_this_machine_is_one_line_per_component_and_exit_0(plain_doctor):
     import torch
 
-    proc, lines, by_component = run_doctor(tmp_path)
+    proc, lines, by_component = plain_doctor
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[1] for line in lines[1:-1]] == COMPONENTS  # one line each, in this order
     assert lines[-1] == "# the CPU default can run: ep-harness verify --gpus 0"
@@ -93,10 +107,10 @@ def test_gpu_and_emulation_lines_when_gpus_are_there():
     assert cpu_build.status == "skip" and "download.pytorch.org/whl/cu" in cpu_build.fix
 
 
-def test_the_cpu_line_names_the_model_isa_threads_and_what_it_means_for_gemms(tmp_path):
+def test_the_cpu_line_names_the_model_isa_threads_and_what_it_means_for_gemms(plain_doctor):
     from ep_harness.run_environment import cpu_environment
 
-    _, _, by_component = run_doctor(tmp_path)
+    _, _, by_component = plain_doctor
     here = cpu_environment()
     line = by_component["cpu"]
     assert line.startswith(f"ok    cpu         {here['model']}; ISA {' '.join(here['isa'])}"), line

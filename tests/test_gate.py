@@ -12,6 +12,7 @@ from ep_harness.regress.gate import (NotComparable, append_history, baseline_pat
                           platform_key, read_baseline, update_baseline)
 from ep_harness.reports.render import render_run
 from tests.conftest import REPO
+from tests.shared_tC import plugin_items_session  # noqa: F401  (a fixture)
 from tests.test_reports import record, write_run
 
 CPU = {"model": "AMD EPYC", "isa": ["avx2", "avx512f"], "torch_capability": "AVX512", "onednn_max_cpu_isa": None}
@@ -182,10 +183,8 @@ def test_workflow_is_safe_and_thin():
 
 
 @pytest.mark.slow
-def test_ep_suite_runs_checks_as_pytest_items(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ep-suite",
-                           "tests/cases/plugin_items.toml", "--ep-gpus", "0", "-rs", "tests/test_gate.py", "-k",
-                           "fold or split-k"], cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_ep_suite_runs_checks_as_pytest_items(plugin_items_session):
+    proc, _ = plugin_items_session  # -k "fold or split-k" of tests/cases/plugin_items.toml
     out = proc.stdout
     assert proc.returncode == 1, out[-2000:]
     assert "1 failed, 1 passed, 1 skipped" in out, out[-2000:]

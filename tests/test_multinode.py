@@ -7,6 +7,7 @@ import fnmatch
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from ep_harness.run_environment import node_differences
 from ep_harness.launch.processes import process_state
-from tests.conftest import REPO, REPO_ON_PYTHONPATH, processes_with_env, run_cli
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, once_per_session, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
 # The smoke suite's collectives in bfloat16, at world sizes 2, 3 and 4.
@@ -96,16 +97,63 @@ def single_agent(smoke_run):
     return matching(counts(run_dir), COLLECTIVES)
 
 
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory):
+    """The smoke collectives (COLLECTIVES) on two agents as two nodes of 2 gloo ranks each, once
+    per session: a head given no --run-secret, which draws one and prints the command for the
+    other nodes, and node 1 started with that command, each in a directory of its own with its
+    own (default) --out. Returns what both printed and how they ended, and the head's port and
+    both directories; `printed` is None if the head never printed the command."""
+    import shlex
+
+    def make(folder):
+        port = free_port()
+        env = {**os.environ, "EP_HARNESS_COMMIT": "two-node-test"}
+        env.pop("EP_HARNESS_RUN_SECRET", None)
+        for name in ("node0", "node1"):
+            (folder / name).mkdir(parents=True)
+        base = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--gpus", "0"]
+        popen = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
+                 "start_new_session": True}
+        started = [subprocess.Popen([*base, "--suite", "smoke", "--no-report", *selection()], cwd=folder / "node0",
+                                    **popen)]
+        result = {"port": port, "node0": str(folder / "node0"), "node1": str(folder / "node1"), "printed": None}
+        try:
+            lines = []
+            while not any("# on each other node K:" in line for line in lines):
+                line = started[0].stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+            if lines and "# on each other node K:" in lines[-1]:
+                result["printed"] = shlex.split(re.sub(r".*# on each other node K: ", "", lines[-1])
+                                                .replace(" K ", " 1 "))
+                started.append(subprocess.Popen([EXE, *result["printed"][1:]], cwd=folder / "node1", **popen))
+            rest, _ = started[0].communicate(timeout=300)
+            result.update(head_out="".join(lines) + rest, head_rc=started[0].returncode)
+            if len(started) > 1:
+                other_out, _ = started[1].communicate(timeout=60)
+                result.update(other_out=other_out, other_rc=started[1].returncode)
+            return result
+        finally:
+            for proc in started:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    found = once_per_session(tmp_path_factory, "two-nodes", make)
+    found["node0"], found["node1"] = Path(found["node0"]), Path(found["node1"])
+    return found
+
+
 @pytest.mark.slow
-def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent, node):
-    port = free_port()
-    head = node(0, port, tmp_path / "node0", "--suite", "smoke", "--no-report", *selection())
-    other = node(1, port, tmp_path / "node1")
-    head_out, _ = head.communicate(timeout=300)
-    other_out, _ = other.communicate(timeout=60)
-    assert head.returncode == 0, head_out[-3000:]
-    assert other.returncode == 0 and "the records are on the head node" in other_out, other_out[-2000:]
-    run_dir = tmp_path / "node0" / "reports" / "out" / "latest"
+def test_two_agents_reproduce_the_single_agent_bits(two_nodes, single_agent):
+    port, head_out, node0, node1 = two_nodes["port"], two_nodes["head_out"], two_nodes["node0"], two_nodes["node1"]
+    assert two_nodes["printed"] is not None, head_out[-3000:]
+    other_out = two_nodes["other_out"]
+    assert two_nodes["head_rc"] == 0, head_out[-3000:]
+    assert two_nodes["other_rc"] == 0 and "the records are on the head node" in other_out, other_out[-2000:]
+    run_dir = node0 / "reports" / "out" / "latest"
     two = counts(run_dir)
     assert two == single_agent  # same gloo ring and fold orders at every world size: the same counts
     assert sum(1 for s, m, *_ in two.values() if s == "ok" and m) >= 10  # the controls did differ
@@ -118,8 +166,8 @@ def test_two_agents_reproduce_the_single_agent_bits(tmp_path, single_agent, node
     for fingerprint in next(iter(env["ranks"].values())):  # the pinned variables, as each rank saw them
         assert fingerprint["env"]["PYTHONHASHSEED"] == "0"
     # The other node's logs stayed on it; nothing of its ranks is in the head's run directory.
-    assert not list((tmp_path / "node1").glob("reports/out/*/*/*.json"))
-    assert list((tmp_path / "node1").glob("reports/out/node1-*/*/torchrun-launch0.log"))
+    assert not list(node1.glob("reports/out/*/*/*.json"))
+    assert list(node1.glob("reports/out/node1-*/*/torchrun-launch0.log"))
     assert not [p for p in run_dir.rglob("*") if "node1" in p.name]
 
 

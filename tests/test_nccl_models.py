@@ -47,6 +47,24 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+_AR_INPUTS: dict = {}
+
+
+def ar_inputs(dtype: torch.dtype, world_size: int, n: int) -> torch.Tensor:
+    """[world_size, n]: every rank's input of the recorder's all-reduce of n elements (the same
+    for every recording of that world size). Generating them is most of this module's time, and
+    the sweeps up to 1 MiB are shared by the free, treefree and treech1 recordings (and the
+    pinned one's sizes): those are kept for the module's other tests (under 150 MiB in all),
+    larger ones made afresh. No model writes into its input."""
+    key = (dtype, world_size, n)
+    if key not in _AR_INPUTS:
+        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
+        if n * dtype.itemsize > 1 << 20:
+            return x
+        _AR_INPUTS[key] = x
+    return _AR_INPUTS[key]
+
+
 def rs_points(config):
     """(key, dtype, rows) in the order the recorder issued its reduce-scatters."""
     return [(f"rs/{name}/rows{rows}", name, rows) for name in recorder.DTYPES for rows in recorder.RS_ROWS
@@ -96,7 +114,7 @@ def test_tree_all_reduce_model_reproduces_every_bit_of_nccl(world_size):
     for (name, nbytes), call in zip(points, calls):
         dtype = dtype_of(name)
         n = nbytes // dtype.itemsize
-        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
+        x = ar_inputs(dtype, world_size, n)
         out, _ = all_reduce(x, NcclContext(topo, [call]))
         assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, call.describe()
         channels.add(call.channels)
@@ -229,7 +247,7 @@ def reproduce(config: str, world_size: int, points) -> set[str]:
     for name, nbytes, call in points:
         dtype = dtype_of(name)
         n = nbytes // dtype.itemsize
-        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
+        x = ar_inputs(dtype, world_size, n)
         out, _ = all_reduce(x, NcclContext(topo, [call]))
         assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, f"{name}: {call.describe()}"
         seen.add(f"{call.algorithm}/{call.protocol}")
@@ -329,7 +347,7 @@ def test_a_wrong_tree_or_channel_assignment_misses_nccl(world_size):
     recording fed the other tree, misses NCCL's output in thousands of elements (counted
     against the model, which equals NCCL's recorded bits)."""
     nbytes, n = 1 << 16, (1 << 16) // 2
-    x = torch.stack([recorder.ar_input(torch.bfloat16, world_size, n, r) for r in range(world_size)])
+    x = ar_inputs(torch.bfloat16, world_size, n)
     [(_, _, two_call)] = [p for p in sweep("treefree", world_size, None, ("bfloat16",)) if p[1] == nbytes]
     [(_, _, one_call)] = [p for p in sweep("treech1", world_size, None, ("bfloat16",)) if p[1] == nbytes]
     two_topo, one_topo = topology("treefree", world_size), topology("treech1", world_size)
@@ -360,7 +378,7 @@ def test_the_ring_model_needs_nccls_channel_split():
     calls = {nbytes: call for name, nbytes, call in sweep("free", 4, 1 << 17, ("bfloat16",))}
     for nbytes, proto in ((65536, "LL"), (131072, "SIMPLE")):
         got = saved[f"free/ar/bfloat16/{nbytes}"].view(torch.int16)
-        x = torch.stack([recorder.ar_input(torch.bfloat16, 4, nbytes // 2, r) for r in range(4)])
+        x = ar_inputs(torch.bfloat16, 4, nbytes // 2)
         call = calls[nbytes]
         assert (call.protocol, call.channels) == (proto, (0, 1))
         out, _ = all_reduce(x, NcclContext(topo, [call]))

@@ -3,9 +3,11 @@ job and launch parameters from the unauthenticated rendezvous store, so a fake h
 run an LD_PRELOAD library and write outside --out. Here a fake head writes forged launches
 into a real TCPStore, and a real follower (`ep-harness verify --node-rank 1`) must refuse
 each with one line, having started nothing and written nothing outside its --out."""
+import fnmatch
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +17,9 @@ from ep_harness.errors import HarnessError
 from ep_harness.launch.follower import _validated_launch
 from ep_harness.launch import nodes as nodes_module
 from ep_harness.launch.nodes import Nodes, identity_difference
-from tests.conftest import REPO_ON_PYTHONPATH
-from tests.test_multinode import EXE, RUN_SECRET, free_port, node  # noqa: F401  (node: a fixture)
+from tests.conftest import REPO_ON_PYTHONPATH, once_per_session
+from tests.shared_tC import cli_batch
+from tests.test_multinode import EXE, RUN_SECRET, free_port, node, single_agent, two_nodes  # noqa: F401  (fixtures)
 
 RUN = "20261201-120000-abcd"
 SECRET = "redteam-secret-0123456789abcdef"
@@ -32,32 +35,35 @@ def genuine_launch(**changes) -> dict:
     return launch
 
 
-@pytest.fixture
-def fake_head():
-    """A TCPStore at a free port that serves RUN, as a head would; put(launch, secret) writes
-    launch 0 signed with `secret` (None: unsigned)."""
+def serve(run=RUN):
+    """A TCPStore at a free port that serves `run`, as a head would."""
     store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
-    publish_run(store, RUN)
-
-    def put(launch, secret=SECRET):
-        run_channel(store, RUN, secret).put("launch/0", launch)
-        return store
-
-    return store, put
+    publish_run(store, run)
+    return store
 
 
-def follower(tmp_path, port, *extra, secret=SECRET):
+def follower_env() -> dict:
     env = {**os.environ, **REPO_ON_PYTHONPATH, "EP_HARNESS_COMMIT": COMMIT, "EP_HARNESS_START_TIMEOUT_S": "20"}
     env.pop("EP_HARNESS_RUN_SECRET", None)
-    args = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+    return env
+
+
+def follower_args(tmp_path, port, *extra, secret=SECRET) -> list:
+    args = ["verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--node-rank", "1", "--gpus", "0", "--out", str(tmp_path / "out"), *extra]
     if secret:
         args += ["--run-secret", secret]
-    (tmp_path / "work").mkdir(exist_ok=True)
-    return subprocess.run(args, cwd=tmp_path / "work", capture_output=True, text=True, timeout=120, env=env)
+    (tmp_path / "work").mkdir(parents=True, exist_ok=True)
+    return args
 
 
-@pytest.mark.parametrize("launch, secret, named", [
+def follower(tmp_path, port, *extra, secret=SECRET):
+    args = follower_args(tmp_path, port, *extra, secret=secret)
+    return subprocess.run([EXE, *args], cwd=tmp_path / "work", capture_output=True, text=True, timeout=120,
+                          env=follower_env())
+
+
+FORGED = [
     # no secret, or another one: a forged launch, whatever it says
     (genuine_launch(env={"LD_PRELOAD": "/tmp/evil.so"}), None, "not signed with this run's secret"),
     (genuine_launch(), "another-secret-0123456789", "not signed with this run's secret"),
@@ -74,11 +80,40 @@ def follower(tmp_path, port, *extra, secret=SECRET):
      f"harness version differs (here {__version__}, on the head 9.9.9)"),
     (genuine_launch(identity={"version": __version__, "commit": COMMIT, "plugins": {"tests.planted": "0" * 12}}),
      SECRET, "plugin tests.planted differs"),
-])
-def test_a_follower_refuses_a_forged_or_foreign_launch(tmp_path, fake_head, launch, secret, named):
-    store, put = fake_head
-    put(launch, secret)
-    proc = follower(tmp_path, store.port)
+]
+
+
+@pytest.fixture(scope="session")
+def refused_followers(tmp_path_factory):
+    """A fake head (its own store) and a real follower for every launch of FORGED, then for a
+    follower with a plugin the head lacks and for a head that names a run outside --out, once
+    per session: the followers run one after another in one interpreter (cli_batch; the one
+    loading a plugin last). Per follower: the process, its directory (the test's tmp_path as
+    it was) and what it told its head (node/1/refused, None where it has no head of FORGED)."""
+    def make(folder):
+        stores, jobs = [], []
+        for i, (launch, secret, _) in enumerate(FORGED):
+            stores.append(serve())
+            run_channel(stores[-1], RUN, secret).put("launch/0", launch)
+            jobs.append(follower_args(folder / f"case{i}", stores[-1].port))
+        stores.append(serve("../../escape"))
+        jobs.append(follower_args(folder / "outside", stores[-1].port))
+        stores.append(serve())
+        run_channel(stores[-1], RUN, SECRET).put("launch/0", genuine_launch())
+        jobs.append(follower_args(folder / "plugin", stores[-1].port, "--plugin", "tests.planted"))
+        dirs = [folder / f"case{i}" for i in range(len(FORGED))] + [folder / "outside", folder / "plugin"]
+        procs = cli_batch(folder / "batch", [(args, d / "work") for args, d in zip(jobs, dirs)], follower_env())
+        refusals = [run_channel(store, RUN, SECRET).get("node/1/refused") for store in stores[:len(FORGED)]]
+        return [{"proc": proc, "dir": str(d), "refusal": refusal}
+                for proc, d, refusal in zip(procs, dirs, refusals + [None, None])]
+
+    done = once_per_session(tmp_path_factory, "redteam-followers", make)
+    return [(subprocess.CompletedProcess(**f["proc"]), Path(f["dir"]), f["refusal"]) for f in done]
+
+
+@pytest.mark.parametrize("launch, secret, named", FORGED)
+def test_a_follower_refuses_a_forged_or_foreign_launch(refused_followers, launch, secret, named):
+    [(proc, tmp_path, refusal)] = [refused_followers[i] for i, case in enumerate(FORGED) if case[0] is launch]
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "escape").exists() and not (tmp_path / "out" / "escape").exists()
@@ -86,14 +121,11 @@ def test_a_follower_refuses_a_forged_or_foreign_launch(tmp_path, fake_head, laun
     written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
     assert written == [], written  # nothing but its own (empty) log directory under --out
     # the follower said why to the head (signed with its secret, so a real head can read it)
-    refusal = run_channel(store, RUN, SECRET).get("node/1/refused")
     assert refusal is not None and named in refusal["reason"]
 
 
-def test_a_follower_with_a_plugin_the_head_lacks_is_refused(tmp_path, fake_head):
-    store, put = fake_head
-    put(genuine_launch())
-    proc = follower(tmp_path, store.port, "--plugin", "tests.planted")
+def test_a_follower_with_a_plugin_the_head_lacks_is_refused(refused_followers):
+    proc, _, _ = refused_followers[len(FORGED) + 1]
     assert proc.returncode == 2 and "plugin tests.planted is loaded here but not on the head" in proc.stderr, \
         proc.stderr
 
@@ -104,10 +136,8 @@ def test_a_follower_without_the_secret_is_refused_before_it_connects(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_fake_head_cannot_name_a_run_outside_out(tmp_path):
-    store = tcp_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
-    publish_run(store, "../../escape")
-    proc = follower(tmp_path, store.port)
+def test_a_fake_head_cannot_name_a_run_outside_out(refused_followers):
+    proc, tmp_path, _ = refused_followers[len(FORGED)]
     assert proc.returncode == 2 and "which is not a run id" in proc.stderr, proc.stderr
     assert not (tmp_path / "escape").exists() and not (tmp_path / "out").exists()
 
@@ -176,40 +206,19 @@ def test_the_head_names_a_follower_that_refused_its_run(tmp_path, node):
 
 
 @pytest.mark.slow
-def test_a_head_without_a_secret_draws_one_and_prints_the_followers_command(tmp_path):
-    import re
-    import shlex
-    import signal
-
-    port = free_port()
-    env = {**os.environ, "EP_HARNESS_COMMIT": COMMIT}
-    env.pop("EP_HARNESS_RUN_SECRET", None)
-    base = [EXE, "verify", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--gpus", "0"]
-    started = [subprocess.Popen([*base, "--suite", "smoke", "--check", "rs-native/rank-invariance/dtype=bfloat16/*",
-                                 "--no-report", "--out", str(tmp_path / "head")], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)]
-    try:
-        lines = []
-        while not any("# on each other node K:" in line for line in lines):
-            line = started[0].stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-        printed = shlex.split(re.sub(r".*# on each other node K: ", "", lines[-1]).replace(" K ", " 1 "))
-        secret = printed[printed.index("--run-secret") + 1]
-        assert len(secret) == 32 and printed[:2] == ["ep-harness", "verify"]
-        started.append(subprocess.Popen([EXE, *printed[1:], "--out", str(tmp_path / "node1")], cwd=tmp_path, env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True))
-        rest, _ = started[0].communicate(timeout=300)
-        follower_out, _ = started[1].communicate(timeout=60)
-        assert started[0].returncode == 0, "".join(lines) + rest[-2000:]
-        assert started[1].returncode == 0, follower_out[-2000:]
-        records = [json.loads(line) for line in (tmp_path / "head" / "latest" / "results.jsonl").read_text()
-                   .splitlines()]
-        assert {r["status"] for r in records} == {"ok"} and len(records) == 2
-        assert secret not in (tmp_path / "head" / "latest" / "environment.json").read_text()
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+def test_a_head_without_a_secret_draws_one_and_prints_the_followers_command(two_nodes, single_agent):
+    """tests.test_multinode's two-node run: its head is given no --run-secret and node 1 is
+    started with the command the head printed for the other nodes."""
+    printed, lines = two_nodes["printed"], two_nodes["head_out"]
+    assert printed, lines[-3000:]
+    secret = printed[printed.index("--run-secret") + 1]
+    assert len(secret) == 32 and printed[:2] == ["ep-harness", "verify"]
+    assert two_nodes["head_rc"] == 0, lines[-3000:]
+    assert two_nodes["other_rc"] == 0, two_nodes["other_out"][-2000:]
+    latest = two_nodes["node0"] / "reports" / "out" / "latest"
+    records = [json.loads(line) for line in (latest / "results.jsonl").read_text().splitlines()]
+    assert len(records) == len(single_agent) and {r["status"] for r in records} <= {"ok", "vacuous"}  # none errored
+    # the two checks this test ran on its own run before it shared tests.test_multinode's
+    records = [r for r in records if fnmatch.fnmatchcase(r["check"], "rs-native/rank-invariance/dtype=bfloat16/*")]
+    assert {r["status"] for r in records} == {"ok"} and len(records) == 2
+    assert secret not in (latest / "environment.json").read_text()

@@ -1,6 +1,8 @@
 """Red-team holes in what a run takes from its inputs (issue 23, item 6): a case's timeout,
 a record's launch environment, and credentials in what a run writes."""
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ from ep_harness.errors import HarnessError
 from ep_harness.run.plan import expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
-from tests.conftest import run_cli
+from tests.conftest import once_per_session, run_cli, shared_dir
+from tests.shared_tC import cli_batch
 
 CASE = """
 [[case]]
@@ -58,7 +61,7 @@ def _record(tmp_path, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("changes, named", [
+FORBIDDEN = [
     ({"timeout_s": float("inf")}, "timeout_s = inf"),
     ({"timeout_s": float("nan")}, "timeout_s = nan"),
     ({"launch_env": {"LD_PRELOAD": "/tmp/evil.so"}}, "LD_PRELOAD"),
@@ -67,12 +70,35 @@ def _record(tmp_path, **changes) -> Path:
     ({"launch_env": {"NCCL_ALGO": "../../tmp/x"}}, "NCCL_ALGO"),
     ({"launch_env": {"PYTHONPATH": "/tmp"}}, "PYTHONPATH"),
     ({"launch_env": {"EP_HARNESS_COMMIT": "forged"}}, "EP_HARNESS_COMMIT"),
-])
-def test_from_record_refuses_what_a_results_file_must_not_set(tmp_path, changes, named):
+]
+
+
+@pytest.fixture(scope="session")
+def from_record_refusals(tmp_path_factory):
+    """`verify --from-record` of every planted results file of FORBIDDEN, each in a directory of
+    its own, once per session: the refusals run one after another in one interpreter (cli_batch).
+    Returns by `named` the process and the directory (the test's tmp_path as it was)."""
+    def make(folder):
+        jobs = []
+        for i, (changes, _) in enumerate(FORBIDDEN):
+            case = folder / f"case{i}"
+            case.mkdir(parents=True)
+            results = _record(case, **changes)
+            jobs.append((["verify", "--from-record", results, "--gpus", "0", "--out", case / "out"], case))
+        return cli_batch(folder / "batch", jobs, {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    done = once_per_session(tmp_path_factory, "redteam-plan-from-record", make)
+    folder = shared_dir(tmp_path_factory) / "redteam-plan-from-record"
+    return {named: (subprocess.CompletedProcess(**proc), folder / f"case{i}")
+            for i, ((_, named), proc) in enumerate(zip(FORBIDDEN, done))}
+
+
+@pytest.mark.parametrize("changes, named", FORBIDDEN)
+def test_from_record_refuses_what_a_results_file_must_not_set(from_record_refusals, changes, named):
     """A record's launch_env used to be applied verbatim: an LD_PRELOAD in a results file ran."""
-    results = _record(tmp_path, **changes)
-    proc = run_cli("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
-                   cwd=tmp_path)
+    proc, tmp_path = from_record_refusals[named]
+    planted = json.loads((tmp_path / "results.jsonl").read_text())  # the record this run was given
+    assert all(planted[k] == v or v != v for k, v in changes.items()), planted  # (v != v: NaN)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert named in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
