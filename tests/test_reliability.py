@@ -11,6 +11,7 @@ import pytest
 
 from ep_harness.environment import recorded_env
 from tests.conftest import REPO, gone, processes_with_env, run_cli
+from tests.shared_tA import cli_fork  # noqa: F401 (a fixture)
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
 ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
@@ -143,10 +144,10 @@ def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
     assert first == ("same", tmp_path / "same") and second == ("other", tmp_path / "other")
 
 
-def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path):
-    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path))
+def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path, cli_fork):
+    proc = cli_fork("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path))
     assert proc.returncode == 1 and "nothing ran" in proc.stdout and "# NOTHING RAN" in proc.stdout
-    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
+    proc = cli_fork("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
                    "--allow-empty")
     assert proc.returncode == 0
 

@@ -8,6 +8,7 @@ import pytest
 
 from ep_harness.records import REQUIRED
 from tests.conftest import REPO, gone, rank_pids, run_cli
+from tests.shared_tA import cli_fork  # noqa: F401 (a fixture)
 
 
 def records(run_dir):
@@ -88,22 +89,22 @@ def test_faulty_ranks_become_error_records(tmp_path):
     (["--gpus", "4", "--emulate-hosts"], "--emulate hosts runs NCCL ranks on a GPU, but no GPU"),
     (["--gpus", "4", "--emulate", "single-node"], "--emulate single-node runs NCCL ranks on a GPU, but no GPU"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
-    proc = run_cli("verify", *args, "--out", str(tmp_path))
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, cli_fork):
+    proc = cli_fork("verify", *args, "--out", str(tmp_path))
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
 
 
-def test_malformed_and_unknown_subject_files(tmp_path):
+def test_malformed_and_unknown_subject_files(tmp_path, cli_fork):
     bad = tmp_path / "bad.toml"
     bad.write_text("[[case]]\nname = 'x'\nsubject = 'no_such_subject'\nproperties = ['rank-invariance']\n"
                    "expect = 'holds'\n")
-    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    proc = cli_fork("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "unknown subject 'no_such_subject'" in proc.stderr
     bad.write_text("[[case]\n")
-    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    proc = cli_fork("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "malformed TOML" in proc.stderr
     assert not (tmp_path / "out").exists()
 
