@@ -165,3 +165,63 @@ def cli_fork():
     server = ForkedCli()
     yield server
     server.close()
+
+
+# --- one passing run that several tests read ----------------------------------------------------
+
+CASES = REPO / "tests" / "cases"
+# The case files whose cases the shared run holds, each test's own file: the cases as written
+# there (a case renamed where two files use one name), under one [suite] with all their plugins.
+PASS_SUITE = {
+    "golden_a.toml": {},  # test_golden_bits: an invariant fold, the baseline's (golden_run: golden_b.toml's)
+    "fresh.toml": {'name = "fold"': 'name = "fresh-fold"'},  # test_golden_bits: the one-launch control
+    "threads.toml": {},  # test_threads: the pinned thread count (--threads 2 from OMP_NUM_THREADS=1)
+    "unmeasured.toml": {},  # test_robust_inputs: a case of which nothing was measured
+}
+PASS_PLUGINS = ["tests.planted", "tests.planted_threads", "tests.planted_robust"]
+# test_reliability: the run starts in a directory whose modules would shadow the standard
+# library and the harness, with credentials in its environment that must not be recorded.
+SECRETS = {"EP_API_TOKEN": "secret-value", "NCCL_SOCKET_KEY": "another-secret"}
+
+
+def _cases_of(name: str, renames: dict) -> str:
+    text = (CASES / name).read_text()
+    cases = text[text.index("[[case]]"):]
+    for old, new in renames.items():
+        assert cases.count(old) == 1, (name, old)
+        cases = cases.replace(old, new)
+    return cases
+
+
+def pass_suite_text(golden: str = "golden_a.toml") -> str:
+    parts = [f'[suite]\nname = "shared-pass"\nplugins = {json.dumps(PASS_PLUGINS)}\n']
+    for name, renames in PASS_SUITE.items():
+        parts.append(f"# --- {name}\n" + _cases_of(golden if name == "golden_a.toml" else name, renames))
+    return "\n".join(parts)
+
+
+def pass_suite_run(folder: Path, golden: str = "golden_a.toml") -> subprocess.CompletedProcess:
+    """`ep-harness verify` of pass_suite_text(golden) with --threads 2 from a shell with
+    OMP_NUM_THREADS=1, started in FOLDER/work (modules that shadow `json` and a `reports`
+    package there), with SECRETS in its environment; the run in FOLDER/out/latest."""
+    work = folder / "work"
+    (work / "reports").mkdir(parents=True)
+    (work / "json.py").write_text("raise SystemExit('the working directory shadowed the standard library')\n")
+    (work / "reports" / "__init__.py").write_text("raise SystemExit('the user reports package was imported')\n")
+    suite = folder / "suite.toml"
+    suite.write_text(pass_suite_text(golden))
+    env = {**os.environ, **SECRETS, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # the plugins
+    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
+    return subprocess.run([exe, "verify", "--suite", str(suite), "--gpus", "0", "--threads", "2", "--no-report",
+                           "--out", str(folder / "out")], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="session")
+def pass_run(tmp_path_factory):
+    """pass_suite_run once per test session: (the process, the run directory, records by check)."""
+    result = once_per_session(tmp_path_factory, "tA-pass-run", lambda folder: completed(pass_suite_run(folder)))
+    run_dir = shared_dir(tmp_path_factory) / "tA-pass-run" / "out" / "latest"
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    return subprocess.CompletedProcess(**result), run_dir, {r["check"]: r for r in records}

@@ -21,7 +21,7 @@ from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import REPO, gone, run_cli
-from tests.shared_tA import cli_fork  # noqa: F401 (a fixture)
+from tests.shared_tA import cli_fork, pass_run  # noqa: F401 (fixtures)
 from tests.test_gate import ENV, baseline_records, run_with
 from tests.test_redteam_plan import CASE
 from tests.test_reports import write_run
@@ -267,10 +267,10 @@ def test_a_grid_above_the_limit_is_refused_before_any_check_is_built(tmp_path, m
 # --- a case of which nothing was measured -------------------------------------------------
 
 @pytest.mark.slow
-def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/unmeasured.toml", "--gpus", "0", "--no-report",
-                   "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # the measured case passed
+def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(pass_run):
+    """tests/cases/unmeasured.toml's cases, in the shared passing run (tests/shared_tA.py)."""
+    proc, _, _ = pass_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # the measured cases passed
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("# WARNING")]
     assert warnings == ["# WARNING: case 'library-missing' was not measured: all 2 of its check(s) were skipped "
                         "(subject 'planted_never_available': planted: libmissing is not installed)"], proc.stdout
