@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, completed, once_per_session, shared_dir
+from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
 # the console script's `sys.exit(main(argv))` in the request's directory and environment, with
@@ -225,3 +225,31 @@ def pass_run(tmp_path_factory):
     run_dir = shared_dir(tmp_path_factory) / "tA-pass-run" / "out" / "latest"
     records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
     return subprocess.CompletedProcess(**result), run_dir, {r["check"]: r for r in records}
+
+
+# --- one failing run that two tests read --------------------------------------------------------
+
+# test_verify_cpu's planted faults (each an error record, the run going on in relaunches), then
+# test_corruption's clean and rarely corrupting dispatchers, in the launch after the last fault.
+FAIL_SUITE = ("faults.toml", "corruption.toml")
+
+
+def fail_suite_text() -> str:
+    return '[suite]\nname = "shared-fail"\nplugins = ["tests.planted"]\n\n' + \
+        "\n".join(f"# --- {name}\n" + _cases_of(name, {}) for name in FAIL_SUITE)
+
+
+@pytest.fixture(scope="session")
+def fail_run(tmp_path_factory):
+    """`ep-harness verify` of fail_suite_text(), once per test session: (the process, the run
+    directory, records by case)."""
+    def make(folder: Path) -> dict:
+        folder.mkdir(parents=True)
+        suite = folder / "suite.toml"
+        suite.write_text(fail_suite_text())
+        return completed(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(folder / "out")))
+
+    result = once_per_session(tmp_path_factory, "tA-fail-run", make)
+    run_dir = shared_dir(tmp_path_factory) / "tA-fail-run" / "out" / "latest"
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    return subprocess.CompletedProcess(**result), run_dir, {r["case"]: r for r in records}

@@ -19,6 +19,7 @@ from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests import fake_deep_ep
 from tests.conftest import REPO, run_cli
 from tests.planted import rare_corruption
+from tests.shared_tA import fail_run  # noqa: F401 (a fixture)
 
 SUITE = str(REPO / "tests/cases/corruption.toml")
 
@@ -135,10 +136,10 @@ def planted_calls(n: int, world: int, draw) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_planted_rare_corruption_is_caught_call_by_call(tmp_path):
-    proc = run_cli("verify", "--suite", SUITE, "--gpus", "0", "--no-report", "--out", str(tmp_path))
+def test_planted_rare_corruption_is_caught_call_by_call(fail_run):
+    """SUITE's cases, in the shared failing run (tests/shared_tA.py), after its planted faults."""
+    proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recs = {r["case"]: r for r in map(json.loads, (tmp_path / "latest" / "results.jsonl").read_text().splitlines())}
     clean, rare = recs["a2a"], recs["rare"]
     assert clean["status"] == "ok" and clean["detail"]["corruption"]["upper_bound"] < 0.01
     assert "0 of 300 calls corrupted, per-call rate <= 0.994%" in clean["reason"]

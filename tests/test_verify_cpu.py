@@ -8,7 +8,7 @@ import pytest
 
 from ep_harness.records import REQUIRED
 from tests.conftest import REPO, gone, rank_pids, run_cli
-from tests.shared_tA import cli_fork  # noqa: F401 (a fixture)
+from tests.shared_tA import cli_fork, fail_run  # noqa: F401 (fixtures)
 
 
 def records(run_dir):
@@ -61,11 +61,10 @@ def test_world_size_two_is_vacuous_not_a_pass(smoke_run):
 
 
 @pytest.mark.slow
-def test_faulty_ranks_become_error_records(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/faults.toml", "--gpus", "0", "--out", str(tmp_path))
+def test_faulty_ranks_become_error_records(fail_run):
+    """tests/cases/faults.toml's cases, first in the shared failing run (tests/shared_tA.py)."""
+    proc, run_dir, by_case = fail_run
     assert proc.returncode == 1  # errors fail the run ...
-    run_dir = tmp_path / "latest"
-    by_case = {r["case"]: r for r in records(run_dir)}
     assert by_case["before"]["status"] == "ok" and by_case["after"]["status"] == "ok"  # ... but it goes on
     raised = by_case["raises"]
     assert raised["status"] == "error" and raised["reason"].startswith("rank 1 raised RuntimeError")
