@@ -3,6 +3,7 @@ launches in which a sound dispatcher bounds its rate below 1 % per call and a di
 that corrupts one row on about 1 call in 50 is caught, call by call."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests import fake_deep_ep
 from tests.conftest import REPO, run_cli
 from tests.planted import rare_corruption
+from tests.shared_tA import fail_run  # noqa: F401 (a fixture)
 
 SUITE = str(REPO / "tests/cases/corruption.toml")
 
@@ -135,10 +137,10 @@ def planted_calls(n: int, world: int, draw) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_planted_rare_corruption_is_caught_call_by_call(tmp_path):
-    proc = run_cli("verify", "--suite", SUITE, "--gpus", "0", "--no-report", "--out", str(tmp_path))
+def test_planted_rare_corruption_is_caught_call_by_call(fail_run):
+    """SUITE's cases, in the shared failing run (tests/shared_tA.py), after its planted faults."""
+    proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recs = {r["case"]: r for r in map(json.loads, (tmp_path / "latest" / "results.jsonl").read_text().splitlines())}
     clean, rare = recs["a2a"], recs["rare"]
     assert clean["status"] == "ok" and clean["detail"]["corruption"]["upper_bound"] < 0.01
     assert "0 of 300 calls corrupted, per-call rate <= 0.994%" in clean["reason"]
@@ -151,14 +153,25 @@ def test_planted_rare_corruption_is_caught_call_by_call(tmp_path):
     assert f"{len(expected)} of 300 calls corrupted" in rare["reason"]
 
 
+# The selftest's clean dispatcher at 100 calls, not SUITE's 300 (which bound the rate below 1 %):
+# the injection fires on 3 of them, enough to show it caught call by call, in both launches.
+SELFTEST_CALLS = 100
+
+
 @pytest.mark.slow
 def test_selftest_rare_injection_is_caught(tmp_path):
-    proc = run_cli("selftest", "--suite", SUITE, "--check", "a2a/*", "--injections", "rare", "--no-report",
+    suite = tmp_path / "corruption.toml"
+    text = Path(SUITE).read_text()
+    assert text.count("calls = 300\n") == 2
+    suite.write_text(text.replace("calls = 300\n", f"calls = {SELFTEST_CALLS}\n"))
+    proc = run_cli("selftest", "--suite", str(suite), "--check", "a2a/*", "--injections", "rare", "--no-report",
                    "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
     assert result["blind"] == [] and result["tested"] == 1
     injected = json.loads((tmp_path / "latest" / "injected" / "rare.jsonl").read_text().splitlines()[0])
-    expected = planted_calls(300, 4, lambda c: rare_draw(c, 50, 4))
+    expected = planted_calls(SELFTEST_CALLS, 4, lambda c: rare_draw(c, 50, 4))
+    assert len(expected) >= 2  # the seeded draw fires (3 times in 100 calls)
+    assert injected["detail"]["corruption"]["calls"] == SELFTEST_CALLS
     assert [(h["call"], h["rank"]) for h in injected["detail"]["corruption"]["hits"]] == expected
-    assert math.isclose(injected["detail"]["corruption"]["rate"], len(expected) / 300)
+    assert math.isclose(injected["detail"]["corruption"]["rate"], len(expected) / SELFTEST_CALLS)

@@ -11,6 +11,7 @@ import pytest
 
 from ep_harness.environment import recorded_env
 from tests.conftest import REPO, gone, processes_with_env, run_cli
+from tests.shared_tA import cli_fork, pass_run  # noqa: F401 (fixtures)
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
 ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
@@ -23,22 +24,16 @@ def test_only_allowlisted_variables_are_recorded_and_credentials_are_redacted():
 
 
 @pytest.mark.slow
-def test_a_run_neither_leaks_a_token_nor_runs_the_working_directorys_modules(tmp_path):
-    work = tmp_path / "project"
-    work.mkdir()
-    # A module that shadows the standard library, and a `reports` package of the user's own.
-    (work / "json.py").write_text("raise SystemExit('the working directory shadowed the standard library')\n")
-    (work / "reports").mkdir()
-    (work / "reports" / "__init__.py").write_text("raise SystemExit('the user reports package was imported')\n")
-    env = {**os.environ, "EP_API_TOKEN": "secret-value", "NCCL_SOCKET_KEY": "another-secret"}
-    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
-    proc = subprocess.run([exe, "verify", "--suite", SMOKE, "--check", ONE_CHECK, "--gpus", "0",
-                           "--out", str(tmp_path / "out")], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=600)
+def test_a_run_neither_leaks_a_token_nor_runs_the_working_directorys_modules(pass_run):
+    """The shared passing run (tests/shared_tA.py) starts in a directory with a module that
+    shadows the standard library and a `reports` package of the user's own, with credentials
+    (SECRETS) in its environment."""
+    proc, run_dir, records = pass_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    text = (tmp_path / "out" / "latest" / "environment.json").read_text()
+    text = (run_dir / "environment.json").read_text()
     assert "secret-value" not in text and "another-secret" not in text
-    [record] = [json.loads(line) for line in (tmp_path / "out" / "latest" / "results.jsonl").read_text().splitlines()]
+    assert '"NCCL_SOCKET_KEY": "<redacted>"' in text  # positive control: the run had the credentials
+    [record] = [r for r in records.values() if r["case"] == "measured"]
     assert record["status"] == "ok"
 
 
@@ -143,10 +138,10 @@ def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
     assert first == ("same", tmp_path / "same") and second == ("other", tmp_path / "other")
 
 
-def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path):
-    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path))
+def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path, cli_fork):
+    proc = cli_fork("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path))
     assert proc.returncode == 1 and "nothing ran" in proc.stdout and "# NOTHING RAN" in proc.stdout
-    proc = run_cli("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
+    proc = cli_fork("verify", "--suite", SMOKE, "--check", "graph/*", "--gpus", "0", "--out", str(tmp_path),
                    "--allow-empty")
     assert proc.returncode == 0
 

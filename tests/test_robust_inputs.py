@@ -21,6 +21,7 @@ from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import REPO, gone, run_cli
+from tests.shared_tA import cli_fork, pass_run  # noqa: F401 (fixtures)
 from tests.test_gate import ENV, baseline_records, run_with
 from tests.test_redteam_plan import CASE
 from tests.test_reports import write_run
@@ -49,14 +50,14 @@ def test_the_allowlist_matches_whole_names_and_prefixes_only_where_they_end_in_a
 
 # --- plan-time limits: timeout_s, seed -----------------------------------------------
 
-def test_a_huge_finite_timeout_is_refused_at_plan_time(tmp_path):
+def test_a_huge_finite_timeout_is_refused_at_plan_time(tmp_path, cli_fork):
     """1e15 s passed the finite-positive test and overflowed the workers' timedelta: every
     check of the launch became an error."""
     suite = tmp_path / "suite.toml"
     suite.write_text(CASE.format(timeout="1e15"))
     with pytest.raises(HarnessError, match=r"timeout_s = 1000000000000000.0 is more than a day \(86400 s\)"):
         load_suite(suite)
-    one_line_exit_2(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
+    one_line_exit_2(cli_fork("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
                     "timeout_s = 1000000000000000.0 is more than a day", tmp_path / "out")
     suite.write_text(CASE.format(timeout="86400"))
     assert load_suite(suite).cases[0].timeout_s == 86400  # the limit itself is allowed
@@ -76,20 +77,20 @@ def _record(tmp_path, **changes) -> dict:
     return {**base_record(check, "r1", "rerun"), "status": "ok", **changes}
 
 
-def test_a_record_with_a_huge_timeout_is_refused(tmp_path):
+def test_a_record_with_a_huge_timeout_is_refused(tmp_path, cli_fork):
     results = _results(tmp_path, json.dumps(_record(tmp_path, timeout_s=1e15)) + "\n")
-    one_line_exit_2(run_cli("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
+    one_line_exit_2(cli_fork("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
                             cwd=tmp_path), "is more than a day (86400 s)", tmp_path / "out")
 
 
 @pytest.mark.parametrize("how", ["case", "cli"])
-def test_a_seed_past_64_bits_is_refused_at_plan_time(tmp_path, how):
+def test_a_seed_past_64_bits_is_refused_at_plan_time(tmp_path, how, cli_fork):
     """seed = 2^64 planned, and every check of it became an error record (torch's manual_seed)."""
     suite = tmp_path / "suite.toml"
     text = CASE.format(timeout="60")
     suite.write_text(text.replace("world_size = 2", f"world_size = 2\nseed = {2**64}") if how == "case" else text)
     extra = ["--seed", str(2**64)] if how == "cli" else []
-    proc = run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out"), *extra)
+    proc = cli_fork("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out"), *extra)
     one_line_exit_2(proc, f"seed = {2**64}: values above 2147483647 are not supported", tmp_path / "out")
 
 
@@ -113,19 +114,19 @@ def test_the_largest_seed_allowed_runs(tmp_path):
     ("[1]", "plugins = [1] is not a list of module names"),
     ('[""]', "plugins = [''] is not a list of module names"),
 ])
-def test_plugins_must_be_a_list_of_module_names(tmp_path, plugins, named):
+def test_plugins_must_be_a_list_of_module_names(tmp_path, plugins, named, cli_fork):
     """plugins = "name" was iterated letter by letter: "cannot import subject plugin 'n'"."""
     suite = tmp_path / "suite.toml"
     suite.write_text(f"[suite]\nplugins = {plugins}\n" + CASE.format(timeout="60"))
-    one_line_exit_2(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
+    one_line_exit_2(cli_fork("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
                     named, tmp_path / "out")
-    one_line_exit_2(run_cli("list", "--suite", str(suite)), "is not a list of module names")
+    one_line_exit_2(cli_fork("list", "--suite", str(suite)), "is not a list of module names")
 
 
-def test_a_case_file_that_is_not_utf8_gets_one_line(tmp_path):
+def test_a_case_file_that_is_not_utf8_gets_one_line(tmp_path, cli_fork):
     suite = tmp_path / "suite.toml"
     suite.write_bytes(CASE.format(timeout="60").replace('"one"', '"on\xe9"').encode("latin-1"))
-    one_line_exit_2(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
+    one_line_exit_2(cli_fork("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
                     "not UTF-8 text (byte 0xe9", tmp_path / "out")
 
 
@@ -141,9 +142,9 @@ def test_a_case_file_that_is_not_utf8_gets_one_line(tmp_path):
     (lambda r: json.dumps(r) + "\n" + '{"check": \n', ":2: invalid JSON"),
     (lambda r: json.dumps(r).encode() + b"\n\xff\xfe\n", ":2: not UTF-8 text (byte 0xff)"),
 ])
-def test_from_record_names_the_damaged_line(tmp_path, make, named):
+def test_from_record_names_the_damaged_line(tmp_path, make, named, cli_fork):
     results = _results(tmp_path, make(_record(tmp_path)))
-    one_line_exit_2(run_cli("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
+    one_line_exit_2(cli_fork("verify", "--from-record", str(results), "--gpus", "0", "--out", str(tmp_path / "out"),
                             cwd=tmp_path), named, tmp_path / "out")
 
 
@@ -152,12 +153,12 @@ def test_from_record_names_the_damaged_line(tmp_path, make, named):
     (b"\xff\n", "results.jsonl:3: not UTF-8 text (byte 0xff)"),
     (b'{"check": \n', "results.jsonl:3: invalid JSON"),
 ])
-def test_report_names_the_damaged_line(tmp_path, tail, named):
+def test_report_names_the_damaged_line(tmp_path, tail, named, cli_fork):
     run = run_with(tmp_path, "run", baseline_records())
     results = run / "results.jsonl"
     lines = results.read_bytes().splitlines(keepends=True)
     results.write_bytes(lines[0] + b"\n" + tail + b"".join(lines[1:]))  # a blank line 2: numbers are the file's
-    proc = run_cli("report", str(run))
+    proc = cli_fork("report", str(run))
     one_line_exit_2(proc, named)
 
 
@@ -168,7 +169,7 @@ def _baseline(tmp_path) -> tuple[Path, Path]:
     return run, update_baseline(run, tmp_path / "baseline.jsonl")
 
 
-def test_a_baseline_truncated_to_its_header_does_not_pass(tmp_path):
+def test_a_baseline_truncated_to_its_header_does_not_pass(tmp_path, cli_fork):
     """Every check read as "new" and the gate said PASSED."""
     run, base = _baseline(tmp_path)
     assert gate(run, base)["passed"]  # positive control: the whole baseline passes its own run
@@ -177,7 +178,7 @@ def test_a_baseline_truncated_to_its_header_does_not_pass(tmp_path):
         base.write_text("".join(kept))
         with pytest.raises(HarnessError, match=r"truncated or empty and would pass every check as new"):
             gate(run, base)
-        proc = run_cli("gate", str(run), "--baseline", str(base))
+        proc = cli_fork("gate", str(run), "--baseline", str(base))
         one_line_exit_2(proc, "truncated or empty")
         assert "PASSED" not in proc.stdout
 
@@ -195,12 +196,12 @@ def test_a_baseline_truncated_to_its_header_does_not_pass(tmp_path):
      "params is not an object"),
     (lambda lines: ['{"fingerprint": 3}\n', *lines[1:]], "baseline.jsonl:1: the fingerprint is not an object"),
 ])
-def test_a_tampered_baseline_line_is_named_with_its_own_line_number(tmp_path, damage, named):
+def test_a_tampered_baseline_line_is_named_with_its_own_line_number(tmp_path, damage, named, cli_fork):
     run, base = _baseline(tmp_path)
     base.write_text("".join(damage(base.read_text().splitlines(keepends=True))))
     with pytest.raises(HarnessError, match="restore the baseline from git"):
         read_baseline(base)
-    one_line_exit_2(run_cli("gate", str(run), "--baseline", str(base)), named)
+    one_line_exit_2(cli_fork("gate", str(run), "--baseline", str(base)), named)
 
 
 def test_a_baseline_of_an_older_harness_without_a_count_still_gates(tmp_path):
@@ -248,7 +249,7 @@ def test_duplicate_check_ids_are_found_in_linear_comparisons(tmp_path, monkeypat
         expand(loaded, CPU)
 
 
-def test_a_grid_above_the_limit_is_refused_before_any_check_is_built(tmp_path, monkeypatch):
+def test_a_grid_above_the_limit_is_refused_before_any_check_is_built(tmp_path, monkeypatch, cli_fork):
     registry.load_all()
     built = []
     monkeypatch.setattr(plan, "planned", lambda *a, **k: built.append(1))
@@ -259,23 +260,23 @@ def test_a_grid_above_the_limit_is_refused_before_any_check_is_built(tmp_path, m
                                            r"\(the largest: case 'one'\)"):
         expand(load_suite(suite), CPU)
     assert built == []
-    one_line_exit_2(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
+    one_line_exit_2(cli_fork("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "out")),
                     "more than the limit of 100,000", tmp_path / "out")
 
 
 # --- a case of which nothing was measured -------------------------------------------------
 
 @pytest.mark.slow
-def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/unmeasured.toml", "--gpus", "0", "--no-report",
-                   "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # the measured case passed
+def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(pass_run):
+    """tests/cases/unmeasured.toml's cases, in the shared passing run (tests/shared_tA.py)."""
+    proc, _, _ = pass_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # the measured cases passed
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("# WARNING")]
     assert warnings == ["# WARNING: case 'library-missing' was not measured: all 2 of its check(s) were skipped "
                         "(subject 'planted_never_available': planted: libmissing is not installed)"], proc.stdout
 
 
-def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path):
+def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path, cli_fork):
     """pytest exits 0 when every item skips; `verify` of the same checks exits 1 (nothing ran)."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
             "--ep-suite", "tests/cases/unmeasured.toml", "--ep-gpus", "0", "-k", "library", "tests/test_gate.py"]
@@ -284,7 +285,7 @@ def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path)
     assert "2 skipped" in proc.stdout and "nothing ran: none of the 2 check(s) passed" in proc.stdout, proc.stdout
     allowed = subprocess.run([*args, "--ep-allow-empty"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert allowed.returncode == 0, allowed.stdout[-2000:]
-    alone = run_cli("verify", "--suite", "tests/cases/unmeasured.toml", "--check", "library-missing", "--gpus", "0",
+    alone = cli_fork("verify", "--suite", "tests/cases/unmeasured.toml", "--check", "library-missing", "--gpus", "0",
                     "--no-report", "--out", str(tmp_path))
     assert alone.returncode == 1 and "nothing ran" in alone.stdout  # the two now agree
 
@@ -292,7 +293,7 @@ def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path)
 # --- a signal during --fresh-processes relaunches --------------------------------------------
 
 @pytest.mark.slow
-def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relaunch(tmp_path):
+def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relaunch(tmp_path, cli_fork):
     pids = tmp_path / "pids"
     pids.mkdir()
     exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
@@ -318,7 +319,7 @@ def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relau
     assert hung["reason"].startswith("the run was interrupted by SIGINT before this check's relaunches in fresh "
                                      "processes finished (0 of 1); its first launch was ok")
     assert "INTERRUPTED (partial run)" in output and "\n# OK" not in output, output[-3000:]
-    report = run_cli("report", str(run_dir))
+    report = cli_fork("report", str(run_dir))
     assert "INTERRUPTED (partial run)" in report.stdout, report.stdout[-2000:]
 
 

@@ -18,6 +18,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
 from ep_harness.threads import DEFAULT_THREADS, pinned, user_setting_note
 from ep_harness.verdict import decide
+from tests.shared_tA import pass_run  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = "tests/cases/threads.toml"
@@ -59,16 +60,15 @@ def test_a_thread_dependent_failure_in_one_launch_reruns_with_the_same_bits(tmp_
     # a shell with another thread count: the same failure, bit for bit.
     argv = shlex.split(failed["rerun"])
     assert argv[:2] == ["ep-harness", "verify"] and argv[argv.index("--threads") + 1] == str(DEFAULT_THREADS)
-    for omp, out in (("2", "rerun"), (None, "rerun-unset")):
-        again = harness(*argv[1:], "--no-report", "--out", str(tmp_path / out), omp=omp)
-        assert again.returncode == 1, again.stdout[-3000:]
-        assert "# launching 1 check on 1 gloo rank" in again.stdout
-        alone = records(tmp_path / out / "latest")[PLANTED]
-        assert [alone.get(k) for k in BITS] == [failed.get(k) for k in BITS], out
-    # --from-record: the record alone says how many threads
+    again = harness(*argv[1:], "--no-report", "--out", str(tmp_path / "rerun"), omp="2")
+    assert again.returncode == 1, again.stdout[-3000:]
+    assert "# launching 1 check on 1 gloo rank" in again.stdout
+    alone = records(tmp_path / "rerun" / "latest")[PLANTED]
+    assert [alone.get(k) for k in BITS] == [failed.get(k) for k in BITS]
+    # --from-record, from a shell with no OMP_NUM_THREADS: the record alone says how many threads
     rerun = harness("verify", "--from-record", str(tmp_path / "one" / "latest" / "results.jsonl"), "--check",
                     failed["check"], "--gpus", "0", "--plugin", "tests.planted_threads", "--no-report", "--out",
-                    str(tmp_path / "record"), omp="2")
+                    str(tmp_path / "record"), omp=None)
     assert rerun.returncode == 1, rerun.stdout[-3000:]
     again = records(tmp_path / "record" / "latest")[PLANTED]
     assert [again.get(k) for k in BITS] == [failed.get(k) for k in BITS]
@@ -76,16 +76,17 @@ def test_a_thread_dependent_failure_in_one_launch_reruns_with_the_same_bits(tmp_
 
 
 @pytest.mark.slow
-def test_the_pinned_count_reaches_every_rank_whatever_the_shell_says(tmp_path):
+def test_the_pinned_count_reaches_every_rank_whatever_the_shell_says(pass_run):
     """--threads 2 from a shell with OMP_NUM_THREADS=1: the planted GEMM, invariant on two
-    threads, holds (so the runs above failed because of the pin, not whatever the count)."""
-    run = harness("verify", "--suite", SUITE, "--gpus", "0", "--threads", "2", "--no-report", "--out",
-                  str(tmp_path), omp="1")
+    threads, holds (so the runs above failed because of the pin, not whatever the count).
+    SUITE's cases, in the shared passing run of tests/shared_tA.py (one 4-rank launch)."""
+    run, run_dir, _ = pass_run
+    assert "OMP_NUM_THREADS=1 in your environment is not what the ranks use" in run.stdout
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    held = records(tmp_path / "latest")[PLANTED]
+    held = records(run_dir)[PLANTED]
     assert (held["status"], held["mismatched"]) == ("ok", 0), held["reason"]
     assert held["launch_env"] == {"OMP_NUM_THREADS": "2"} and "--threads 2" in held["rerun"]
-    env = environment(tmp_path / "latest")
+    env = environment(run_dir)
     assert env["threads"] == 2 and env["pinned_env"]["00-ws4"]["OMP_NUM_THREADS"] == "2"
     assert [fp["threads"] for launch in env["ranks"].values() for fp in launch] == [2] * 4
 

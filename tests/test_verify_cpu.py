@@ -8,6 +8,7 @@ import pytest
 
 from ep_harness.records import REQUIRED
 from tests.conftest import REPO, gone, rank_pids, run_cli
+from tests.shared_tA import cli_fork, fail_run  # noqa: F401 (fixtures)
 
 
 def records(run_dir):
@@ -60,11 +61,10 @@ def test_world_size_two_is_vacuous_not_a_pass(smoke_run):
 
 
 @pytest.mark.slow
-def test_faulty_ranks_become_error_records(tmp_path):
-    proc = run_cli("verify", "--suite", "tests/cases/faults.toml", "--gpus", "0", "--out", str(tmp_path))
+def test_faulty_ranks_become_error_records(fail_run):
+    """tests/cases/faults.toml's cases, first in the shared failing run (tests/shared_tA.py)."""
+    proc, run_dir, by_case = fail_run
     assert proc.returncode == 1  # errors fail the run ...
-    run_dir = tmp_path / "latest"
-    by_case = {r["case"]: r for r in records(run_dir)}
     assert by_case["before"]["status"] == "ok" and by_case["after"]["status"] == "ok"  # ... but it goes on
     raised = by_case["raises"]
     assert raised["status"] == "error" and raised["reason"].startswith("rank 1 raised RuntimeError")
@@ -88,22 +88,22 @@ def test_faulty_ranks_become_error_records(tmp_path):
     (["--gpus", "4", "--emulate-hosts"], "--emulate hosts runs NCCL ranks on a GPU, but no GPU"),
     (["--gpus", "4", "--emulate", "single-node"], "--emulate single-node runs NCCL ranks on a GPU, but no GPU"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
-    proc = run_cli("verify", *args, "--out", str(tmp_path))
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message, cli_fork):
+    proc = cli_fork("verify", *args, "--out", str(tmp_path))
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
 
 
-def test_malformed_and_unknown_subject_files(tmp_path):
+def test_malformed_and_unknown_subject_files(tmp_path, cli_fork):
     bad = tmp_path / "bad.toml"
     bad.write_text("[[case]]\nname = 'x'\nsubject = 'no_such_subject'\nproperties = ['rank-invariance']\n"
                    "expect = 'holds'\n")
-    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    proc = cli_fork("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "unknown subject 'no_such_subject'" in proc.stderr
     bad.write_text("[[case]\n")
-    proc = run_cli("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
+    proc = cli_fork("verify", "--suite", str(bad), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "malformed TOML" in proc.stderr
     assert not (tmp_path / "out").exists()
 
