@@ -20,7 +20,7 @@ from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests import fake_deep_ep
 from tests.conftest import REPO, run_cli
 from tests.planted import rare_corruption
-from tests.shared_tA import fail_run  # noqa: F401 (a fixture)
+from tests.shared_runs import fail_run  # noqa: F401 (a fixture)
 
 SUITE = str(REPO / "tests/cases/corruption.toml")
 
@@ -138,7 +138,7 @@ def planted_calls(n: int, world: int, draw) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_planted_rare_corruption_is_caught_call_by_call(fail_run):
-    """SUITE's cases, in the shared failing run (tests/shared_tA.py), after its planted faults."""
+    """SUITE's cases, in the shared failing run (tests/shared_runs.py), after its planted faults."""
     proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     clean, rare = recs["a2a"], recs["rare"]

@@ -12,7 +12,7 @@ from ep_harness.regress.gate import (NotComparable, append_history, baseline_pat
                           platform_key, read_baseline, update_baseline)
 from ep_harness.reports.render import render_run
 from tests.conftest import REPO
-from tests.shared_tC import plugin_items_session  # noqa: F401  (a fixture)
+from tests.shared_runs import plugin_items_session  # noqa: F401  (a fixture)
 from tests.test_reports import record, write_run
 
 CPU = {"model": "AMD EPYC", "isa": ["avx2", "avx512f"], "torch_capability": "AVX512", "onednn_max_cpu_isa": None}

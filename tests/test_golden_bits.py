@@ -6,12 +6,12 @@ import shutil
 import pytest
 
 from tests.conftest import REPO_ON_PYTHONPATH, run_cli
-from tests.shared_tA import pass_run, pass_suite_run  # noqa: F401 (a fixture)
+from tests.shared_runs import pass_run, pass_suite_run  # noqa: F401 (a fixture)
 
 
 @pytest.mark.slow
 def test_bits_that_move_with_unchanged_counts_fail_the_gate(tmp_path, pass_run):
-    """golden_a.toml's fold, in the shared passing run (tests/shared_tA.py), against the same
+    """golden_a.toml's fold, in the shared passing run (tests/shared_runs.py), against the same
     run with golden_b.toml's fold (the same case name, another subject)."""
     base_proc, shared_run, _ = pass_run
     base_run, new_run, baseline = tmp_path / "a", tmp_path / "b", tmp_path / "baseline.jsonl"
@@ -51,6 +51,6 @@ def test_fresh_processes_catch_bits_that_depend_on_the_launch(tmp_path, monkeypa
         assert r["reason"].startswith("bits differ across fresh processes: 1 of 2 relaunches differ from the first")
         fps = r["fresh_processes"]["fingerprints"]
         assert fps[0] == fps[2] != fps[1]
-    # one launch alone cannot see it: fresh.toml's fold in the shared passing run (tests/shared_tA.py)
+    # one launch alone cannot see it: fresh.toml's fold in the shared passing run (tests/shared_runs.py)
     control, _, once = pass_run
     assert [r["status"] for r in once.values() if r["case"] == "fresh-fold"] == ["ok"] * 2, control.stdout

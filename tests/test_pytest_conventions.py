@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tests.conftest import REPO
-from tests.shared_tC import plugin_items_session  # noqa: F401  (a fixture)
+from tests.shared_runs import plugin_items_session  # noqa: F401  (a fixture)
 
 USER_TESTS = '''
 import torch.distributed as dist

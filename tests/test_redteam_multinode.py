@@ -18,7 +18,7 @@ from ep_harness.launch.follower import _validated_launch
 from ep_harness.launch import nodes as nodes_module
 from ep_harness.launch.nodes import Nodes, identity_difference
 from tests.conftest import REPO_ON_PYTHONPATH, once_per_session
-from tests.shared_tC import cli_batch
+from tests.forked_cli import cli_batch
 from tests.test_multinode import EXE, RUN_SECRET, free_port, node, single_agent, two_nodes  # noqa: F401  (fixtures)
 
 RUN = "20261201-120000-abcd"
@@ -102,7 +102,7 @@ def refused_followers(tmp_path_factory):
         run_channel(stores[-1], RUN, SECRET).put("launch/0", genuine_launch())
         jobs.append(follower_args(folder / "plugin", stores[-1].port, "--plugin", "tests.planted"))
         dirs = [folder / f"case{i}" for i in range(len(FORGED))] + [folder / "outside", folder / "plugin"]
-        procs = cli_batch(folder / "batch", [(args, d / "work") for args, d in zip(jobs, dirs)], follower_env())
+        procs = cli_batch([(args, d / "work") for args, d in zip(jobs, dirs)], follower_env())
         refusals = [run_channel(store, RUN, SECRET).get("node/1/refused") for store in stores[:len(FORGED)]]
         return [{"proc": proc, "dir": str(d), "refusal": refusal}
                 for proc, d, refusal in zip(procs, dirs, refusals + [None, None])]

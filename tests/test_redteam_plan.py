@@ -15,7 +15,7 @@ from ep_harness.run.plan import expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import once_per_session, run_cli, shared_dir
-from tests.shared_tC import cli_batch
+from tests.forked_cli import cli_batch
 
 CASE = """
 [[case]]
@@ -85,7 +85,7 @@ def from_record_refusals(tmp_path_factory):
             case.mkdir(parents=True)
             results = _record(case, **changes)
             jobs.append((["verify", "--from-record", results, "--gpus", "0", "--out", case / "out"], case))
-        return cli_batch(folder / "batch", jobs, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        return cli_batch(jobs, {**os.environ, "PYTHONUNBUFFERED": "1"})
 
     done = once_per_session(tmp_path_factory, "redteam-plan-from-record", make)
     folder = shared_dir(tmp_path_factory) / "redteam-plan-from-record"

@@ -11,7 +11,8 @@ import pytest
 
 from ep_harness.environment import recorded_env
 from tests.conftest import REPO, gone, processes_with_env, run_cli
-from tests.shared_tA import cli_fork, pass_run  # noqa: F401 (fixtures)
+from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
+from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
 SMOKE = str(REPO / "cases" / "smoke.toml")
 ONE_CHECK = "rs-native/rank-invariance/dtype=bfloat16/world_size=3"
@@ -25,7 +26,7 @@ def test_only_allowlisted_variables_are_recorded_and_credentials_are_redacted():
 
 @pytest.mark.slow
 def test_a_run_neither_leaks_a_token_nor_runs_the_working_directorys_modules(pass_run):
-    """The shared passing run (tests/shared_tA.py) starts in a directory with a module that
+    """The shared passing run (tests/shared_runs.py) starts in a directory with a module that
     shadows the standard library and a `reports` package of the user's own, with credentials
     (SECRETS) in its environment."""
     proc, run_dir, records = pass_run

@@ -20,11 +20,11 @@ from ep_harness.regress.gate import gate, read_baseline, update_baseline
 from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
-from tests.conftest import REPO, gone, run_cli
-from tests.shared_tA import cli_fork, pass_run  # noqa: F401 (fixtures)
-from tests.test_gate import ENV, baseline_records, run_with
+from tests.conftest import REPO, gone
+from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
+from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
+from tests.test_gate import baseline_records, run_with
 from tests.test_redteam_plan import CASE
-from tests.test_reports import write_run
 
 CPU = Platform(backend="gloo", device="cpu", ranks=4)
 
@@ -268,7 +268,7 @@ def test_a_grid_above_the_limit_is_refused_before_any_check_is_built(tmp_path, m
 
 @pytest.mark.slow
 def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(pass_run):
-    """tests/cases/unmeasured.toml's cases, in the shared passing run (tests/shared_tA.py)."""
+    """tests/cases/unmeasured.toml's cases, in the shared passing run (tests/shared_runs.py)."""
     proc, _, _ = pass_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # the measured cases passed
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("# WARNING")]

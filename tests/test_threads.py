@@ -18,7 +18,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
 from ep_harness.threads import DEFAULT_THREADS, pinned, user_setting_note
 from ep_harness.verdict import decide
-from tests.shared_tA import pass_run  # noqa: F401 (a fixture)
+from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = "tests/cases/threads.toml"
@@ -79,7 +79,7 @@ def test_a_thread_dependent_failure_in_one_launch_reruns_with_the_same_bits(tmp_
 def test_the_pinned_count_reaches_every_rank_whatever_the_shell_says(pass_run):
     """--threads 2 from a shell with OMP_NUM_THREADS=1: the planted GEMM, invariant on two
     threads, holds (so the runs above failed because of the pin, not whatever the count).
-    SUITE's cases, in the shared passing run of tests/shared_tA.py (one 4-rank launch)."""
+    SUITE's cases, in the shared passing run of tests/shared_runs.py (one 4-rank launch)."""
     run, run_dir, _ = pass_run
     assert "OMP_NUM_THREADS=1 in your environment is not what the ranks use" in run.stdout
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -8,7 +8,8 @@ import pytest
 
 from ep_harness.records import REQUIRED
 from tests.conftest import REPO, gone, rank_pids, run_cli
-from tests.shared_tA import cli_fork, fail_run  # noqa: F401 (fixtures)
+from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
+from tests.shared_runs import fail_run  # noqa: F401 (a fixture)
 
 
 def records(run_dir):
@@ -62,7 +63,7 @@ def test_world_size_two_is_vacuous_not_a_pass(smoke_run):
 
 @pytest.mark.slow
 def test_faulty_ranks_become_error_records(fail_run):
-    """tests/cases/faults.toml's cases, first in the shared failing run (tests/shared_tA.py)."""
+    """tests/cases/faults.toml's cases, first in the shared failing run (tests/shared_runs.py)."""
     proc, run_dir, by_case = fail_run
     assert proc.returncode == 1  # errors fail the run ...
     assert by_case["before"]["status"] == "ok" and by_case["after"]["status"] == "ok"  # ... but it goes on

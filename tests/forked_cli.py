@@ -1,15 +1,12 @@
-"""Shared launches and command-line runs for test_verify_cpu, test_robust_inputs,
-test_reliability, test_threads, test_golden_bits, test_corruption and test_ci_outputs.
-
-`cli_fork`: `ep-harness ARGS` for commands that start no ranks of their own (refusals, `gate`,
-`report`, `baseline`), each in a process of its own, forked from one interpreter per test
-process that has imported torch and the harness already (1.5-2 s of CPU a command otherwise).
+"""`ep-harness ARGS` for commands that start no ranks of their own (refusals, `gate`, `report`,
+`baseline`, followers that refuse their head), each in a process of its own, forked from one
+interpreter that has imported torch and the harness already (1.5-2 s of CPU a command otherwise).
 What a command prints, its exit code and what it writes are its own; only the imports are
 shared. Commands that launch ranks, and tests of what a fresh interpreter does (its locale,
-its signals), keep run_cli.
+its signals), keep conftest.run_cli.
 
-`pass_run`: one passing run, once per test session, whose records several tests read (see
-PASS_SUITE). `golden_run`: that run's suite with one subject changed, for the golden-bits gate.
+`cli_fork`: a fixture, one such interpreter per test process. `cli_batch`: many command lines
+in one interpreter started for them (inside once_per_session's makers).
 """
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
+from tests.conftest import REPO, completed
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
 # the console script's `sys.exit(main(argv))` in the request's directory and environment, with
@@ -105,7 +102,8 @@ for line in sys.stdin:
 class ForkedCli:
     """`ep-harness ARGS` forked from a preloaded interpreter (see the module's docstring)."""
 
-    def __init__(self):
+    def __init__(self, env: dict | None = None):
+        """`env`: the interpreter's environment (its PYTHONPATH decides what plugins import)."""
         import locale
 
         self.encoding = locale.getpreferredencoding(False)
@@ -114,7 +112,7 @@ class ForkedCli:
         self.log = self.folder / "server.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write)], cwd=REPO, stdin=subprocess.PIPE,
-                                         stdout=log, stderr=log, pass_fds=(write,), text=True)
+                                         stdout=log, stderr=log, pass_fds=(write,), text=True, env=env)
         os.close(write)
         self.reply = os.fdopen(read, "r")
         hello = json.loads(self._line(300))
@@ -167,89 +165,12 @@ def cli_fork():
     server.close()
 
 
-# --- one passing run that several tests read ----------------------------------------------------
-
-CASES = REPO / "tests" / "cases"
-# The case files whose cases the shared run holds, each test's own file: the cases as written
-# there (a case renamed where two files use one name), under one [suite] with all their plugins.
-PASS_SUITE = {
-    "golden_a.toml": {},  # test_golden_bits: an invariant fold, the baseline's (golden_run: golden_b.toml's)
-    "fresh.toml": {'name = "fold"': 'name = "fresh-fold"'},  # test_golden_bits: the one-launch control
-    "threads.toml": {},  # test_threads: the pinned thread count (--threads 2 from OMP_NUM_THREADS=1)
-    "unmeasured.toml": {},  # test_robust_inputs: a case of which nothing was measured
-}
-PASS_PLUGINS = ["tests.planted", "tests.planted_threads", "tests.planted_robust"]
-# test_reliability: the run starts in a directory whose modules would shadow the standard
-# library and the harness, with credentials in its environment that must not be recorded.
-SECRETS = {"EP_API_TOKEN": "secret-value", "NCCL_SOCKET_KEY": "another-secret"}
-
-
-def _cases_of(name: str, renames: dict) -> str:
-    text = (CASES / name).read_text()
-    cases = text[text.index("[[case]]"):]
-    for old, new in renames.items():
-        assert cases.count(old) == 1, (name, old)
-        cases = cases.replace(old, new)
-    return cases
-
-
-def pass_suite_text(golden: str = "golden_a.toml") -> str:
-    parts = [f'[suite]\nname = "shared-pass"\nplugins = {json.dumps(PASS_PLUGINS)}\n']
-    for name, renames in PASS_SUITE.items():
-        parts.append(f"# --- {name}\n" + _cases_of(golden if name == "golden_a.toml" else name, renames))
-    return "\n".join(parts)
-
-
-def pass_suite_run(folder: Path, golden: str = "golden_a.toml") -> subprocess.CompletedProcess:
-    """`ep-harness verify` of pass_suite_text(golden) with --threads 2 from a shell with
-    OMP_NUM_THREADS=1, started in FOLDER/work (modules that shadow `json` and a `reports`
-    package there), with SECRETS in its environment; the run in FOLDER/out/latest."""
-    work = folder / "work"
-    (work / "reports").mkdir(parents=True)
-    (work / "json.py").write_text("raise SystemExit('the working directory shadowed the standard library')\n")
-    (work / "reports" / "__init__.py").write_text("raise SystemExit('the user reports package was imported')\n")
-    suite = folder / "suite.toml"
-    suite.write_text(pass_suite_text(golden))
-    env = {**os.environ, **SECRETS, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # the plugins
-    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
-    return subprocess.run([exe, "verify", "--suite", str(suite), "--gpus", "0", "--threads", "2", "--no-report",
-                           "--out", str(folder / "out")], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=600)
-
-
-@pytest.fixture(scope="session")
-def pass_run(tmp_path_factory):
-    """pass_suite_run once per test session: (the process, the run directory, records by check)."""
-    result = once_per_session(tmp_path_factory, "tA-pass-run", lambda folder: completed(pass_suite_run(folder)))
-    run_dir = shared_dir(tmp_path_factory) / "tA-pass-run" / "out" / "latest"
-    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
-    return subprocess.CompletedProcess(**result), run_dir, {r["check"]: r for r in records}
-
-
-# --- one failing run that two tests read --------------------------------------------------------
-
-# test_verify_cpu's planted faults (each an error record, the run going on in relaunches), then
-# test_corruption's clean and rarely corrupting dispatchers, in the launch after the last fault.
-FAIL_SUITE = ("faults.toml", "corruption.toml")
-
-
-def fail_suite_text() -> str:
-    return '[suite]\nname = "shared-fail"\nplugins = ["tests.planted"]\n\n' + \
-        "\n".join(f"# --- {name}\n" + _cases_of(name, {}) for name in FAIL_SUITE)
-
-
-@pytest.fixture(scope="session")
-def fail_run(tmp_path_factory):
-    """`ep-harness verify` of fail_suite_text(), once per test session: (the process, the run
-    directory, records by case)."""
-    def make(folder: Path) -> dict:
-        folder.mkdir(parents=True)
-        suite = folder / "suite.toml"
-        suite.write_text(fail_suite_text())
-        return completed(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(folder / "out")))
-
-    result = once_per_session(tmp_path_factory, "tA-fail-run", make)
-    run_dir = shared_dir(tmp_path_factory) / "tA-fail-run" / "out" / "latest"
-    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
-    return subprocess.CompletedProcess(**result), run_dir, {r["case"]: r for r in records}
+def cli_batch(jobs: list[tuple[list, Path]], env: dict, timeout: float = 600) -> list[dict]:
+    """`ep-harness ARGS` in CWD for every (ARGS, CWD) of `jobs`, each forked from one
+    interpreter started for the batch with environment `env`. Returns per job what
+    conftest.completed returns for a process."""
+    server = ForkedCli(env)
+    try:
+        return [completed(server(*map(str, args), cwd=cwd, env=env, timeout=timeout)) for args, cwd in jobs]
+    finally:
+        server.close()
