@@ -3,7 +3,7 @@ sample output is a real run's, and every file they name is in the repository.
 
 Examples are the page's own code blocks (tests/doc_blocks.py): the subject and the suite of the
 README go through `ep-harness verify` (one launch of 4 gloo ranks), its pytest example through
-pytest, and each is checked to pass and to fail where the page says so.
+pytest (with the wheel installed, in tests/shared_tB.py's environment), and each is checked to pass and to fail where the page says so.
 """
 import json
 import re
@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.doc_blocks import doc_block, unmarked_code
+from tests.shared_tB import readme_pytest_in_the_wheel_venv, wheel, wheel_venv  # noqa: F401  (fixtures)
 
 README = REPO / "README.md"
 PAGES = [README, REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -95,11 +96,10 @@ def test_the_readme_subject_with_a_rank_dependent_order_fails_rank_invariance(tm
 
 
 @pytest.mark.slow
-def test_the_readme_pytest_example_passes_and_fails_as_it_says(tmp_path):
-    (tmp_path / "test_my_reduce_scatter.py").write_text(doc_block(README, "test_my_reduce_scatter.py"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "-rfEp", "test_my_reduce_scatter.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+def test_the_readme_pytest_example_passes_and_fails_as_it_says(readme_pytest_in_the_wheel_venv):
+    """The example as a reader runs it after the README's install: `pytest -q -rfEp
+    test_my_reduce_scatter.py` with the wheel installed (one run, shared with tests/test_wheel.py)."""
+    proc = readme_pytest_in_the_wheel_venv
     out = proc.stdout
     assert proc.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:] + proc.stderr[-3000:]
     assert "PASSED test_my_reduce_scatter.py::test_fold_is_rank_invariant" in out, out[-3000:]

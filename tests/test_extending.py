@@ -11,6 +11,7 @@ and finds the control's violation, `ep-harness selftest` plants its defects thro
 wrapper and holds its checks to its must-catch.
 """
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -26,30 +27,51 @@ TOY_PROPERTY = doc_block(REPO / "docs" / "extending.md", "toy_property.py")
 
 
 def case(name, subject, prop, expect, **params):
-    lines = ["[[case]]", f'name = "{name}"', f'subject = "{subject}"', f'properties = ["{prop}"]',
+    """A case of world size 2; `prop` one property or a list of them."""
+    props = [prop] if isinstance(prop, str) else list(prop)
+    lines = ["[[case]]", f'name = "{name}"', f'subject = "{subject}"', f"properties = {json.dumps(props)}",
              f'expect = "{expect}"', "[case.params]", "world_size = 2"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in params.items()]
     return "\n".join(lines) + "\n"
 
 
-def verify(tmp_path, plugin, cases):
+def verify(tmp_path, plugins, cases):
     (tmp_path / "toy_family.py").write_text(textwrap.dedent(TOY_FAMILY))
     (tmp_path / "toy_property.py").write_text(textwrap.dedent(TOY_PROPERTY))
     suite = tmp_path / "toy.toml"
-    suite.write_text(f'[suite]\nname = "toy"\nplugins = ["{plugin}"]\n\n' + "\n".join(cases))
+    suite.write_text(f'[suite]\nname = "toy"\nplugins = {json.dumps(plugins)}\n\n' + "\n".join(cases))
     proc = run_cli("verify", "--suite", str(suite), "--out", str(tmp_path / "out"), "--quiet", cwd=tmp_path)
     results = tmp_path / "out" / "latest" / "results.jsonl"
     assert results.exists(), proc.stdout + proc.stderr
     return proc, {r["check"]: r for r in map(json.loads, results.read_text().splitlines())}
 
 
+@pytest.fixture(scope="session")
+def toy_run(tmp_path_factory):
+    """The family and the property of docs/extending.md, each its own module and both the
+    suite's plugins, through `ep-harness verify` once per session (one launch of 2 gloo ranks):
+    the family's cases (in-order, control, one-batch: batch-invariance) and the property's
+    (in-order, control, one-row: reversal-invariance; batches: the family's own property)."""
+    from tests.conftest import completed, once_per_session
+
+    def make(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        proc, records = verify(folder, ["toy_family", "toy_property"], [
+            case("in-order", "toy_in_order", ["batch-invariance", "reversal-invariance"], "holds"),
+            case("control", "toy_parity_order", ["batch-invariance", "reversal-invariance"], "violated"),
+            case("one-batch", "toy_in_order", "batch-invariance", "holds", batch_sizes=[4, 4]),
+            case("one-row", "toy_in_order", "reversal-invariance", "holds", batch_sizes=[1]),
+            case("batches", "toy_in_order", "batch-invariance", "holds"),
+        ])
+        return {"proc": completed(proc), "records": records}
+
+    shared = once_per_session(tmp_path_factory, "toy-verify", make)
+    return subprocess.CompletedProcess(**shared["proc"]), shared["records"]
+
+
 @pytest.mark.slow
-def test_a_family_added_as_the_readme_says_runs_through_verify(tmp_path):
-    proc, records = verify(tmp_path, "toy_family", [
-        case("in-order", "toy_in_order", "batch-invariance", "holds"),
-        case("control", "toy_parity_order", "batch-invariance", "violated"),
-        case("one-batch", "toy_in_order", "batch-invariance", "holds", batch_sizes=[4, 4]),
-    ])
+def test_a_family_added_as_the_readme_says_runs_through_verify(toy_run):
+    proc, records = toy_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     held, control, same = (records[f"{c}/batch-invariance"] for c in ("in-order", "control", "one-batch"))
     assert held["family"] == "toy" and held["params"]["cols"] == 64  # the family's defaults, recorded
@@ -60,13 +82,8 @@ def test_a_family_added_as_the_readme_says_runs_through_verify(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_property_added_as_the_readme_says_is_planned_run_and_judged(tmp_path):
-    proc, records = verify(tmp_path, "toy_property", [
-        case("in-order", "toy_in_order", "reversal-invariance", "holds"),
-        case("control", "toy_parity_order", "reversal-invariance", "violated"),
-        case("one-row", "toy_in_order", "reversal-invariance", "holds", batch_sizes=[1]),
-        case("batches", "toy_in_order", "batch-invariance", "holds"),
-    ])
+def test_a_property_added_as_the_readme_says_is_planned_run_and_judged(toy_run):
+    proc, records = toy_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert records["in-order/reversal-invariance"]["status"] == "ok"
     assert records["in-order/reversal-invariance"]["mismatched"] == 0

@@ -1,10 +1,9 @@
 """The model probe (harness/families/model.py, harness/subjects/model/): one shared launch of
-tests/cases/model.toml (4 gloo ranks) for the fold model, the native reduce-scatter control,
+tests/cases/model.toml (4 gloo ranks, beside tests/cases/defaults.toml's cases: tests/shared_tB.py) for the fold model, the native reduce-scatter control,
 a combine planted to reorder in layer 3 only and an expert GEMM planted to split K past 8
 rows; and the localiser, the reference's bound
 and the vacuity rule on their own."""
 import copy
-import json
 
 import pytest
 import torch
@@ -12,16 +11,21 @@ import torch
 from ep_harness.divergence import Op, Tracer, first_divergence, localise, merge, rows_of
 from ep_harness.errors import HarnessError
 from ep_harness.fingerprint import bits_fingerprint
-from tests.conftest import _shared_run
+from ep_harness.reports.analysis import FAILING
+from tests.shared_tB import MODEL_SUITE, case_names, model_and_defaults_run  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
-def model_run(tmp_path_factory):
-    proc, out = _shared_run(tmp_path_factory, "model-run", "--suite", "tests/cases/model.toml", "--gpus", "0",
-                            "--no-report")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (out / "latest" / "results.jsonl").read_text().splitlines()
-    return {r["check"]: r for r in map(json.loads, lines)}
+def model_run(model_and_defaults_run):
+    """The records of model.toml's cases, from its launch shared with tests/cases/defaults.toml
+    (tests/shared_tB.py): what `verify --suite tests/cases/model.toml` exits 0 on, no record
+    failing (FAILING: unexpected, error) and none interrupted."""
+    proc, records = model_and_defaults_run
+    mine = {check: r for check, r in records.items() if check.split("/")[0] in case_names(MODEL_SUITE)}
+    assert {check.split("/")[0] for check in mine} == case_names(MODEL_SUITE), sorted(records)
+    assert proc.returncode in (0, 1) and [(c, r["status"], r["reason"]) for c, r in mine.items()
+                                          if r["status"] in FAILING + ("interrupted",)] == [], proc.stdout[-3000:]
+    return mine
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from ep_harness.families import BUILT_IN, FAMILIES
 from ep_harness.selftest.injections import CLASSES, parse
 from ep_harness.selftest.wrap import step_ulp, wrapped
 from tests.conftest import REPO, run_cli
+from tests.shared_tB import shared_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
                      "dispatch": dispatch.PROPERTIES, "moe_layer": moe_layer.PROPERTIES}
@@ -279,14 +280,21 @@ def test_out_of_slice_writes_the_input_not_the_output(tmp_path, monkeypatch):
 
 # --- end to end ------------------------------------------------------------------------------
 
+@pytest.fixture(scope="session")
+def planted_selftest(tmp_path_factory):
+    """tests/cases/selftest.toml with every CPU injection class (every placement of `ulp`),
+    once per test session: the process and its output directory (two launches of 3 gloo ranks)."""
+    return shared_cli(tmp_path_factory, "planted-selftest", "selftest", "--suite", str(REPO / "tests/cases/selftest.toml"),
+                      "--injections", "ulp,kth-call,one-rank,nan,inf,in-graph", "--out", "{out}")
+
+
 @pytest.mark.slow
-def test_selftest_finds_the_planted_weak_check(tmp_path):
+def test_selftest_finds_the_planted_weak_check(planted_selftest):
     """tests/cases/selftest.toml on 3 gloo ranks: the sound checks catch what their property
     must; the weak batch-invariance (element 0 never compared) is blind to `ulp` and only
     to it; the weak reference (non-finite outputs not counted, as before issue 23 item 1)
     is blind to `nan` and `inf`; the control's cells are not applicable."""
-    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--injections",
-                   "ulp,kth-call,one-rank,nan,inf,in-graph", "--out", str(tmp_path))
+    proc, tmp_path = planted_selftest
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: weak/weak-batch-invariance (weak-batch-invariance) missed ulp" in proc.stdout
     assert "BLIND: weak-ref/weak-reference (weak-reference) missed nan, inf" in proc.stdout
@@ -316,29 +324,41 @@ def test_selftest_finds_the_planted_weak_check(tmp_path):
     assert "Selftest: 3 blind check(s)" in page and '<td class="st-missed"' in page
 
 
+@pytest.fixture(scope="session")
+def subset_at_element_0(tmp_path_factory):
+    """The subset check (it compares element 0 of the probe only) with `ulp` planted at element
+    0 of every row, the placement before issue 32, once per test session: one cell, caught."""
+    return shared_cli(tmp_path_factory, "subset-at-element-0", "selftest", "--suite",
+                      str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*", "--injections", "ulp:element=0",
+                      "--no-report", "--out", "{out}")
+
+
 @pytest.mark.slow
-def test_selftest_passes_when_no_check_is_blind(tmp_path):
-    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "fold/*",
-                   "--injections", "one-rank", "--no-report", "--out", str(tmp_path))
+def test_selftest_passes_when_no_check_is_blind(subset_at_element_0):
+    """Exit 0 when every tested cell is caught (the sound checks' own catches, one-rank by
+    rank-invariance among them, are in the planted run above)."""
+    proc, tmp_path = subset_at_element_0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "latest" / "selftest.json").read_text())
     assert result["blind"] == [] and result["tested"] == 1
 
 
 @pytest.mark.slow
-def test_a_subset_check_passes_only_where_the_defect_is_at_element_0(tmp_path):
+def test_a_subset_check_passes_only_where_the_defect_is_at_element_0(subset_at_element_0, planted_selftest):
     """The placement before issue 32 (element 0 of every row) let a check that compares only
     element 0 pass the selftest: so it still does with that placement asked for, and with the
-    middle of each row it is blind."""
-    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*",
-                   "--injections", "ulp:element=0", "--no-report", "--out", str(tmp_path / "at0"))
+    middle of each row it is blind (read from the module's run of every placement, whose
+    subset cell misses the middle first: its rerun asks for that placement alone)."""
+    proc, at0 = subset_at_element_0
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = run_cli("selftest", "--suite", str(REPO / "tests/cases/selftest.toml"), "--check", "subset/*",
-                   "--injections", "ulp:at=middle", "--no-report", "--out", str(tmp_path / "middle"))
+    [only] = json.loads((at0 / "latest" / "selftest.json").read_text())["checks"]
+    assert (only["check"], only["cells"]["ulp"]["state"]) == ("subset/weak-subset-batch-invariance", "caught")
+    proc, out = planted_selftest
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "BLIND: subset/weak-subset-batch-invariance (weak-subset-batch-invariance) missed ulp" in proc.stdout
-    assert "--injections ulp:at=middle" in json.loads(
-        (tmp_path / "middle" / "latest" / "selftest.json").read_text())["checks"][0]["cells"]["ulp"]["rerun"]
+    [subset] = [r for r in json.loads((out / "latest" / "selftest.json").read_text())["checks"]
+                if r["check"] == "subset/weak-subset-batch-invariance"]
+    assert "--injections ulp:at=middle" in subset["cells"]["ulp"]["rerun"]
 
 
 def test_bad_injection_is_one_line_and_exit_2(tmp_path):
