@@ -2,7 +2,9 @@
 
 `pass_run`: one passing run (see PASS_SUITE); `pass_suite_run(golden=...)`: that run's suite
 with one subject changed, for the golden-bits gate. `fail_run`: the planted faults, then the
-corruption-rate cases, in one run. `plugin_items_session`: one pytest --ep-suite session.
+corruption-rate cases, in one run. `model_and_defaults_run`: tests/cases/model.toml's and
+defaults.toml's cases in one launch. `plugin_items_session`: one pytest --ep-suite session.
+`shared_cli`: any command line once per session.
 """
 from __future__ import annotations
 
@@ -16,6 +18,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
+
+def shared_cli(tmp_path_factory, name: str, *args: str, cwd=None):
+    """`ep-harness ARGS` once per test session, "{out}" in ARGS read as the directory
+    <shared>/NAME (created); the process and that directory."""
+    out = shared_dir(tmp_path_factory) / name
+
+    def make(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        return completed(run_cli(*(a.format(out=folder) for a in args), **({"cwd": cwd} if cwd else {})))
+
+    return subprocess.CompletedProcess(**once_per_session(tmp_path_factory, name, make)), out
+
 
 # --- one passing run that several tests read ----------------------------------------------------
 
@@ -34,11 +48,14 @@ PASS_PLUGINS = ["tests.planted", "tests.planted_threads", "tests.planted_robust"
 SECRETS = {"EP_API_TOKEN": "secret-value", "NCCL_SOCKET_KEY": "another-secret"}
 
 
-def _cases_of(name: str, renames: dict) -> str:
-    text = (CASES / name).read_text()
+def cases_text(path: Path, renames: dict | None = None) -> str:
+    """A suite file's cases as written (its [suite] table left out), each of `renames` (old
+    text: new text, e.g. a case's name where two files use one) applied once."""
+    text = path.read_text()
     cases = text[text.index("[[case]]"):]
+    renames = renames or {}
     for old, new in renames.items():
-        assert cases.count(old) == 1, (name, old)
+        assert cases.count(old) == 1, (path.name, old)
         cases = cases.replace(old, new)
     return cases
 
@@ -46,7 +63,7 @@ def _cases_of(name: str, renames: dict) -> str:
 def pass_suite_text(golden: str = "golden_a.toml") -> str:
     parts = [f'[suite]\nname = "shared-pass"\nplugins = {json.dumps(PASS_PLUGINS)}\n']
     for name, renames in PASS_SUITE.items():
-        parts.append(f"# --- {name}\n" + _cases_of(golden if name == "golden_a.toml" else name, renames))
+        parts.append(f"# --- {name}\n" + cases_text(CASES / (golden if name == "golden_a.toml" else name), renames))
     return "\n".join(parts)
 
 
@@ -86,7 +103,7 @@ FAIL_SUITE = ("faults.toml", "corruption.toml")
 
 def fail_suite_text() -> str:
     return '[suite]\nname = "shared-fail"\nplugins = ["tests.planted"]\n\n' + \
-        "\n".join(f"# --- {name}\n" + _cases_of(name, {}) for name in FAIL_SUITE)
+        "\n".join(f"# --- {name}\n" + cases_text(CASES / name) for name in FAIL_SUITE)
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +138,45 @@ def plugin_items_session(tmp_path_factory):
 
     proc = once_per_session(tmp_path_factory, "plugin-items-session", make)
     return subprocess.CompletedProcess(**proc), shared_dir(tmp_path_factory) / "plugin-items-session" / "junit.xml"
+
+
+# --- tests/cases/model.toml and defaults.toml in one launch -----------------------------------
+
+MODEL_SUITE, DEFAULTS_SUITE = REPO / "tests" / "cases" / "model.toml", REPO / "tests" / "cases" / "defaults.toml"
+
+
+def case_names(path: Path) -> set[str]:
+    import tomllib
+
+    return {c["name"] for c in tomllib.loads(path.read_text())["case"]}
+
+
+@pytest.fixture(scope="session")
+def model_and_defaults_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """`ep-harness verify` of the cases of tests/cases/model.toml and tests/cases/defaults.toml
+    (case names distinct), both files' plugins loaded, in one launch of 4 gloo ranks, once per
+    session: the process and a dict of its records by check. The exit code is the two suites'
+    together (defaults.toml's planted defects make it 1); each test module holds its own cases'
+    records to what its suite alone would have exited with."""
+    import json
+
+    from tests.conftest import REPO_ON_PYTHONPATH
+
+    assert not case_names(MODEL_SUITE) & case_names(DEFAULTS_SUITE)
+    shared = shared_dir(tmp_path_factory)
+    suite = shared / "model-and-defaults.toml"
+
+    def make(out):
+        suite.write_text('[suite]\nname = "model-and-defaults"\n'
+                         'description = "tests/cases/model.toml and tests/cases/defaults.toml in one launch"\n'
+                         'plugins = ["tests.planted_model", "tests.planted_defaults"]\n\n'
+                         + cases_text(MODEL_SUITE) + "\n" + cases_text(DEFAULTS_SUITE))
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in REPO_ON_PYTHONPATH.items():
+                mp.setenv(k, v)  # the ranks import tests.planted_model and tests.planted_defaults
+            return completed(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--no-report", "--out", str(out)))
+
+    proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "model-and-defaults-run", make))
+    results = shared / "model-and-defaults-run" / "latest" / "results.jsonl"
+    assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, {r["check"]: r for r in map(json.loads, results.read_text().splitlines())}

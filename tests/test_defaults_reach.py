@@ -1,7 +1,7 @@
 """Defaults that reach each defect class (issue 32): for every new default of the CPU suite, a
 planted defect of its class (tests/planted_defaults.py) that the old default missed (`ok`) and
 the new one catches (`unexpected`, with its count). One real 4-rank gloo launch of
-tests/cases/defaults.toml (beside tests/cases/model.toml's cases: tests/shared_tB.py), whose `-new` cases are held equal to the smoke cases they copy."""
+tests/cases/defaults.toml (beside tests/cases/model.toml's cases: tests/shared_runs.py), whose `-new` cases are held equal to the smoke cases they copy."""
 import math
 import tomllib
 from dataclasses import fields
@@ -17,7 +17,7 @@ from ep_harness.families.moe_scenario import DispatchParams
 from ep_harness.subject import get
 from ep_harness.subjects.collective.common import fold_in_order
 from tests.conftest import REPO
-from tests.shared_tB import DEFAULTS_SUITE, case_names, model_and_defaults_run  # noqa: F401  (a fixture)
+from tests.shared_runs import DEFAULTS_SUITE, case_names, model_and_defaults_run  # noqa: F401  (a fixture)
 
 SMOKE_TWIN = {  # defaults.toml case -> the smoke case whose grid and params it runs
     "fp16-accumulator-new": "fold-reference", "scale-before-sum-new": "fold-reference",
@@ -81,7 +81,7 @@ def test_top_of_range_data_is_for_collectives_only():
 @pytest.fixture(scope="module")
 def defaults_run(model_and_defaults_run):
     """The records of defaults.toml's cases, from its launch shared with tests/cases/model.toml
-    (tests/shared_tB.py), which exits 1 as defaults.toml alone does (its `-new` cases fail)."""
+    (tests/shared_runs.py), which exits 1 as defaults.toml alone does (its `-new` cases fail)."""
     proc, records = model_and_defaults_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     mine = {check: r for check, r in records.items() if check.split("/")[0] in case_names(DEFAULTS_SUITE)}

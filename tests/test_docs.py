@@ -3,7 +3,7 @@ sample output is a real run's, and every file they name is in the repository.
 
 Examples are the page's own code blocks (tests/doc_blocks.py): the subject and the suite of the
 README go through `ep-harness verify` (one launch of 4 gloo ranks), its pytest example through
-pytest (with the wheel installed, in tests/shared_tB.py's environment), and each is checked to pass and to fail where the page says so.
+pytest (with the wheel installed, in tests/shared_wheel.py's environment), and each is checked to pass and to fail where the page says so.
 """
 import json
 import re
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.doc_blocks import doc_block, unmarked_code
-from tests.shared_tB import readme_pytest_in_the_wheel_venv, wheel, wheel_venv  # noqa: F401  (fixtures)
+from tests.shared_wheel import readme_pytest_in_the_wheel_venv, wheel, wheel_venv  # noqa: F401  (fixtures)
 
 README = REPO / "README.md"
 PAGES = [README, REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -1,5 +1,5 @@
 """The model probe (harness/families/model.py, harness/subjects/model/): one shared launch of
-tests/cases/model.toml (4 gloo ranks, beside tests/cases/defaults.toml's cases: tests/shared_tB.py) for the fold model, the native reduce-scatter control,
+tests/cases/model.toml (4 gloo ranks, beside tests/cases/defaults.toml's cases: tests/shared_runs.py) for the fold model, the native reduce-scatter control,
 a combine planted to reorder in layer 3 only and an expert GEMM planted to split K past 8
 rows; and the localiser, the reference's bound
 and the vacuity rule on their own."""
@@ -12,13 +12,13 @@ from ep_harness.divergence import Op, Tracer, first_divergence, localise, merge,
 from ep_harness.errors import HarnessError
 from ep_harness.fingerprint import bits_fingerprint
 from ep_harness.reports.analysis import FAILING
-from tests.shared_tB import MODEL_SUITE, case_names, model_and_defaults_run  # noqa: F401  (a fixture)
+from tests.shared_runs import MODEL_SUITE, case_names, model_and_defaults_run  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
 def model_run(model_and_defaults_run):
     """The records of model.toml's cases, from its launch shared with tests/cases/defaults.toml
-    (tests/shared_tB.py): what `verify --suite tests/cases/model.toml` exits 0 on, no record
+    (tests/shared_runs.py): what `verify --suite tests/cases/model.toml` exits 0 on, no record
     failing (FAILING: unexpected, error) and none interrupted."""
     proc, records = model_and_defaults_run
     mine = {check: r for check, r in records.items() if check.split("/")[0] in case_names(MODEL_SUITE)}

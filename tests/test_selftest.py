@@ -16,7 +16,7 @@ from ep_harness.families import BUILT_IN, FAMILIES
 from ep_harness.selftest.injections import CLASSES, parse
 from ep_harness.selftest.wrap import step_ulp, wrapped
 from tests.conftest import REPO, run_cli
-from tests.shared_tB import shared_cli
+from tests.shared_runs import shared_cli
 
 FAMILY_PROPERTIES = {"collective": collective.PROPERTIES, "gemm": gemm.PROPERTIES, "quant": quant.PROPERTIES,
                      "dispatch": dispatch.PROPERTIES, "moe_layer": moe_layer.PROPERTIES}

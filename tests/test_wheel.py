@@ -13,7 +13,7 @@ import zipfile
 import pytest
 
 from tests.conftest import REPO
-from tests.shared_tB import (  # noqa: F401  (wheel, wheel_venv, readme_pytest_in_the_wheel_venv: fixtures)
+from tests.shared_wheel import (  # noqa: F401  (wheel, wheel_venv, readme_pytest_in_the_wheel_venv: fixtures)
     HEAD, _dependency_paths, _no_harness_env, readme_pytest_in_the_wheel_venv, user_project, wheel, wheel_venv)
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -22,7 +22,7 @@ VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["versi
 @pytest.mark.slow
 def test_the_wheel_in_a_venv_verifies_and_runs_pytest_from_a_project_with_its_own_packages(
         wheel_venv, readme_pytest_in_the_wheel_venv):
-    # The environment (shared_tB.wheel_venv): the wheel installed with --no-deps, the third-party
+    # The environment (shared_wheel.wheel_venv): the wheel installed with --no-deps, the third-party
     # dependencies (torch, pandas, ...) from this test's environment, the harness only from the wheel.
     env_dir, python, work = wheel_venv["env"], wheel_venv["python"], wheel_venv["work"]
     exe, env = str(env_dir / "bin" / "ep-harness"), _no_harness_env()

@@ -1,6 +1,5 @@
-"""Session-wide launches shared between tests of test_selftest, test_wheel, test_docs,
-test_extending, test_model and test_defaults_reach (each once per test session, file-locked
-across xdist workers: tests/conftest.py's once_per_session)."""
+"""The wheel, built once per test session, and a virtual environment with it installed
+(tests/test_wheel.py; tests/test_docs.py runs the README's pytest example in it too)."""
 from __future__ import annotations
 
 import os
@@ -13,21 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
+from tests.conftest import REPO, completed, once_per_session
 from tests.doc_blocks import doc_block
-
-
-def shared_cli(tmp_path_factory, name: str, *args: str, cwd=None):
-    """`ep-harness ARGS` once per test session, "{out}" in ARGS read as the directory
-    <shared>/NAME (created); the process and that directory."""
-    out = shared_dir(tmp_path_factory) / name
-
-    def make(folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        return completed(run_cli(*(a.format(out=folder) for a in args), **({"cwd": cwd} if cwd else {})))
-
-    return subprocess.CompletedProcess(**once_per_session(tmp_path_factory, name, make)), out
-
 
 # --- the wheel (tests/test_wheel.py), and a virtual environment with it installed, which
 # tests/test_docs.py's README pytest example also runs in ---------------------------------
@@ -156,48 +142,3 @@ def readme_pytest_in_the_wheel_venv(wheel_venv, tmp_path_factory) -> subprocess.
 
 # --- tests/cases/model.toml and tests/cases/defaults.toml in one launch (tests/test_model.py,
 # tests/test_defaults_reach.py) --------------------------------------------------------------
-
-MODEL_SUITE, DEFAULTS_SUITE = REPO / "tests" / "cases" / "model.toml", REPO / "tests" / "cases" / "defaults.toml"
-
-
-def case_names(path: Path) -> set[str]:
-    import tomllib
-
-    return {c["name"] for c in tomllib.loads(path.read_text())["case"]}
-
-
-def _cases_of(path: Path) -> str:
-    """A suite file's text from its first case on (its [suite] table left out)."""
-    text = path.read_text()
-    return text[text.index("[[case]]"):]
-
-
-@pytest.fixture(scope="session")
-def model_and_defaults_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    """`ep-harness verify` of the cases of tests/cases/model.toml and tests/cases/defaults.toml
-    (case names distinct), both files' plugins loaded, in one launch of 4 gloo ranks, once per
-    session: the process and a dict of its records by check. The exit code is the two suites'
-    together (defaults.toml's planted defects make it 1); each test module holds its own cases'
-    records to what its suite alone would have exited with."""
-    import json
-
-    from tests.conftest import REPO_ON_PYTHONPATH
-
-    assert not case_names(MODEL_SUITE) & case_names(DEFAULTS_SUITE)
-    shared = shared_dir(tmp_path_factory)
-    suite = shared / "model-and-defaults.toml"
-
-    def make(out):
-        suite.write_text('[suite]\nname = "model-and-defaults"\n'
-                         'description = "tests/cases/model.toml and tests/cases/defaults.toml in one launch"\n'
-                         'plugins = ["tests.planted_model", "tests.planted_defaults"]\n\n'
-                         + _cases_of(MODEL_SUITE) + "\n" + _cases_of(DEFAULTS_SUITE))
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in REPO_ON_PYTHONPATH.items():
-                mp.setenv(k, v)  # the ranks import tests.planted_model and tests.planted_defaults
-            return completed(run_cli("verify", "--suite", str(suite), "--gpus", "0", "--no-report", "--out", str(out)))
-
-    proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "model-and-defaults-run", make))
-    results = shared / "model-and-defaults-run" / "latest" / "results.jsonl"
-    assert results.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, {r["check"]: r for r in map(json.loads, results.read_text().splitlines())}
