@@ -101,12 +101,16 @@ def _plain_launcher_logs() -> None:
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
 
 
+FORKED = ("forkserver", "resource_tracker")  # the -c commands of multiprocessing that run as forks of the agent
+
+
 def _start_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported
     torch and the rank module, rather than as a new interpreter that imports them again
     (1.1 s of CPU a launch). Only while this process has one thread, native ones included:
     otherwise, or where the fork server is not started as a `-c` command through
-    multiprocessing.util.spawnv_passfds, it is started anew as usual."""
+    multiprocessing.util.spawnv_passfds, it is started anew as usual. Its resource tracker,
+    which it starts first, is a fork too."""
     spawn_anew = multiprocessing.util.spawnv_passfds
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
@@ -116,7 +120,9 @@ def _start_fork_server() -> None:
         return
 
     def fork_instead(path, args, passfds):
-        if args[-2:-1] != ["-c"] or "multiprocessing.forkserver" not in args[-1]:  # the resource tracker
+        # The fork server, and the resource tracker that it starts first (a new interpreter
+        # that imports multiprocessing: 0.03 CPU-s a launch); anything else is started anew.
+        if args[-2:-1] != ["-c"] or not any(f"multiprocessing.{m}" in args[-1] for m in FORKED):
             return spawn_anew(path, args, passfds)
         pid = os.fork()
         if pid:
@@ -131,7 +137,7 @@ def _start_fork_server() -> None:
             server = getattr(multiprocessing.forkserver, "_forkserver", None)
             if hasattr(server, "_lock"):
                 server._lock = threading.Lock()
-            exec(args[-1], {"__name__": "__mp_forkserver__"})  # forkserver.main(...): serves until the agent ends
+            exec(args[-1], {"__name__": "__mp_forkserver__"})  # main(...): serves until the agent ends
             code = 0
         except SystemExit as exc:
             code = 0 if exc.code is None else exc.code
