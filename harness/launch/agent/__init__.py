@@ -101,6 +101,26 @@ def _plain_launcher_logs() -> None:
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
 
 
+def _method_name(depth: int = 2) -> str:
+    """What torch's rendezvous get_method_name returns (inspect.stack()[depth].function, the
+    name of the function `depth` frames above it), from the frames alone."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # fewer frames than that
+        return "no_method_name"
+
+
+def _rendezvous_names_without_source() -> None:
+    """torch's c10d rendezvous names every event it records by its caller through
+    inspect.stack(), twice, which reads the source lines of every frame on the stack: half
+    of what the agent does besides importing (0.1-0.15 CPU-s a launch). The same name from
+    the frame itself (a module attribute of torch's: where it is not, nothing is replaced)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = _method_name
+
+
 FORKED = ("forkserver", "resource_tracker")  # the -c commands of multiprocessing that run as forks of the agent
 
 
@@ -178,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "ep_harness.launch.agent", module])
     _start_fork_server()
     _plain_launcher_logs()
+    _rendezvous_names_without_source()
     args = parse_args(argv)
     if not args.module or args.training_script != module:
         raise SystemExit("ep_harness.launch.agent: the ranks' entry point must be given as -m MODULE")
