@@ -56,7 +56,14 @@ def sleeper(tmp_path):
 
 @pytest.mark.skipif(not processes.PROC_STAT, reason="needs /proc")
 def test_proc_reads_agree_with_psutil(monkeypatch, sleeper):
-    assert b"(a) (b)" in open(f"/proc/{sleeper.pid}/stat", "rb").read()  # Popen returns after the exec
+    import time
+
+    # Popen returns once the exec has begun: the new environment is in place a moment later
+    deadline = time.monotonic() + 30
+    while b"EP_HARNESS_CHANNEL=" not in open(f"/proc/{sleeper.pid}/environ", "rb").read():
+        assert time.monotonic() < deadline, "the sleeper's environment never appeared"
+        time.sleep(0.01)
+    assert b"(a) (b)" in open(f"/proc/{sleeper.pid}/stat", "rb").read()
     pids = [os.getpid(), os.getppid(), sleeper.pid, 1]
     fast = {p: processes.process_state(p) for p in pids}
     carried = {(p, ns): processes._carries(p, ns) for p in pids
