@@ -62,6 +62,8 @@ def test_ranks_are_forks_of_a_single_threaded_fork_server(tmp_path, threads, for
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["threads"] for r in ranks] == [1, 1]
     assert all(fork_server in r["command"] for r in ranks), ranks
+    # the collector runs in the ranks; what the agent imported is in its frozen generation (forked)
+    assert all(r["gc"][0] and (r["gc"][1] > 10_000) == (threads == 1) for r in ranks), [r["gc"] for r in ranks]
     assert ("2 threads after importing torch; the fork server is started anew" in proc.stderr) == (threads == 2)
 
 

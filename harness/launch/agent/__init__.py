@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import importlib.util
 import logging
@@ -66,6 +67,24 @@ def _blas_without_a_thread_pool():
         os.environ.pop("OPENBLAS_NUM_THREADS", None)
 
 
+@contextlib.contextmanager
+def _imports_without_gc():
+    """The cyclic garbage collector off while torch and MODULE import (they make almost no
+    garbage, but every full collection walks all they made so far: 0.1 CPU-s), then what
+    they made moved to the collector's permanent generation (gc.freeze): no collection in
+    the agent, its fork server or a rank walks it again, the agent's exit included (whose
+    final collection walks every object: 0.5 CPU-s after `import torch`), and the forks
+    do not copy its pages by touching their GC headers."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _entry_module(argv: list[str]) -> str | None:
     """MODULE in `<options> -m MODULE [ARGS]`, read before torch loads (torchrun's parser needs it)."""
     for flag, value in zip(argv, argv[1:]):
@@ -82,12 +101,36 @@ def _plain_launcher_logs() -> None:
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
 
 
+def _method_name(depth: int = 2) -> str:
+    """What torch's rendezvous get_method_name returns (inspect.stack()[depth].function, the
+    name of the function `depth` frames above it), from the frames alone."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # fewer frames than that
+        return "no_method_name"
+
+
+def _rendezvous_names_without_source() -> None:
+    """torch's c10d rendezvous names every event it records by its caller through
+    inspect.stack(), twice, which reads the source lines of every frame on the stack: half
+    of what the agent does besides importing (0.1-0.15 CPU-s a launch). The same name from
+    the frame itself (a module attribute of torch's: where it is not, nothing is replaced)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = _method_name
+
+
+FORKED = ("forkserver", "resource_tracker")  # the -c commands of multiprocessing that run as forks of the agent
+
+
 def _start_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported
     torch and the rank module, rather than as a new interpreter that imports them again
     (1.1 s of CPU a launch). Only while this process has one thread, native ones included:
     otherwise, or where the fork server is not started as a `-c` command through
-    multiprocessing.util.spawnv_passfds, it is started anew as usual."""
+    multiprocessing.util.spawnv_passfds, it is started anew as usual. Its resource tracker,
+    which it starts first, is a fork too."""
     spawn_anew = multiprocessing.util.spawnv_passfds
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
@@ -97,7 +140,9 @@ def _start_fork_server() -> None:
         return
 
     def fork_instead(path, args, passfds):
-        if args[-2:-1] != ["-c"] or "multiprocessing.forkserver" not in args[-1]:  # the resource tracker
+        # The fork server, and the resource tracker that it starts first (a new interpreter
+        # that imports multiprocessing: 0.03 CPU-s a launch); anything else is started anew.
+        if args[-2:-1] != ["-c"] or not any(f"multiprocessing.{m}" in args[-1] for m in FORKED):
             return spawn_anew(path, args, passfds)
         pid = os.fork()
         if pid:
@@ -112,7 +157,7 @@ def _start_fork_server() -> None:
             server = getattr(multiprocessing.forkserver, "_forkserver", None)
             if hasattr(server, "_lock"):
                 server._lock = threading.Lock()
-            exec(args[-1], {"__name__": "__mp_forkserver__"})  # forkserver.main(...): serves until the agent ends
+            exec(args[-1], {"__name__": "__mp_forkserver__"})  # main(...): serves until the agent ends
             code = 0
         except SystemExit as exc:
             code = 0 if exc.code is None else exc.code
@@ -143,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                          "end the options with -m MODULE [ARGS], MODULE defining rank_main")
     # What every rank runs, imported while this process has one thread: torch's launcher
     # (a rank starts in its wrapper) and MODULE. The fork server is then a fork of this process.
-    with _blas_without_a_thread_pool():
+    with _blas_without_a_thread_pool(), _imports_without_gc():
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
         from torch.distributed.run import config_from_args, parse_args
@@ -153,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.set_forkserver_preload(["torch.distributed.elastic.multiprocessing.api", "ep_harness.launch.agent", module])
     _start_fork_server()
     _plain_launcher_logs()
+    _rendezvous_names_without_source()
     args = parse_args(argv)
     if not args.module or args.training_script != module:
         raise SystemExit("ep_harness.launch.agent: the ranks' entry point must be given as -m MODULE")

@@ -4,7 +4,8 @@ The fix for cuBLAS's batch variance on the dense projections that are not groupe
 (attention, shared experts, LM head): no split-K, K walked in one fixed order for every
 output element at every M; the tiles follow M (a tuned table) without changing that order.
 """
-from ep_harness.kernels import bi_matmul as kernel
+import importlib
+
 from ep_harness.subject import register
 from ep_harness.subjects.gemm.common import unsupported
 
@@ -24,7 +25,7 @@ class TritonBiMatmul:
         if platform.device != "cuda":
             return ("needs a CUDA GPU; this run is on the CPU (Triton's interpreter computes bf16 "
                     "wrongly and truncates fp32 -> bf16, so it is no stand-in)")
-        if kernel.triton is None:
+        if _kernel().triton is None:
             return "triton cannot be imported; pip install 'ep-harness[gpu]'"
         return None
 
@@ -32,4 +33,11 @@ class TritonBiMatmul:
         return True
 
     def run(self, problem, out):
-        kernel.bi_matmul(problem.a, problem.b, out=out)
+        _kernel().bi_matmul(problem.a, problem.b, out=out)
+
+
+def _kernel():
+    """harness/kernels/bi_matmul.py, imported where a check may run it (a GPU): it imports
+    triton (0.25 CPU-s), which a CPU run never needs, in every process that registers this
+    subject (the command and each launch's agent)."""
+    return importlib.import_module("ep_harness.kernels.bi_matmul")
