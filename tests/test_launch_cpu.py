@@ -90,6 +90,21 @@ def test_a_cpu_run_imports_no_triton():
     assert found == str(__import__("importlib").util.find_spec("triton") is not None)
 
 
+def test_the_comparison_kernel_defined_on_first_use_still_counts_under_the_interpreter():
+    """The fused kernel is decorated when first launched (triton imported then): Triton's
+    interpreter runs it on CPU tensors and it agrees with the torch path, mismatches planted."""
+    pytest.importorskip("triton", reason="triton is not installed here (pip install triton)")
+    code = ("import torch; from ep_harness.kernels import bitcompare as bc; from ep_harness.bits import int_view; "
+            "a = torch.randn(20000, generator=torch.Generator().manual_seed(0)).bfloat16(); b = a.clone(); "
+            "int_view(b)[[5, 1234, 19999]] += 3; int_view(b)[777] -= 1; "
+            "print(bc.bitwise_stats(a, b, use_triton=True), bc.bitwise_stats(a, b, use_triton=False))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fused, plain = proc.stdout.strip().split(") (")
+    assert fused + ")" == "(4, 3, 5)" and "(" + plain == "(4, 3, 5)"
+
+
 def test_imports_without_gc_freeze_what_they_made():
     from ep_harness.cli import _imports_without_gc
     from ep_harness.launch.agent import _imports_without_gc as agents
