@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from ep_harness import console
 from ep_harness.console import Console
 from ep_harness.errors import HarnessError
+from ep_harness.launch.agent import _imports_without_gc  # the agent's: the same GC handling around imports
 from ep_harness.regress.gate import NotComparable
 
 
@@ -207,22 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if program:  # about to exit: its last collection need not walk what torch made (below)
             gc.freeze()
-
-
-@contextlib.contextmanager
-def _imports_without_gc():
-    """The cyclic garbage collector off while torch and the harness import (they make almost
-    no garbage, but each full collection walks all they made so far: 0.1 CPU-s), then what
-    they made moved to its permanent generation (gc.freeze), which no later collection walks:
-    the interpreter's last one at exit walks every object (0.5 CPU-s after `import torch`)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
 
 
 def _command(args, argv: list[str], out: Console) -> int:
