@@ -55,6 +55,29 @@ def test_a_table_entry_that_walks_k_otherwise_is_refused(tmp_path):
     table.write_text(json.dumps({"shapes": {"4096x4096": [{**good, "max_m": 64}]}}))
     with pytest.raises(ValueError, match="the last must cover every M"):
         kernel.tuned_tiles(table)
+    # a split count is the shape's, not the M's: split small M with unsplit large M is refused
+    split = {"max_m": 64, "config": {**kernel.REFERENCE_TILES.__dict__, "k_splits": 2, "split_parallel": True}}
+    table.write_text(json.dumps({"shapes": {"4096x4096": [split, good]}}))
+    with pytest.raises(ValueError, match="walk K differently"):
+        kernel.tuned_tiles(table)
+    serial = {"max_m": None, "config": kernel.walk_reference(2).__dict__}
+    table.write_text(json.dumps({"shapes": {"4096x4096": [split, serial]}}))
+    assert [plan.main.k_splits for _, plan in kernel.tuned_tiles(table)[(4096, 4096)]] == [2, 2]
+    odd = {"max_m": None, "config": {**kernel.walk_reference(3).__dict__}}  # 4096 is not 3 segments of 64
+    table = tmp_path / "odd.json"  # tuned_tiles caches by path
+    table.write_text(json.dumps({"shapes": {"4096x4096": [odd]}}))
+    with pytest.raises(ValueError, match="walk K differently"):
+        kernel.tuned_tiles(table)
+
+
+def test_a_split_walk_that_cannot_cut_k_says_how_to_fix_it():
+    assert kernel.split_problem(kernel.walk_reference(2), 4096) is None
+    assert "k_splits x block_k dividing K" in kernel.split_problem(kernel.walk_reference(3), 4096)
+    assert "needs the TMA kernel" in kernel.split_problem(kernel.TileConfig(64, 64, 64, 8, 4, 3, k_splits=2), 4096)
+    assert ">= 2 with split_parallel" in kernel.split_problem(kernel.TileConfig(64, 64, 64, 8, 4, 3, True,
+                                                                               split_parallel=True), 4096)
+    with pytest.raises(ValueError, match="k_splits x block_k dividing K"):
+        kernel.bi_matmul(torch.zeros(2, 96), torch.zeros(3, 96), config=kernel.walk_reference(2))
 
 
 def test_bad_operands_get_one_line_errors():
@@ -97,7 +120,8 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
     for (n, k), buckets in table.items():
         a = torch.randn(300, k, generator=g, device="cuda").bfloat16()
         b = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
-        want = kernel.bi_matmul(a, b, config=kernel.REFERENCE_TILES)
+        reference = kernel.walk_reference(buckets[0][1].main.k_splits)
+        want = kernel.bi_matmul(a, b, config=reference)
         for _, plan in buckets:
             for cfg in filter(None, (plan.main, plan.tail)):
                 got = kernel.bi_matmul(a, b, config=cfg)
@@ -107,9 +131,8 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
                          if len(kernel.row_slices(m, n, plan, 132)) == 2)
                 rows = torch.randn(m, k, generator=g, device="cuda").bfloat16()
                 assert torch.equal(kernel.bi_matmul(rows, b, config=plan).view(torch.int16),
-                                   kernel.bi_matmul(rows, b, config=kernel.REFERENCE_TILES).view(torch.int16))
-        swapped = kernel.bi_matmul(a.roll(k // 2, 1).contiguous(), b.roll(k // 2, 1).contiguous(),
-                                   config=kernel.REFERENCE_TILES)
+                                   kernel.bi_matmul(rows, b, config=reference).view(torch.int16))
+        swapped = kernel.bi_matmul(a.roll(k // 2, 1).contiguous(), b.roll(k // 2, 1).contiguous(), config=reference)
         assert int((swapped.view(torch.int16) != want.view(torch.int16)).sum()) > 0
 
 
@@ -157,6 +180,43 @@ def interpreter_checks() -> dict:
             "tile_rows": cfg.block_m,
             "bits": full.view(torch.int32).tolist(),
         }
+    out["split"] = split_checks(g)
+    return out
+
+
+SPLIT = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2, tma=True)
+
+
+def split_checks(g) -> dict:
+    """K in 2 and 3 segments, each walked by one program per segment (partial sums through the
+    workspace, the last arrival adds them) and by one program per tile: the same bits."""
+    from ep_harness.tolerances import gemm_bound
+
+    k, n, m_max = 192, 40, M_MAX  # 2 or 3 segments of whole 32-deep K steps
+    a_all = (torch.randn(m_max, k, generator=g) * 2.0 ** torch.randint(-6, 7, (m_max, k), generator=g)).float()
+    b = torch.randn(n, k, generator=g).float()
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    unsplit = kernel.bi_matmul(a_all, b, config=kernel.TileConfig(**SPLIT))
+    exact = a_all.double() @ b.double().T
+    tol = gemm_bound("float32", k)
+    bound = tol["u_out"] * exact.abs() + tol["gamma"] * (a_all.double().abs() @ b.double().abs().T)
+    out = {}
+    for k_splits in (2, 3):
+        serial = kernel.bi_matmul(a_all, b, config=kernel.TileConfig(**SPLIT, k_splits=k_splits))
+        parallel_cfg = kernel.TileConfig(**SPLIT, k_splits=k_splits, split_parallel=True)
+        runs = [kernel.bi_matmul(a_all, b, config=parallel_cfg) for _ in range(3)]  # the counters carry over calls
+        per_m = {m: int((bits(kernel.bi_matmul(a_all[:m].contiguous(), b, config=parallel_cfg)) != bits(serial[:m])).sum())
+                 for m in M_VALUES}
+        out[k_splits] = {
+            "parallel_vs_serial": [int((bits(r) != bits(serial)).sum()) for r in runs],
+            "batch_mismatches": per_m,
+            "vs_unsplit": int((bits(serial) != bits(unsplit)).sum()),
+            "worst_fraction_of_bound": float(((serial.double() - exact).abs() / bound).max()),
+            "programs": kernel.launch_plan(m_max, n, k, "float32", a_all.device, parallel_cfg)[1],
+            "items": -(-m_max // SPLIT["block_m"]) * -(-n // SPLIT["block_n"]) * k_splits,
+            "counters_whole": all(int(t.remainder(k_splits).max()) == 0
+                                  for key, t in kernel._ARRIVALS.items() if key[2] == k_splits),
+        }
     return out
 
 
@@ -193,6 +253,17 @@ def test_interpreter_comparison_sees_another_k_order(interpreted):
     k16 = torch.tensor(interpreted["pointers-k16"]["bits"])
     assert int((k32 != k16).sum()) > 0
     assert torch.equal(k32, torch.tensor(interpreted["tma"]["bits"]))  # same walk through TMA: same bits
+
+
+def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(interpreted):
+    for k_splits, result in interpreted["split"].items():
+        assert result["parallel_vs_serial"] == [0, 0, 0], k_splits
+        assert result["batch_mismatches"] == {str(m): 0 for m in M_VALUES}, k_splits
+        assert result["counters_whole"], k_splits  # every tile's arrivals a whole number of calls
+        assert result["worst_fraction_of_bound"] <= 1.0, k_splits
+        # not vacuous: programs each took several (tile, segment) items, and splitting K changed the sum
+        assert result["programs"] < result["items"]
+        assert result["vs_unsplit"] > 0, k_splits
 
 
 if __name__ == "__main__":  # the child process of `interpreted`

@@ -103,3 +103,72 @@ def test_batch_invariant_ops_subject_says_why_it_cannot_run(monkeypatch):
     monkeypatch.setattr(bio, "library", missing)
     reason = subject.unavailable(H200, dense)
     assert "cannot be imported" in reason and "thinking-machines-lab/batch_invariant_ops" in reason
+
+
+def test_split_candidates_cut_k_into_whole_segments_and_keep_their_walk():
+    for n, k in tune.SHAPES:
+        unsplit = set(tune.split_candidates(k, 1)["small"])
+        for k_splits in tune.SPLITS:
+            groups = tune.split_candidates(k, k_splits)
+            assert groups["small"] and not unsplit & set(groups["small"])  # names say the split
+            for group, configs in groups.items():
+                for cfg in configs.values():
+                    assert kernel.split_problem(cfg, k) is None
+                    assert kernel.k_walk(cfg, k) == kernel.k_walk(kernel.walk_reference(k_splits), k)
+                    assert cfg.split_parallel == (group == "small")  # few tiles: a program per segment
+    # 7168 is not 4 segments of 512-deep steps: those tiles are left out at 4, kept at 2
+    assert any(c.block_k == 512 for c in tune.split_candidates(7168, 2)["small"].values())
+    assert not any(c.block_k == 512 for c in tune.split_candidates(7168, 4)["small"].values())
+
+
+def test_a_split_count_is_tried_where_small_m_miss_and_chosen_by_the_worst_m():
+    def walk(ratios):
+        return [dict(_point(m, {"t": r}, {"t": r}), chosen="t") for m, r in ratios.items()]
+    unsplit = walk({1: 1.30, 256: 1.00, 2048: 1.04})  # M = 1 at 1.30 / 1.10
+    assert tune.score(unsplit) == pytest.approx(1.30 / 1.10)
+    assert tune.misses_where_splits_help(unsplit)
+    assert not tune.misses_where_splits_help(walk({1: 1.05, 256: 1.10, 2048: 1.20}))  # only a large M misses
+    split = walk({1: 1.02, 256: 1.08, 2048: 1.06})  # worst: M = 2048 at 1.06 / 1.05
+    assert tune.score(split) == pytest.approx(1.06 / 1.05) and tune.score(split) < tune.score(unsplit)
+    assert [tune.target(m) for m in (1, 64, 65, 256, 512, 1024, 8192)] == [1.10, 1.10, 1.15, 1.15, 1.15, 1.05, 1.05]
+
+
+def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_table(tmp_path, monkeypatch):
+    """The tuner's bookkeeping with the GPU parts replaced (bits all identical, timings made
+    up): the unsplit walk misses at M = 1 on the thin shape, K in 2 segments meets every
+    target there, and the table it writes loads with one split count for every M."""
+    import torch
+
+    pytest.importorskip("triton")
+
+    class FakeShape:
+        def __init__(self, n, k, m_max, seed):
+            self.n, self.k, self.a_all, self.b, self.unavailable = n, k, None, None, {}
+
+    def fake_bits(a_all, b, candidates, reference):
+        return {name: {"mismatched": {1: 0}, "elements": {1: 1}} for name in candidates} | \
+            {"K halves swapped (control)": {"mismatched": {1: 5}, "elements": {1: 1}}}
+
+    def fake_time(shape, m, tiles, repeats, warmup):
+        def ratio(name):  # thin N at small M: only the split walk keeps up with cuBLAS
+            cfg = tiles[name] if isinstance(tiles[name], kernel.TileConfig) else tiles[name].main
+            slow = shape.n == 2048 and m <= 64 and cfg.k_splits == 1
+            return (1.4 if slow else 1.0) + cfg.block_m / 1e4  # the smallest tile wins ties
+        state = {name: {"median_ms": ratio(name), "time_vs_baseline": ratio(name)} for name in tiles}
+        state["torch_mm"] = {"median_ms": 1.0, "time_vs_baseline": 1.0}
+        return {"m": m, "warm": state, "cold": state}
+
+    monkeypatch.setattr(tune, "Shape", FakeShape)
+    monkeypatch.setattr(tune, "bit_check", fake_bits)
+    monkeypatch.setattr(tune, "time_point", fake_time)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    result = tune.run(tmp_path, 1, 0, 0, shapes=((2048, 7168), (4096, 4096)))
+    chosen = {(s["n"], s["k"]): s["chosen_k_splits"] for s in result["shapes"]}
+    assert chosen == {(2048, 7168): 2, (4096, 4096): 1}
+    assert [w["k_splits"] for w in result["shapes"][1]["walks"]] == [1]  # no miss: no split tried
+    table = kernel.tuned_tiles(tmp_path / "bi_matmul_tiles.json")
+    assert {plan.main.k_splits for _, plan in table[(2048, 7168)]} == {2}
+    assert any(plan.main.split_parallel for _, plan in table[(2048, 7168)])  # small M: a program per segment
+    assert {plan.main.k_splits for _, plan in table[(4096, 4096)]} == {1}

@@ -2,11 +2,17 @@
 
 Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
 
-* One K walk per (N, K, dtype), whatever M is: no split-K; one program computes a whole
-  output tile, walking K from 0 upward into one float32 accumulator, the tensor cores adding
-  16 products at a time, so every output element sees the same sequence of additions. Rows
-  and columns are independent inside `tl.dot`: an element's result does not depend on the
-  other rows or columns of its tile (masked rows load zeros).
+* One K walk per (N, K, dtype), whatever M is: K cut into `k_splits` equal segments (1 unless
+  the table says otherwise for that (N, K)), each walked from its start upward into its own
+  float32 accumulator, the tensor cores adding 16 products at a time, then the segments'
+  sums added in segment order. Every output element sees the same sequence of additions.
+  Rows and columns are independent inside `tl.dot`: an element's result does not depend on
+  the other rows or columns of its tile (masked rows load zeros).
+* Split-K without changing that order: a split count is a property of (N, K), never of M. At
+  small M (few tiles) each segment goes to its own program (`split_parallel`), which writes
+  its float32 sum to a workspace; the tile's last program to arrive adds the segments in
+  segment order and stores the tile. At larger M one program walks the segments in turn and
+  adds them in the same order. Both give the same bits (checked on the GPU by the tuner).
 * Tiles may follow M (`tile_config`), the walk may not: the tile's rows, columns, K depth per
   pipeline stage, warps and stages change how many programs share the work, not the order of
   an element's additions. Every table entry's K depth divides K (no zero-padded K steps), and
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +66,11 @@ class TileConfig:
     # next tile's loads overlap this tile's epilogue) or "warp_specialize" (producer and
     # consumer warps). They schedule the same tile walk, not another order of additions.
     schedule: str = ""
+    # K cut into this many equal segments, their sums added in segment order (part of the K
+    # walk: every tile shape of one (N, K) has the same); `split_parallel`: one program per
+    # segment, partial sums through a workspace, instead of one program walking them in turn.
+    k_splits: int = 1
+    split_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,27 @@ H200_SMS = 132
 
 def k_walk(config: TileConfig, k: int) -> tuple:
     """What fixes an element's order of additions: the K steps (zero-padded to a multiple of
-    the K depth) and the kernel. Every tile shape used at one (N, K, dtype) has the same."""
-    return (-(-k // config.block_k) * config.block_k, config.tma)
+    the K depth), the kernel and the K segments. Every tile shape used at one (N, K, dtype)
+    has the same; whether segments run in one program or several is not part of it."""
+    return (-(-k // config.block_k) * config.block_k, config.tma, config.k_splits)
+
+
+def walk_reference(k_splits: int = 1) -> TileConfig:
+    """The reference tiles walking K in `k_splits` segments, one program per tile: the bits every
+    tuned tile shape of an (N, K) with that split count must reproduce."""
+    return replace(REFERENCE_TILES, k_splits=k_splits)
+
+
+def split_problem(config: TileConfig, k: int) -> str | None:
+    """Why `config` cannot walk K = k in its segments (None: it can)."""
+    if config.k_splits < 1 or (config.split_parallel and config.k_splits < 2):
+        return f"k_splits must be >= 1 (>= 2 with split_parallel), not {config.k_splits}"
+    if config.k_splits > 1 and not config.tma:
+        return "split K needs the TMA kernel (tma=True)"
+    if config.k_splits > 1 and k % (config.k_splits * config.block_k):
+        return (f"K = {k} is not {config.k_splits} segments of whole {config.block_k}-deep K steps; "
+                f"choose k_splits and block_k with k_splits x block_k dividing K")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,11 +132,12 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
         n, k = (int(x) for x in shape.split("x"))
         buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]), TileConfig(**e["tail"]) if e.get("tail") else None))
                         for e in entries)
-        for _, plan in buckets:
-            for cfg in filter(None, (plan.main, plan.tail)):
-                if k_walk(cfg, k) != k_walk(REFERENCE_TILES, k) or k % cfg.block_k:
-                    raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles; "
-                                     f"re-run python3 -m ep_harness.cost.tune_bi_matmul")
+        configs = [cfg for _, plan in buckets for cfg in (plan.main, plan.tail) if cfg is not None]
+        reference = walk_reference(configs[0].k_splits)
+        for cfg in configs:
+            if k_walk(cfg, k) != k_walk(reference, k) or k % cfg.block_k or split_problem(cfg, k):
+                raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles "
+                                 f"(or from the shape's other tiles); re-run python3 -m ep_harness.cost.tune_bi_matmul")
         if buckets[-1][0] is not None:
             raise ValueError(f"{path}: the {shape} entries end at M = {buckets[-1][0]}; the last must cover every M")
         table[(n, k)] = buckets
@@ -203,45 +234,88 @@ if triton is not None:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
             tile += num_programs
 
+    @triton.jit
+    def _segment(a_desc, b_desc, off_m, off_n, k_first, K_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One tile's products over K = k_first .. k_first + K_SEGMENT, from k_first upward into a
+        float32 accumulator that starts at zero. TMA zero-fills reads past M (and K)."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_SEGMENT, BLOCK_K):  # static bounds: Triton pipelines the loop
+            a = a_desc.load([off_m, k_first + k0])
+            b = b_desc.load([off_n, k_first + k0])
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        return acc
+
+    @triton.jit
+    def _tile_walk(a_desc, b_desc, off_m, off_n, K: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """A whole tile in one program: K_SPLITS segments in turn, their sums added in segment
+        order (the order the split programs' last arrival adds them in)."""
+        total = _segment(a_desc, b_desc, off_m, off_n, 0, K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        for s in tl.static_range(1, K_SPLITS):
+            total += _segment(a_desc, b_desc, off_m, off_n, s * (K // K_SPLITS), K // K_SPLITS,
+                              BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        return total
+
     @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, num_programs,
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        # The same tile walk as _bi_matmul_kernel; TMA zero-fills reads past M (and K) and
-        # clips the store, so no masks.
+                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              K_SPLITS: tl.constexpr):
+        # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments); TMA clips the store.
         tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
         while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            off_m = tile_m * BLOCK_M
-            off_n = tile_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):  # K from 0 upward, the same steps for every tile
-                a = a_desc.load([off_m, k0])
-                b = b_desc.load([off_n, k0])
-                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            acc = _tile_walk(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], acc.to(c_desc.dtype))
             tile += num_programs
-
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_tma_scheduled_kernel(a_desc, b_desc, c_desc, M, N, num_programs,
                                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                                        K_SPLITS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
         # _bi_matmul_tma_kernel's walk as a tl.range loop, which Triton can pipeline across
         # tiles (FLATTEN) or split into producer and consumer warps (WARP_SPECIALIZE).
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=FLATTEN,
                              warp_specialize=WARP_SPECIALIZE):
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            off_m = tile_m * BLOCK_M
-            off_n = tile_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):  # K from 0 upward, the same steps for every tile
-                a = a_desc.load([off_m, k0])
-                b = b_desc.load([off_n, k0])
-                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            acc = _tile_walk(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], acc.to(c_desc.dtype))
+
+    @triton.jit(do_not_specialize=["M", "num_programs"])
+    def _bi_matmul_tma_split_kernel(a_desc, b_desc, c_desc, partial_ptr, arrivals_ptr, M, N, num_programs,
+                                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                    K_SPLITS: tl.constexpr):
+        # Work item = (tile, segment). Each writes its segment's float32 sum to the workspace
+        # [K_SPLITS, tiles, BLOCK_M x BLOCK_N], then arrives at the tile's counter; the last to
+        # arrive adds the K_SPLITS sums in segment order (whichever program that is, the order
+        # is the same) and stores the tile. Counters only ever grow, by K_SPLITS per tile and
+        # call, so no call has to zero them.
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        item = tl.program_id(0)
+        while item < tiles * K_SPLITS:  # persistent: this program's items, num_programs apart
+            tile, segment = item // K_SPLITS, item % K_SPLITS
+            tile_m, tile_n = _tile_at(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+            acc = _segment(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, segment * (K // K_SPLITS),
+                           K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            tile_base = partial_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
+            segment_stride = tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)
+            tl.store(tile_base + segment * segment_stride + inside, acc)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is published
+            arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived % K_SPLITS == K_SPLITS - 1:
+                tl.debug_barrier()
+                total = tl.load(tile_base + inside, cache_modifier=".cg")
+                for s in tl.static_range(1, K_SPLITS):
+                    total += tl.load(tile_base + s * segment_stride + inside, cache_modifier=".cg")
+                c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], total.to(c_desc.dtype))
+            item += num_programs
 
 
 def _device_sms(device: torch.device) -> int:
@@ -257,7 +331,8 @@ def launch_plan(m: int, n: int, k: int, dtype: str, device: torch.device,
     if config is None:
         config = tile_config(m, n, k, dtype, _device_sms(device))
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    return config, program_count(tiles, device, config.ctas_per_sm)
+    items = tiles * (config.k_splits if config.split_parallel else 1)
+    return config, program_count(items, device, config.ctas_per_sm)
 
 
 def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -291,10 +366,32 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, k_splits: int, tiles: int) -> torch.Tensor:
+    """The split kernel's per-tile arrival counters for this device, stream and split count.
+    They are never reset: every call adds k_splits to each of its tiles, so "last of the tile"
+    is a count of k_splits - 1 modulo k_splits (int64: no wrap). Each stream has its own, so
+    that calls on two streams cannot arrive at each other's tiles; a CUDA graph being
+    captured gets its own zeroed ones (zeroed again at every replay)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int64, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, k_splits)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < tiles:  # fresh zeros: every old count was 0 modulo k_splits
+        counters = _ARRIVALS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int64, device=device)
+    return counters
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig) -> None:
     """One kernel launch over all of a's rows with the tiles `cfg`."""
     m, k = a.shape
     n = b.shape[0]
+    problem = split_problem(cfg, k)
+    if problem:
+        raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
     _, programs = launch_plan(m, n, k, DTYPES[a.dtype], a.device, cfg)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     if cfg.tma:
@@ -309,8 +406,13 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                        TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k]),
                        TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]))
         shape = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.schedule:
+                     DOT_PRECISION=precision, K_SPLITS=cfg.k_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.split_parallel:
+            tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+            partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
+            _bi_matmul_tma_split_kernel[(programs,)](*descriptors, partial, _arrivals(a.device, cfg.k_splits, tiles),
+                                                     m, n, programs, **shape)
+        elif cfg.schedule:
             _bi_matmul_tma_scheduled_kernel[(programs,)](*descriptors, m, n, programs, **shape,
                                                          FLATTEN=cfg.schedule == "flatten",
                                                          WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
