@@ -113,7 +113,7 @@ def test_gpu_without_triton_says_so(monkeypatch):
 def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
     """The table's claim, on this GPU: at each tuned (N, K), every tile shape the table uses
     gives every output bit the reference tiles give (rows at tile edges included), and
-    walking K's halves the other way round does not (the comparison sees an order change)."""
+    the reference with K rotated by half a segment does not (the comparison sees an order change)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     table = kernel.tuned_tiles()
     assert table, "bi_matmul_tiles.json holds no tuned shape"
@@ -132,8 +132,9 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
                 rows = torch.randn(m, k, generator=g, device="cuda").bfloat16()
                 assert torch.equal(kernel.bi_matmul(rows, b, config=plan).view(torch.int16),
                                    kernel.bi_matmul(rows, b, config=reference).view(torch.int16))
-        swapped = kernel.bi_matmul(a.roll(k // 2, 1).contiguous(), b.roll(k // 2, 1).contiguous(), config=reference)
-        assert int((swapped.view(torch.int16) != want.view(torch.int16)).sum()) > 0
+        shift = k // (2 * reference.k_splits)  # half a segment: a whole one would only swap two segments' sums
+        rotated = kernel.bi_matmul(a.roll(shift, 1).contiguous(), b.roll(shift, 1).contiguous(), config=reference)
+        assert int((rotated.view(torch.int16) != want.view(torch.int16)).sum()) > 0
 
 
 # --- float32 under the interpreter (child process) --------------------------------------------
@@ -188,11 +189,11 @@ SPLIT = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_sta
 
 
 def split_checks(g) -> dict:
-    """K in 2 and 3 segments, each walked by one program per segment (partial sums through the
+    """K in 2, 3 and 4 segments, each walked by one program per segment (partial sums through the
     workspace, the last arrival adds them) and by one program per tile: the same bits."""
     from ep_harness.tolerances import gemm_bound
 
-    k, n, m_max = 192, 40, M_MAX  # 2 or 3 segments of whole 32-deep K steps
+    k, n, m_max = 384, 40, M_MAX  # 2, 3 or 4 segments of whole 32-deep K steps
     a_all = (torch.randn(m_max, k, generator=g) * 2.0 ** torch.randint(-6, 7, (m_max, k), generator=g)).float()
     b = torch.randn(n, k, generator=g).float()
     bits = lambda t: t.view(torch.int32)  # noqa: E731
@@ -201,7 +202,7 @@ def split_checks(g) -> dict:
     tol = gemm_bound("float32", k)
     bound = tol["u_out"] * exact.abs() + tol["gamma"] * (a_all.double().abs() @ b.double().abs().T)
     out = {}
-    for k_splits in (2, 3):
+    for k_splits in (2, 3, 4):  # side by side in one loop (2, 4) or one after the other (3)
         serial = kernel.bi_matmul(a_all, b, config=kernel.TileConfig(**SPLIT, k_splits=k_splits))
         parallel_cfg = kernel.TileConfig(**SPLIT, k_splits=k_splits, split_parallel=True)
         runs = [kernel.bi_matmul(a_all, b, config=parallel_cfg) for _ in range(3)]  # the counters carry over calls

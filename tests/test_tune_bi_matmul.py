@@ -147,7 +147,7 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
 
     def fake_bits(a_all, b, candidates, reference):
         return {name: {"mismatched": {1: 0}, "elements": {1: 1}} for name in candidates} | \
-            {"K halves swapped (control)": {"mismatched": {1: 5}, "elements": {1: 1}}}
+            {"K rotated (control)": {"mismatched": {1: 5}, "elements": {1: 1}}}
 
     def fake_time(shape, m, tiles, repeats, warmup):
         def ratio(name):  # thin N at small M: only the split walk keeps up with cuBLAS

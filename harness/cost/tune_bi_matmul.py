@@ -10,8 +10,8 @@ That is a claim about the compiled kernels, so it is measured here before any ti
 candidate's whole output, at three M (one row, a partial tile, 2,048 rows), is compared bit for
 bit with the reference tiles' walking K in as many segments (`bi_matmul.walk_reference`); a
 candidate that differs in one element is never chosen. cuBLAS's output, and the reference
-walking K's halves the other way round, are compared the same way, as controls that the
-comparison sees another order.
+with K rotated by half a segment (the same products, summed in another order), are compared
+the same way, as controls that the comparison sees another order.
 
 The split count is chosen per (N, K), never per M: the unsplit walk first; where it misses a
 target at some M (`TARGETS`), split counts 2 and 4 as well (small M: one program per segment;
@@ -141,14 +141,15 @@ def bit_check(a_all, b, candidates: dict, reference) -> dict:
             continue
         result[name] = {"mismatched": {m: int((int_view(got[m]) != int_view(want[m])).sum()) for m in BITS_M},
                         "elements": {m: want[m].numel() for m in BITS_M}}
-    # Controls that the comparison sees another order: cuBLAS, the reference tiles walking
-    # K's two halves the other way round (the same products, summed in another order), and
-    # for a split walk the unsplit one.
-    half = a_all.shape[1] // 2
-    swapped_a, swapped_b = a_all.roll(half, 1), b.roll(half, 1)
+    # Controls that the comparison sees another order: cuBLAS, the reference tiles with K
+    # rotated by half a segment (the same products, summed in another order; a whole segment
+    # would only swap segments, and two segments' sum does not depend on which comes first),
+    # and for a split walk the unsplit one.
+    shift = a_all.shape[1] // (2 * reference.k_splits)
+    rotated_a, rotated_b = a_all.roll(shift, 1), b.roll(shift, 1).contiguous()
     controls = {"cublas (control)": lambda m: torch.mm(a_all[:m], b.t()),
-                "K halves swapped (control)": lambda m: kernel.bi_matmul(swapped_a[:m].contiguous(), swapped_b,
-                                                                         config=reference)}
+                "K rotated (control)": lambda m: kernel.bi_matmul(rotated_a[:m].contiguous(), rotated_b,
+                                                                  config=reference)}
     if reference.k_splits != 1:
         controls["unsplit walk (control)"] = lambda m: kernel.bi_matmul(a_all[:m], b, config=kernel.walk_reference(1))
     for name, product in controls.items():

@@ -235,26 +235,53 @@ if triton is not None:
             tile += num_programs
 
     @triton.jit
+    def _step(a_desc, b_desc, off_m, off_n, k, acc, DOT_PRECISION: tl.constexpr):
+        """acc plus one K step's products (TMA zero-fills reads past M and K)."""
+        return tl.dot(a_desc.load([off_m, k]), b_desc.load([off_n, k]).T, acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
     def _segment(a_desc, b_desc, off_m, off_n, k_first, K_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One tile's products over K = k_first .. k_first + K_SEGMENT, from k_first upward into a
-        float32 accumulator that starts at zero. TMA zero-fills reads past M (and K)."""
+        float32 accumulator that starts at zero."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SEGMENT, BLOCK_K):  # static bounds: Triton pipelines the loop
-            a = a_desc.load([off_m, k_first + k0])
-            b = b_desc.load([off_n, k_first + k0])
-            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+            acc = _step(a_desc, b_desc, off_m, off_n, k_first + k0, acc, DOT_PRECISION)
         return acc
 
     @triton.jit
     def _tile_walk(a_desc, b_desc, off_m, off_n, K: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """A whole tile in one program: K_SPLITS segments in turn, their sums added in segment
-        order (the order the split programs' last arrival adds them in)."""
-        total = _segment(a_desc, b_desc, off_m, off_n, 0, K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        for s in tl.static_range(1, K_SPLITS):
-            total += _segment(a_desc, b_desc, off_m, off_n, s * (K // K_SPLITS), K // K_SPLITS,
-                              BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        """A whole tile in one program: K_SPLITS segments, their sums added in segment order (the
+        order the split programs' last arrival adds them in). Two or four segments advance side
+        by side in one pipelined loop, each into its own accumulator, each still from its start
+        upward: the same additions as one segment after the other, without restarting the
+        pipeline at every segment."""
+        SEG: tl.constexpr = K // K_SPLITS
+        if K_SPLITS == 1:
+            total = _segment(a_desc, b_desc, off_m, off_n, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        elif K_SPLITS == 2:
+            acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, SEG, BLOCK_K):
+                acc0 = _step(a_desc, b_desc, off_m, off_n, k0, acc0, DOT_PRECISION)
+                acc1 = _step(a_desc, b_desc, off_m, off_n, SEG + k0, acc1, DOT_PRECISION)
+            total = acc0 + acc1
+        elif K_SPLITS == 4:
+            acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, SEG, BLOCK_K):
+                acc0 = _step(a_desc, b_desc, off_m, off_n, k0, acc0, DOT_PRECISION)
+                acc1 = _step(a_desc, b_desc, off_m, off_n, SEG + k0, acc1, DOT_PRECISION)
+                acc2 = _step(a_desc, b_desc, off_m, off_n, 2 * SEG + k0, acc2, DOT_PRECISION)
+                acc3 = _step(a_desc, b_desc, off_m, off_n, 3 * SEG + k0, acc3, DOT_PRECISION)
+            total = ((acc0 + acc1) + acc2) + acc3
+        else:  # other counts: one segment after the other
+            total = _segment(a_desc, b_desc, off_m, off_n, 0, SEG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            for s in tl.static_range(1, K_SPLITS):
+                total += _segment(a_desc, b_desc, off_m, off_n, s * SEG, SEG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         return total
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
