@@ -76,13 +76,15 @@ def target(m: int) -> float:
 
 def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileConfig]]:
     """CANDIDATES walking K in k_splits segments: the small tiles one program per segment (few
-    tiles at small M: the segments fill the SMs), the others one program per tile; only those
-    whose K depth cuts K into whole segments."""
+    tiles at small M: the segments fill the SMs), the others one program per tile with as many
+    stages as fit (its segments load side by side); only those whose K depth cuts K into whole
+    segments."""
     if k_splits == 1:
         return {group: {name_of(c): c for c in configs} for group, configs in CANDIDATES.items()}
     out = {}
     for group, configs in CANDIDATES.items():
-        split = (replace(c, k_splits=k_splits, split_parallel=group == "small") for c in configs)
+        split = [replace(c, k_splits=k_splits, split_parallel=group == "small") for c in configs]
+        split = (replace(c, num_stages=kernel.stages_that_fit(c)) for c in split)
         out[group] = {name_of(c): c for c in split if not kernel.split_problem(c, k)}
     return out
 # Two-launch plans (kernel.TilePlan): large tiles over whole waves, the rest of the rows in a tail
@@ -276,7 +278,12 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
     """One split count at one shape: bits of every candidate, then each M's timing and choice."""
     groups = split_candidates(shape.k, k_splits)
     candidates = {name: cfg for group in groups.values() for name, cfg in group.items()}
-    bits = bit_check(shape.a_all, shape.b, candidates, kernel.walk_reference(k_splits))
+    try:
+        bits = bit_check(shape.a_all, shape.b, candidates, kernel.walk_reference(k_splits))
+    except Exception as exc:  # the reference itself does not run here: nothing to compare with
+        say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): the reference tiles fail: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}")
+        return {"k_splits": k_splits, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "points": []}
     same = [name for name in candidates if identical(bits[name])]
     controls = {name: check["mismatched"] for name, check in bits.items() if name.endswith("(control)")}
     say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): {len(same)} of {len(candidates)} candidates "

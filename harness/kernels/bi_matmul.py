@@ -104,8 +104,22 @@ def k_walk(config: TileConfig, k: int) -> tuple:
 
 def walk_reference(k_splits: int = 1) -> TileConfig:
     """The reference tiles walking K in `k_splits` segments, one program per tile: the bits every
-    tuned tile shape of an (N, K) with that split count must reproduce."""
-    return replace(REFERENCE_TILES, k_splits=k_splits)
+    tuned tile shape of an (N, K) with that split count must reproduce. Split, they are
+    smaller: the segments' loads advance side by side, each with its own pipeline stages in
+    shared memory."""
+    if k_splits == 1:
+        return REFERENCE_TILES
+    return TileConfig(64, 64, 64, 8, 4, 2, tma=True, k_splits=k_splits)
+
+
+def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
+    """The most pipeline stages (at most config's, at least 2) whose operand buffers fit in
+    shared memory beside the output tile, with every segment of a one-program split walk
+    loading side by side."""
+    side_by_side = config.k_splits if not config.split_parallel else 1
+    stage = side_by_side * (config.block_m + config.block_n) * config.block_k * 2
+    room = shared_bytes - config.block_m * config.block_n * 2
+    return max(2, min(config.num_stages, room // stage))
 
 
 def split_problem(config: TileConfig, k: int) -> str | None:
