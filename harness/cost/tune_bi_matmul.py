@@ -66,6 +66,10 @@ CANDIDATES = {
 }
 BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
 SPLITS = (2, 4)  # split counts tried where the unsplit walk misses a target
+# Large tiles for one-program split walks: a float32 accumulator per segment, so 16 warps hold
+# two 128 x 256 of them without spilling; K depth 32 leaves room for stages beside them.
+SPLIT_LARGE = (T(128, 256, 32, 8, 16, 3, True), T(256, 128, 32, 8, 16, 3, True), T(128, 256, 32, 8, 8, 3, True),
+               T(128, 128, 32, 8, 8, 6, True), T(128, 128, 32, 8, 4, 6, True))
 
 
 def target(m: int) -> float:
@@ -76,16 +80,18 @@ def target(m: int) -> float:
 
 def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileConfig]]:
     """CANDIDATES walking K in k_splits segments: the small tiles one program per segment (few
-    tiles at small M: the segments fill the SMs), the others one program per tile with as many
-    stages as fit (its segments load side by side); only those whose K depth cuts K into whole
-    segments."""
+    tiles at small M: the segments fill the SMs), the large one program per tile with as many
+    stages as fit (its segments load side by side), the mid both ways; only those that fit two
+    stages and whose K depth cuts K into whole segments."""
     if k_splits == 1:
         return {group: {name_of(c): c for c in configs} for group, configs in CANDIDATES.items()}
     out = {}
     for group, configs in CANDIDATES.items():
-        split = [replace(c, k_splits=k_splits, split_parallel=group == "small") for c in configs]
-        split = (replace(c, num_stages=kernel.stages_that_fit(c)) for c in split)
-        out[group] = {name_of(c): c for c in split if not kernel.split_problem(c, k)}
+        configs = configs + SPLIT_LARGE if group == "large" else configs
+        split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
+                 for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
+        split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
+        out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.split_problem(c, k)}
     return out
 # Two-launch plans (kernel.TilePlan): large tiles over whole waves, the rest of the rows in a tail
 # of smaller tiles; tried wherever the large tiles would leave the last wave less than half full.

@@ -113,13 +113,13 @@ def walk_reference(k_splits: int = 1) -> TileConfig:
 
 
 def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
-    """The most pipeline stages (at most config's, at least 2) whose operand buffers fit in
-    shared memory beside the output tile, with every segment of a one-program split walk
-    loading side by side."""
+    """The most pipeline stages (at most config's) whose bf16 operand buffers fit in shared
+    memory beside the output tile, with every segment of a one-program split walk loading side
+    by side (Hopper: 227 KiB a block; fewer than 2 stages: the tiles do not pipeline there)."""
     side_by_side = config.k_splits if not config.split_parallel else 1
     stage = side_by_side * (config.block_m + config.block_n) * config.block_k * 2
     room = shared_bytes - config.block_m * config.block_n * 2
-    return max(2, min(config.num_stages, room // stage))
+    return min(config.num_stages, room // stage)
 
 
 def split_problem(config: TileConfig, k: int) -> str | None:
