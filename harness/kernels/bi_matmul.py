@@ -19,7 +19,7 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   the whole output of every tile shape in the table is measured bit-identical to the
   reference tiles' on the GPU before it is used (harness/cost/tune_bi_matmul.py; the table,
   bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
-  every SM: what cuBLAS gets from split-K, without changing the sum. Where main's tiles would
+  every SM (and, at a thin N, one program per K segment). Where main's tiles would
   leave a last wave part-filled, the rows past the whole waves go to a second launch in
   smaller tiles (`TilePlan.tail`), again without changing any element's walk.
 * The compiled kernel does not depend on M beyond its tiles: M and the program count are

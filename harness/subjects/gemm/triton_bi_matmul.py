@@ -1,8 +1,9 @@
 """This project's batch-invariant dense matmul (harness/kernels/bi_matmul.py) as a GEMM subject.
 
 The fix for cuBLAS's batch variance on the dense projections that are not grouped GEMMs
-(attention, shared experts, LM head): no split-K, K walked in one fixed order for every
-output element at every M; the tiles follow M (a tuned table) without changing that order.
+(attention, shared experts, LM head): K walked in one fixed order for every output element at
+every M (a split-K count, where there is one, fixed by N and K); the tiles follow M (a tuned
+table) without changing that order.
 """
 import importlib
 
@@ -14,7 +15,7 @@ from ep_harness.subjects.gemm.common import unsupported
 class TritonBiMatmul:
     name = "triton_bi_matmul"
     family = "gemm"
-    summary = "batch-invariant Triton matmul (one K walk per N, K, dtype, tiles by M; no split-K)"
+    summary = "batch-invariant Triton matmul (one K walk per N, K, dtype, split-K fixed by N and K; tiles by M)"
     layouts = ("dense",)
     dtypes = ("bfloat16", "float32")
 
