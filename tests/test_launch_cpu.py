@@ -60,8 +60,9 @@ def test_proc_reads_agree_with_psutil(monkeypatch, sleeper):
 
     # Popen returns once the exec has begun: the new environment is in place a moment later
     deadline = time.monotonic() + 30
-    while b"EP_HARNESS_CHANNEL=" not in open(f"/proc/{sleeper.pid}/environ", "rb").read():
-        assert time.monotonic() < deadline, "the sleeper's environment never appeared"
+    while b"EP_HARNESS_CHANNEL=" not in open(f"/proc/{sleeper.pid}/environ", "rb").read() \
+            or processes.process_state(sleeper.pid).state != "S":  # and it has gone to sleep
+        assert time.monotonic() < deadline, "the sleeper's environment never appeared, or it never slept"
         time.sleep(0.01)
     assert b"(a) (b)" in open(f"/proc/{sleeper.pid}/stat", "rb").read()
     pids = [os.getpid(), os.getppid(), sleeper.pid, 1]
@@ -69,7 +70,11 @@ def test_proc_reads_agree_with_psutil(monkeypatch, sleeper):
     carried = {(p, ns): processes._carries(p, ns) for p in pids
                for ns in ("ep-harness/run/launch-0/", "ep-harness/old/", "ep-harness/run/")}
     monkeypatch.setattr(processes, "PROC_STAT", False)
-    assert fast == {p: processes.process_state(p) for p in pids}
+    slow = {p: processes.process_state(p) for p in pids}
+    # this process and its parent run between the two reads (R or S, threads coming and going):
+    # their parent and group must agree; the sleeper, asleep throughout, agrees in every field
+    assert {p: (s.parent, s.group) for p, s in fast.items()} == {p: (s.parent, s.group) for p, s in slow.items()}
+    assert fast[sleeper.pid] == slow[sleeper.pid]
     assert fast[sleeper.pid].parent == os.getpid() and fast[sleeper.pid].group == sleeper.pid
     assert carried == {(p, ns): processes._carries(p, ns) for p, ns in carried}
     assert [(p, ns) for (p, ns), yes in carried.items() if yes] == [(sleeper.pid, "ep-harness/run/launch-0/")]
