@@ -14,9 +14,9 @@ with K rotated by half a segment (the same products, summed in another order), a
 the same way, as controls that the comparison sees another order.
 
 The split count is chosen per (N, K), never per M: the unsplit walk first; where it misses a
-target at some M (`TARGETS`), split counts 2 and 4 as well (small M: one program per segment;
-larger M: the segments in turn in one program), and the count whose worst M is nearest its
-target wins for every M of that shape.
+target at some M <= 256 (`target`, `misses_where_splits_help`), split counts 2 and 4 as well
+(small M: one program per segment; larger M: the segments side by side in one program), and the
+count whose worst M is nearest its target (`score`) wins for every M of that shape.
 
 Then each shape and M: the bit-identical candidates, cuBLAS, DeepGEMM's BF16 dense GEMM and
 batch_invariant_ops' matmul, timed interleaved call by call (median of k), L2-warm (operands
@@ -154,7 +154,7 @@ def bit_check(a_all, b, candidates: dict, reference) -> dict:
     # would only swap segments, and two segments' sum does not depend on which comes first),
     # and for a split walk the unsplit one.
     shift = a_all.shape[1] // (2 * reference.k_splits)
-    rotated_a, rotated_b = a_all.roll(shift, 1), b.roll(shift, 1).contiguous()
+    rotated_a, rotated_b = a_all.roll(shift, 1), b.roll(shift, 1)
     controls = {"cublas (control)": lambda m: torch.mm(a_all[:m], b.t()),
                 "K rotated (control)": lambda m: kernel.bi_matmul(rotated_a[:m].contiguous(), rotated_b,
                                                                   config=reference)}

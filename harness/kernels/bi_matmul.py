@@ -11,8 +11,9 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
 * Split-K without changing that order: a split count is a property of (N, K), never of M. At
   small M (few tiles) each segment goes to its own program (`split_parallel`), which writes
   its float32 sum to a workspace; the tile's last program to arrive adds the segments in
-  segment order and stores the tile. At larger M one program walks the segments in turn and
-  adds them in the same order. Both give the same bits (checked on the GPU by the tuner).
+  segment order and stores the tile. At larger M one program walks the segments side by side,
+  each into its own accumulator, and adds them in the same order. Both give the same bits
+  (checked on the GPU by the tuner).
 * Tiles may follow M (`tile_config`), the walk may not: the tile's rows, columns, K depth per
   pipeline stage, warps and stages change how many programs share the work, not the order of
   an element's additions. Every table entry's K depth divides K (no zero-padded K steps), and
@@ -68,7 +69,7 @@ class TileConfig:
     schedule: str = ""
     # K cut into this many equal segments, their sums added in segment order (part of the K
     # walk: every tile shape of one (N, K) has the same); `split_parallel`: one program per
-    # segment, partial sums through a workspace, instead of one program walking them in turn.
+    # segment, partial sums through a workspace, instead of one program walking them all.
     k_splits: int = 1
     split_parallel: bool = False
 
@@ -337,16 +338,17 @@ if triton is not None:
         # arrive adds the K_SPLITS sums in segment order (whichever program that is, the order
         # is the same) and stores the tile. Counters only ever grow, by K_SPLITS per tile and
         # call, so no call has to zero them.
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        tiles = tiles_m * tiles_n
+        segment_stride = tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)
         inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         item = tl.program_id(0)
         while item < tiles * K_SPLITS:  # persistent: this program's items, num_programs apart
             tile, segment = item // K_SPLITS, item % K_SPLITS
-            tile_m, tile_n = _tile_at(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
             acc = _segment(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, segment * (K // K_SPLITS),
                            K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
             tile_base = partial_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
-            segment_stride = tiles.to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(tile_base + segment * segment_stride + inside, acc)
             tl.debug_barrier()  # every thread's partial is written before the arrival is published
             arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
