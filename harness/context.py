@@ -45,6 +45,15 @@ class RankContext:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_on_rank0(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere): what rank 0 alone
+        measures travels once, and only rank 0 unpickles it."""
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)  # a group's rank 0 is rank 0: groups are 0..w-1
+        return out
+
     def share_from_rank0(self, obj):
         """Rank 0's `obj` on every rank: how all ranks agree on one verdict."""
         import torch.distributed as dist

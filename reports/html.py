@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from ep_harness.reports import plots
+from ep_harness.reports import heatmap, plots
 from ep_harness.reports.analysis import FAILING, OUTCOMES, counts, outcome, pairs, verdict, worst_first
 from ep_harness.reports.selftest import selftest_context
 from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
@@ -91,7 +91,10 @@ def _detail(r: dict) -> dict:
     mm = d.get("mismatch_map")
     mapping = None
     if mm:
-        mapping = {"columns": f"{mm['columns']:,}", "bins": mm["bins"], "png": plots.map_png(mm)}
+        try:
+            mapping = {"columns": f"{mm['columns']:,}", "bins": mm["bins"], "svg": heatmap.map_svg(mm)}
+        except (KeyError, TypeError, ValueError):  # a map that is not numbers (a damaged record): not drawn
+            mapping = None
     hist = d.get("ulp_histogram") or {}
     top = max(hist.values(), default=0) or 1
     texts = [(f"{key[:-1]} of rank {rank}", text) for key in ("tracebacks", "stacks")

@@ -7,7 +7,6 @@ import io
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.image  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 # One colour per outcome (ep_harness.reports.analysis.OUTCOMES), the same in the plot and on the page.
@@ -76,31 +75,6 @@ def summary_figure(records: list[dict]) -> str | None:
               fontsize=7, loc="upper right")
     ax.set_title("failures first; held must be 0; controls must differ", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
-
-
-def map_png(mismatch_map: dict) -> str:
-    """Rows (the compared copies) x column bins, the fraction of elements that differ: the
-    scale ends at the largest fraction, so a 5 % difference is as dark as a 100 % one would
-    be, and each cell is labelled when there are few."""
-    fraction = mismatch_map["fraction"]
-    rows, bins = len(fraction), len(fraction[0]) if fraction else 0
-    peak = max((v for row in fraction for v in row), default=0.0) or 1.0
-    fig = Figure(figsize=(7.0, min(0.3 * rows + 1.0, 5.0)))
-    ax = fig.add_subplot()
-    image = ax.imshow(fraction, cmap="Reds", vmin=0.0, vmax=peak, aspect="auto", interpolation="nearest")
-    labels = [str(x) for x in mismatch_map["rows"]][:rows]
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    width = -(-int(mismatch_map["columns"]) // max(bins, 1))
-    ticks = list(range(0, bins, max(1, bins // 8)))
-    ax.set_xticks(ticks, [f"{t * width:,}" for t in ticks], fontsize=7)
-    ax.set_xlabel(f"element index (bins of {width:,} elements)", fontsize=8)
-    if rows * bins <= 64:
-        for i, row in enumerate(fraction):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{100 * v:.0f}%", ha="center", va="center", fontsize=6,
-                        color="white" if v > 0.6 * peak else "black")
-    fig.colorbar(image, ax=ax, label="fraction of elements that differ", fraction=0.03, pad=0.02)
     return _png(fig)
 
 

@@ -130,14 +130,14 @@ def test_report_in_headless_chromium(smoke_run, tmp_path):
         assert listed == {r["check"] for r in records}
         plots = page.locator("img.plot")
         assert plots.count() >= 1
-        maps = page.locator("img.map")
+        maps = page.locator("svg.map")
         assert maps.count() == sum(1 for r in records if outcome(r) == "xfail" and r.get("mismatched"))
-        page.locator("details:has(img.map) > summary").first.click()  # controls start collapsed
-        for img in [plots.first, maps.first]:
-            img.scroll_into_view_if_needed()
-            assert img.is_visible()
-            assert img.evaluate("i => i.complete && i.naturalWidth > 0")
-            box = img.bounding_box()
+        page.locator("details:has(svg.map) > summary").first.click()  # controls start collapsed
+        assert plots.first.evaluate("i => i.complete && i.naturalWidth > 0")
+        for drawn in [plots.first, maps.first]:
+            drawn.scroll_into_view_if_needed()
+            assert drawn.is_visible()
+            box = drawn.bounding_box()
             assert box["width"] > 100 and box["height"] > 5
         page.locator("#all-checks > summary").click()  # the full table starts collapsed
         page.select_option("select[name=outcome]", "vacuous")  # the filters work
@@ -207,7 +207,9 @@ def crafted_run(tmp_path):
                                   "actual_bits": IMG, "expected_bits": SCRIPT, "ulp": SCRIPT},
                   detail={"first_mismatches": [{"index": [0, 1], "row": SCRIPT, "actual": IMG, "expected": SCRIPT,
                                                 "actual_bits": IMG, "expected_bits": SCRIPT, "ulp": IMG}],
-                          "ulp_histogram": {SCRIPT: 3}, "tracebacks": {"1": SCRIPT}, "log": IMG})
+                          "ulp_histogram": {SCRIPT: 3}, "tracebacks": {"1": SCRIPT}, "log": IMG,
+                          "mismatch_map": {"rows": [SCRIPT, IMG], "columns": 64, "bins": 2,
+                                           "fraction": [[0.5, 0.0], [0.0, 1.0]]}})
     evil["check"] = f"c{SCRIPT}"
     return write_run(tmp_path / "evil", [evil, record("fine")],
                      {"command": IMG, "topology": {"describe": SCRIPT}, "libraries": {SCRIPT: IMG}})
@@ -219,6 +221,32 @@ def test_crafted_records_reach_the_page_escaped(tmp_path):
     page = (run / "report.html").read_text()
     assert "<script>alert" not in page and "<img src=x" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert page.count('<svg class="map"') == 1  # the map's row names are escaped too
+
+
+def test_the_mismatch_map_colours_each_cell_by_its_fraction_of_the_peak():
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    from ep_harness.reports.heatmap import RAMP, map_svg
+
+    fraction = [[0.0, 0.02, 0.04, 0.0], [0.01, 0.0, 0.0, 0.0], [0.0] * 4]  # the peak is 4 %, not 100 %
+    svg = map_svg({"rows": ["dest 0", "dest 1", "dest 2"], "columns": 4_000, "bins": 4, "fraction": fraction})
+    png = re.search(r'href="data:image/png;base64,([^"]+)"', svg).group(1)
+    cells = Image.open(io.BytesIO(base64.b64decode(png))).convert("RGB")
+    assert cells.size == (4, 3)
+    hexes = [["#%02x%02x%02x" % cells.getpixel((j, i)) for j in range(4)] for i in range(3)]
+    assert hexes[0][2] == RAMP[-1] and hexes[2] == [RAMP[0]] * 4 and hexes[0][0] == RAMP[0]
+    darkness = [sum(cells.getpixel((j, i))) for i, j in ((1, 0), (0, 1), (0, 2))]  # 1 %, 2 %, 4 %
+    assert darkness == sorted(darkness, reverse=True) and len(set(darkness)) == 3
+    assert "dest 1: 1 of 4 bins differ, at most 1.0%" in svg  # each row's tooltip
+    assert ">4%<" in svg and ">2%<" in svg  # 12 cells: each one labelled
+    assert ">4.0%<" in svg and ">0%<" in svg  # the scale's ends
+    for tick in (">0<", ">1,000<", ">2,000<", ">3,000<"):
+        assert tick in svg
 
 
 @pytest.mark.slow

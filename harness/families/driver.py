@@ -302,13 +302,12 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
             local = family.observe(subject, ctx, p, prop, runs)
         finally:
             _LOG.reset(token)
-    gathered, logs = zip(*ctx.gather((local, log)))
-    gathered = list(gathered)
-    kernels = ctx.gather(ran) if trace else None
+    collected = ctx.gather_on_rank0((local, log, ran if trace else None))  # rank 0 alone measures
     result = None
     if ctx.rank == 0:
+        gathered, logs, kernels = (list(x) for x in zip(*collected))
         result = family.measure(check, subject, ctx, p, runs, gathered)
-        judge_calls(result, list(logs))
+        judge_calls(result, logs)
         judge_vacuity(result, prop, runs)
         if trace:
             _prove_kernels(result, subject, p, kernels)
