@@ -5,7 +5,7 @@
 # chose, and the h200-cost suite's verdicts. Carry .whl (DeepGEMM and its needs) and .bio (a source snapshot
 # of thinking-machines-lab/batch_invariant_ops). Everything lands in $OUT, in at most
 # 8 files (the device's limit): one log, environment.txt and the steps' own outputs.
-#   run on the device:  STEPS="tune tests bench verify" bash ci/h200_cost_run.sh
+#   run on the device:  STEPS="tune tests bench verify nccl" bash ci/h200_cost_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ -d .bio/batch_invariant_ops ] && export PYTHONPATH=$PWD/.bio:$PYTHONPATH
@@ -26,6 +26,10 @@ for step in ${STEPS:-tune tests bench verify}; do
              >> "$OUT/run.log" 2>&1 ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_triton_matmul.py tests/test_cost.py \
              >> "$OUT/run.log" 2>&1 ;;
+    # the harness itself on NCCL: smoke checks on 4 ranks sharing the GPU (emulated hosts)
+    nccl)  timeout "${NCCL_BUDGET:-150}" python3 -m ep_harness verify --suite smoke --gpus 4 --emulate-hosts \
+             --check 'ag-fold/*' --check 'rs-native/rank-invariance/*' --check 'dispatch-a2a/reference/*' \
+             --no-report --out "$OUT/nccl" >> "$OUT/run.log" 2>&1 ;;
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/environment.txt" "$OUT/run.log"
 done
