@@ -1,15 +1,17 @@
-"""`ep-harness ARGS` for commands that start no ranks of their own (refusals, `gate`, `report`,
-`baseline`, followers that refuse their head), each in a process of its own, forked from one
-interpreter that has imported torch and the harness already (1.5-2 s of CPU a command otherwise).
-What a command prints, its exit code and what it writes are its own; only the imports are
-shared. Commands that launch ranks, and tests of what a fresh interpreter does (its locale,
-its signals), keep conftest.run_cli.
+"""`ep-harness ARGS`, each in a process of its own, forked from one interpreter that has imported
+torch and the harness already (1.5-2 s of CPU a command otherwise). What a command prints, its
+exit code, what it writes and the ranks it launches are its own; only the imports are shared,
+and it ends as the console script does (`sys.exit(main())`, then the interpreter's exit).
+Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one:
+conftest.run_cli(fresh=True), or an environment that differs in what is read at start-up.
 
-`cli_fork`: a fixture, one such interpreter per test process. `cli_batch`: many command lines
-in one interpreter started for them (inside once_per_session's makers).
+`shared_server`: conftest.run_cli's server, one per test process. `cli_fork`: a fixture, the
+same server whatever the environment. `cli_batch`: many command lines in one interpreter
+started for them (inside once_per_session's makers).
 """
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -27,9 +29,9 @@ from tests.conftest import REPO, completed
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
 # the console script's `sys.exit(main(argv))` in the request's directory and environment, with
-# stdout and stderr in the request's files, and answers with the child's exit status.
+# stdout and stderr in the request's files, and answers with the child's pid, then its exit status.
 _SERVER = r"""
-import atexit, io, json, os, sys, traceback
+import io, json, os, sys
 # As the console script: the script's folder first on the path, never the working directory.
 sys.path[:] = [os.path.dirname(sys.executable)] + [p for p in sys.path if p not in ("", ".")]
 # numpy's OpenBLAS, which torch loads, starts a thread pool as it loads unless told otherwise
@@ -65,27 +67,9 @@ def child(req):
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=enc,
                                                    errors="backslashreplace", line_buffering=True)
     sys.argv = ["ep-harness", *req["argv"]]
-    try:
-        code = ep_harness.cli.main(req["argv"])
-    except SystemExit as exc:
-        code = exc.code
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):  # sys.exit("message"): the message on stderr, status 1
-            print(code, file=sys.stderr)
-            code = 1
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code & 0xFF)
+    # As the console script, to the end: `sys.exit(main())`, and the interpreter's own exit
+    # (atexit, the flush of every open file, an uncaught exception's traceback and status 1).
+    sys.exit(ep_harness.cli.main(req["argv"]))
 
 
 for line in sys.stdin:
@@ -93,6 +77,8 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         child(req)
+    reply.write(json.dumps({"pid": pid}) + "\n")
+    reply.flush()
     _, status = os.waitpid(pid, 0)
     reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
     reply.flush()
@@ -106,23 +92,32 @@ class ForkedCli:
         """`env`: the interpreter's environment (its PYTHONPATH decides what plugins import)."""
         import locale
 
+        self.env = dict(os.environ if env is None else env)
         self.encoding = locale.getpreferredencoding(False)
         self.folder = Path(tempfile.mkdtemp(prefix="ep-cli-fork-"))
         read, write = os.pipe()
         self.log = self.folder / "server.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write)], cwd=REPO, stdin=subprocess.PIPE,
-                                         stdout=log, stderr=log, pass_fds=(write,), text=True, env=env)
+                                         stdout=log, stderr=log, pass_fds=(write,), text=True, env=self.env)
         os.close(write)
         self.reply = os.fdopen(read, "r")
         hello = json.loads(self._line(300))
         # A fork of a process with threads may hang in the child: the preloaded imports start none.
         assert hello["threads"] == 1, hello
 
+    def serves(self, env: dict) -> bool:
+        """Whether a command in `env` behaves here as in a fresh interpreter: what is read as
+        the interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
+        thread-count and library variables) is the same as this server's."""
+        def at_import(e):
+            return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+        return self.proc.poll() is None and at_import(env) == at_import(self.env)
+
     def _line(self, timeout: float) -> str:
         ready, _, _ = select.select([self.reply], [], [], timeout)
         if not ready:
-            self.close()
             raise subprocess.TimeoutExpired("ep-harness (forked)", timeout)
         line = self.reply.readline()
         if not line:
@@ -138,7 +133,14 @@ class ForkedCli:
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding}) + "\n")
         self.proc.stdin.flush()
-        code = json.loads(self._line(timeout))["returncode"]
+        pid = json.loads(self._line(60))["pid"]
+        try:
+            code = json.loads(self._line(timeout))["returncode"]
+        except subprocess.TimeoutExpired:  # as subprocess.run: the command is killed (its agent dies with it)
+            os.kill(pid, signal.SIGKILL)
+            self.close()
+            raise
+
         def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
             return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
@@ -156,13 +158,36 @@ class ForkedCli:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Variables a process reads as it starts or as the harness's modules import (nodes.py and
+# launcher.py read their timeouts then): a command whose environment differs in one of them
+# is not forked from a server started without it.
+IMPORT_TIME_PREFIXES = ("PYTHON", "EP_HARNESS_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "CUDA", "NCCL_", "LD_",
+                        "LC_", "LANG")
+_SESSION_ENV = dict(os.environ)  # as the test session started, before any test's monkeypatch
+_SHARED: list[ForkedCli] = []
+
+
+def _shared() -> ForkedCli:
+    """This test process's server, in the session's environment (started on first use, ended
+    as the process ends)."""
+    if not _SHARED or _SHARED[0].proc.poll() is not None:
+        _SHARED[:] = [ForkedCli(_SESSION_ENV)]
+        atexit.register(_SHARED[0].close)
+    return _SHARED[0]
+
+
+def shared_server(env: dict) -> ForkedCli | None:
+    """The server for a command in `env`, or None where `env` needs a fresh interpreter
+    (ForkedCli.serves)."""
+    server = _shared()
+    return server if server.serves(env) else None
+
+
 @pytest.fixture(scope="session")
 def cli_fork():
-    """`cli_fork(*args, cwd=REPO, env=None)`: as conftest.run_cli, for commands that start no
-    ranks, forked from one preloaded interpreter of this test process."""
-    server = ForkedCli()
-    yield server
-    server.close()
+    """`cli_fork(*args, cwd=REPO, env=None)`: as conftest.run_cli, forked from this test
+    process's preloaded interpreter whatever the environment (its PYTHONPATH is the server's)."""
+    return _shared()
 
 
 def cli_batch(jobs: list[tuple[list, Path]], env: dict, timeout: float = 600) -> list[dict]:
