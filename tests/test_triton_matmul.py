@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -77,13 +76,6 @@ def test_a_split_walk_that_cannot_cut_k_says_how_to_fix_it():
     assert "needs the TMA kernel" in kernel.split_problem(kernel.TileConfig(64, 64, 64, 8, 4, 3, k_splits=2), 4096)
     assert ">= 2 with split_parallel" in kernel.split_problem(kernel.TileConfig(64, 64, 64, 8, 4, 3, True,
                                                                                split_parallel=True), 4096)
-    parked = kernel.TileConfig(64, 64, 64, 8, 4, 3, True, k_splits=2, split_parked=True)
-    assert kernel.split_problem(parked, 4096) is None
-    assert ">= 2 with split_parallel or split_parked" in kernel.split_problem(replace(parked, k_splits=1), 4096)
-    assert "not both" in kernel.split_problem(replace(parked, split_parallel=True), 4096)
-    assert "one schedule" in kernel.split_problem(replace(parked, schedule="flatten"), 4096)
-    assert kernel.stages_that_fit(replace(parked, num_stages=9)) == kernel.stages_that_fit(
-        replace(parked, num_stages=9, k_splits=1, split_parked=False))  # one segment's loads at a time
     with pytest.raises(ValueError, match="k_splits x block_k dividing K"):
         kernel.bi_matmul(torch.zeros(2, 96), torch.zeros(3, 96), config=kernel.walk_reference(2))
 
@@ -154,7 +146,6 @@ SMALL = {  # blocks small enough for many tiles and K steps at test sizes
 }
 M_VALUES = (1, 2, 5, 16, 17, 33, 64)
 M_MAX = 64
-PARKED_M = (1, 17, M_MAX)  # one row, a partial second tile, every tile (the parked walk's M sweep)
 # Rows move by whole tiles of every variant: the interpreter's tl.dot is numpy's BLAS, whose
 # bits for a row may depend on where in the block the row sits, which is not the kernel's logic.
 ROLL = 32
@@ -199,8 +190,7 @@ SPLIT = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_sta
 
 def split_checks(g) -> dict:
     """K in 2, 3 and 4 segments, each walked by one program per segment (partial sums through the
-    workspace, the last arrival adds them), by one program per tile, and by one program per tile
-    parking each finished segment's sum: the same bits."""
+    workspace, the last arrival adds them) and by one program per tile: the same bits."""
     from ep_harness.tolerances import gemm_bound
 
     k, n, m_max = 384, 40, M_MAX  # 2, 3 or 4 segments of whole 32-deep K steps
@@ -218,13 +208,8 @@ def split_checks(g) -> dict:
         runs = [kernel.bi_matmul(a_all, b, config=parallel_cfg) for _ in range(3)]  # the counters carry over calls
         per_m = {m: int((bits(kernel.bi_matmul(a_all[:m].contiguous(), b, config=parallel_cfg)) != bits(serial[:m])).sum())
                  for m in M_VALUES}
-        parked_cfg = kernel.TileConfig(**SPLIT, k_splits=k_splits, split_parked=True)
-        parked_per_m = {m: int((bits(kernel.bi_matmul(a_all[:m].contiguous(), b, config=parked_cfg)) != bits(serial[:m])).sum())
-                        for m in PARKED_M}
         out[k_splits] = {
             "parallel_vs_serial": [int((bits(r) != bits(serial)).sum()) for r in runs],
-            "parked_batch_mismatches": parked_per_m,
-            "parked_programs": kernel.launch_plan(m_max, n, k, "float32", a_all.device, parked_cfg)[1],
             "batch_mismatches": per_m,
             "vs_unsplit": int((bits(serial) != bits(unsplit)).sum()),
             "worst_fraction_of_bound": float(((serial.double() - exact).abs() / bound).max()),
@@ -271,13 +256,10 @@ def test_interpreter_comparison_sees_another_k_order(interpreted):
     assert torch.equal(k32, torch.tensor(interpreted["tma"]["bits"]))  # same walk through TMA: same bits
 
 
-def test_interpreter_split_walk_is_the_same_in_one_program_parked_or_not_or_one_per_segment(interpreted):
+def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(interpreted):
     for k_splits, result in interpreted["split"].items():
         assert result["parallel_vs_serial"] == [0, 0, 0], k_splits
         assert result["batch_mismatches"] == {str(m): 0 for m in M_VALUES}, k_splits
-        # segments in turn, parked in each program's slot (several tiles a program: the slot reused)
-        assert result["parked_batch_mismatches"] == {str(m): 0 for m in PARKED_M}, k_splits
-        assert result["parked_programs"] < result["items"] // int(k_splits)
         assert result["counters_whole"], k_splits  # every tile's arrivals a whole number of calls
         assert result["worst_fraction_of_bound"] <= 1.0, k_splits
         # not vacuous: programs each took several (tile, segment) items, and splitting K changed the sum

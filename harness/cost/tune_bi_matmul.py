@@ -15,9 +15,8 @@ the same way, as controls that the comparison sees another order.
 
 The split count is chosen per (N, K), never per M: the unsplit walk first; where it misses a
 target at some M <= 256 (`target`, `misses_where_splits_help`), split counts 2 and 4 as well
-(small M: one program per segment; larger M: the segments side by side in one program, or in
-turn with the finished sums parked), and the count whose worst M is nearest its target (`score`)
-wins for every M of that shape.
+(small M: one program per segment; larger M: the segments side by side in one program), and the
+count whose worst M is nearest its target (`score`) wins for every M of that shape.
 
 Then each shape and M: the bit-identical candidates, cuBLAS, DeepGEMM's BF16 dense GEMM and
 batch_invariant_ops' matmul, timed interleaved call by call (median of k), L2-warm (operands
@@ -79,25 +78,18 @@ def target(m: int) -> float:
     return 1.10 if m <= 64 else 1.15 if m < 1024 else 1.05
 
 
-# How a split walk's segments run (kernel.TileConfig): a program each, side by side in one
-# program, or one after the other in one program with the finished sums parked.
-SPLIT_MODES = {"parallel": dict(split_parallel=True), "side": {}, "parked": dict(split_parked=True)}
-MODES_BY_GROUP = {"small": ("parallel",), "mid": ("parallel", "side", "parked"), "large": ("side", "parked")}
-PARKED_SPLITS = (2,)  # with 4, three sums a program parked: 50 MB for 128 x 256 tiles on 132 SMs, beyond L2
-
-
 def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileConfig]]:
     """CANDIDATES walking K in k_splits segments: the small tiles one program per segment (few
-    tiles at small M: the segments fill the SMs), the large one program per tile, side by side
-    with as many stages as fit or parked, the mid every way; only those that fit two stages and
-    whose K depth cuts K into whole segments."""
+    tiles at small M: the segments fill the SMs), the large one program per tile with as many
+    stages as fit (its segments load side by side), the mid both ways; only those that fit two
+    stages and whose K depth cuts K into whole segments."""
     if k_splits == 1:
         return {group: {name_of(c): c for c in configs} for group, configs in CANDIDATES.items()}
     out = {}
     for group, configs in CANDIDATES.items():
         configs = configs + SPLIT_LARGE if group == "large" else configs
-        modes = [m for m in MODES_BY_GROUP[group] if m != "parked" or k_splits in PARKED_SPLITS]
-        split = [replace(c, k_splits=k_splits, **SPLIT_MODES[mode]) for c in configs for mode in modes]
+        split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
+                 for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
         split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
         out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.split_problem(c, k)}
     return out
@@ -110,8 +102,7 @@ PLAN_TAILS = (T(128, 128, 64, 8, 4, 5, True), T(64, 128, 64, 8, 4, 6, True), T(6
 
 
 def name_of(cfg: kernel.TileConfig) -> str:
-    mode = "p" if cfg.split_parallel else "q" if cfg.split_parked else "s"  # parallel, parked (queued), side
-    split = f"-k{cfg.k_splits}{mode}" if cfg.k_splits != 1 else ""
+    split = f"-k{cfg.k_splits}{'p' if cfg.split_parallel else 's'}" if cfg.k_splits != 1 else ""
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
             f"{f'-{cfg.schedule}' if cfg.schedule else ''}{split}")
@@ -123,10 +114,9 @@ def plan_name(plan: kernel.TilePlan) -> str:
 
 def plans_at(m: int, n: int, identical_names: set[str], sms: int, k_splits: int = 1) -> dict[str, kernel.TilePlan]:
     """The two-launch plans whose tiles are all bit-identical and that split M's rows."""
-    modes = [{}] if k_splits == 1 else [SPLIT_MODES[m] for m in ("side", "parked") if m != "parked" or k_splits in PARKED_SPLITS]
     plans = {}
-    for main in (replace(c, k_splits=k_splits, **mode) for c in PLAN_MAINS for mode in modes):
-        for tail in (replace(c, k_splits=k_splits, **mode) for c in PLAN_TAILS for mode in modes):
+    for main in (replace(c, k_splits=k_splits) for c in PLAN_MAINS):
+        for tail in (replace(c, k_splits=k_splits) for c in PLAN_TAILS):
             plan = kernel.TilePlan(main, tail)
             if tail != main and {name_of(main), name_of(tail)} <= identical_names \
                     and len(kernel.row_slices(m, n, plan, sms)) == 2:

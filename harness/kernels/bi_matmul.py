@@ -12,9 +12,8 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   small M (few tiles) each segment goes to its own program (`split_parallel`), which writes
   its float32 sum to a workspace; the tile's last program to arrive adds the segments in
   segment order and stores the tile. At larger M one program walks the segments side by side,
-  each into its own accumulator, or one after the other with the finished sums parked in a
-  float32 slot of its own (`split_parked`: one accumulator live, so large tiles fit), and adds
-  them in the same order. All give the same bits (checked on the GPU by the tuner).
+  each into its own accumulator, and adds them in the same order. Both give the same bits
+  (checked on the GPU by the tuner).
 * Tiles may follow M (`tile_config`), the walk may not: the tile's rows, columns, K depth per
   pipeline stage, warps and stages change how many programs share the work, not the order of
   an element's additions. Every table entry's K depth divides K (no zero-padded K steps), and
@@ -73,10 +72,6 @@ class TileConfig:
     # segment, partial sums through a workspace, instead of one program walking them all.
     k_splits: int = 1
     split_parallel: bool = False
-    # `split_parked`: one program per tile walks the segments one after the other, each finished
-    # segment's sum parked in the program's float32 slot in global memory (L2-resident: one slot
-    # per program, reused tile after tile), so one accumulator is live and large tiles fit.
-    split_parked: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +117,7 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
     """The most pipeline stages (at most config's) whose bf16 operand buffers fit in shared
     memory beside the output tile, with every segment of a one-program split walk loading side
     by side (Hopper: 227 KiB a block; fewer than 2 stages: the tiles do not pipeline there)."""
-    side_by_side = config.k_splits if not (config.split_parallel or config.split_parked) else 1
+    side_by_side = config.k_splits if not config.split_parallel else 1
     stage = side_by_side * (config.block_m + config.block_n) * config.block_k * 2
     room = shared_bytes - config.block_m * config.block_n * 2
     return min(config.num_stages, room // stage)
@@ -130,12 +125,8 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
 
 def split_problem(config: TileConfig, k: int) -> str | None:
     """Why `config` cannot walk K = k in its segments (None: it can)."""
-    if config.k_splits < 1 or ((config.split_parallel or config.split_parked) and config.k_splits < 2):
-        return f"k_splits must be >= 1 (>= 2 with split_parallel or split_parked), not {config.k_splits}"
-    if config.split_parallel and config.split_parked:
-        return "a split walk runs one program per segment (split_parallel) or parks its sums (split_parked), not both"
-    if config.split_parked and config.schedule:
-        return f"the parked split walk has one schedule (its own loop), not {config.schedule!r}"
+    if config.k_splits < 1 or (config.split_parallel and config.k_splits < 2):
+        return f"k_splits must be >= 1 (>= 2 with split_parallel), not {config.k_splits}"
     if config.k_splits > 1 and not config.tma:
         return "split K needs the TMA kernel (tma=True)"
     if config.k_splits > 1 and k % (config.k_splits * config.block_k):
@@ -370,36 +361,6 @@ if triton is not None:
             item += num_programs
 
 
-    @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_parked_kernel(a_desc, b_desc, c_desc, slot_ptr, M, N, num_programs,
-                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                     K_SPLITS: tl.constexpr):
-        # _tile_walk's additions with one accumulator live: segments 0 .. K_SPLITS - 2 are walked
-        # in turn and parked in this program's slot [K_SPLITS - 1, BLOCK_M x BLOCK_N], the last
-        # stays in registers; then ((s0 + s1) + ...) + s_last, the order _tile_walk adds in.
-        SEG: tl.constexpr = K // K_SPLITS
-        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
-        inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        slot = slot_ptr + tl.program_id(0).to(tl.int64) * ((K_SPLITS - 1) * BLOCK_M * BLOCK_N)
-        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
-            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            off_m, off_n = tile_m * BLOCK_M, tile_n * BLOCK_N
-            for s in tl.static_range(K_SPLITS - 1):
-                part = _segment(a_desc, b_desc, off_m, off_n, s * SEG, SEG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-                tl.store(slot + s * (BLOCK_M * BLOCK_N) + inside, part)
-            last = _segment(a_desc, b_desc, off_m, off_n, (K_SPLITS - 1) * SEG, SEG, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_PRECISION)
-            tl.debug_barrier()  # the parked sums, stored by whichever threads held them, are all written
-            total = tl.load(slot + inside, cache_modifier=".cg")
-            for s in tl.static_range(1, K_SPLITS - 1):
-                total += tl.load(slot + s * (BLOCK_M * BLOCK_N) + inside, cache_modifier=".cg")
-            total += last
-            tl.debug_barrier()  # every thread has read the slot before the next tile parks into it
-            c_desc.store([off_m, off_n], total.to(c_desc.dtype))
-            tile += num_programs
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return H200_SMS
@@ -494,10 +455,6 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
             _bi_matmul_tma_split_kernel[(programs,)](*descriptors, partial, _arrivals(a.device, cfg.k_splits, tiles),
                                                      m, n, programs, **shape)
-        elif cfg.split_parked:
-            slot = torch.empty(programs * (cfg.k_splits - 1) * cfg.block_m * cfg.block_n, dtype=torch.float32,
-                               device=a.device)
-            _bi_matmul_tma_parked_kernel[(programs,)](*descriptors, slot, m, n, programs, **shape)
         elif cfg.schedule:
             _bi_matmul_tma_scheduled_kernel[(programs,)](*descriptors, m, n, programs, **shape,
                                                          FLATTEN=cfg.schedule == "flatten",
