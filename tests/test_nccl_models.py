@@ -29,6 +29,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
 import nccl_record as recorder  # noqa: E402  (the recorder defines the inputs it used)
 
+from tests.shared_nccl import one_torch_thread, recorder_inputs  # noqa: E402,F401  (fixtures)
+
 
 def topology(config: str, world_size: int) -> nccl_log.Topology:
     return nccl_log.read_ranks(sorted((FIXTURES / f"{config}-w{world_size}").glob("rank*.log")))
@@ -47,28 +49,29 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-_AR_INPUTS: dict = {}
-
-
-def ar_inputs(dtype: torch.dtype, world_size: int, n: int) -> torch.Tensor:
-    """[world_size, n]: every rank's input of the recorder's all-reduce of n elements (the same
-    for every recording of that world size). Generating them is most of this module's time, and
-    the sweeps up to 1 MiB are shared by the free, treefree and treech1 recordings (and the
-    pinned one's sizes): those are kept for the module's other tests (under 150 MiB in all),
-    larger ones made afresh. No model writes into its input."""
-    key = (dtype, world_size, n)
-    if key not in _AR_INPUTS:
-        x = torch.stack([recorder.ar_input(dtype, world_size, n, r) for r in range(world_size)])
-        if n * dtype.itemsize > 1 << 20:
-            return x
-        _AR_INPUTS[key] = x
-    return _AR_INPUTS[key]
-
-
 def rs_points(config):
     """(key, dtype, rows) in the order the recorder issued its reduce-scatters."""
     return [(f"rs/{name}/rows{rows}", name, rows) for name in recorder.DTYPES for rows in recorder.RS_ROWS
             if config != "free" or rows == recorder.RS_ROWS[0]]
+
+
+def test_the_shared_inputs_are_the_recorders_bits(recorder_inputs):
+    """The tests read the recorder's inputs from files made once per session (tests/shared_nccl.py):
+    a reader that did not make them (another xdist worker) gets the recorder's bits, and the
+    tensors are copy-on-write maps, so writing into one changes no other reader's input."""
+    from tests.shared_nccl import RecorderInputs
+
+    ar = torch.stack([recorder.ar_input(torch.float16, 3, 3000, r) for r in range(3)])
+    rs = torch.stack([recorder.rs_input(torch.bfloat16, 4, 2, r) for r in range(4)])
+    assert torch.equal(recorder_inputs.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
+    other = RecorderInputs(recorder_inputs.folder)  # nothing mapped yet: reads the files
+    assert other.ar(torch.float16, 3, 3000) is not recorder_inputs.ar(torch.float16, 3, 3000)
+    assert torch.equal(other.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
+    assert torch.equal(other.rs(torch.bfloat16, 4, 2).view(torch.int16), rs.view(torch.int16))
+    other.ar(torch.float16, 3, 3000)[1, 7] += 1
+    assert not torch.equal(other.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
+    assert torch.equal(RecorderInputs(recorder_inputs.folder).ar(torch.float16, 3, 3000).view(torch.int16),
+                       ar.view(torch.int16))
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
@@ -85,7 +88,7 @@ def test_log_shows_one_node_per_rank_over_sockets(world_size):
 
 @pytest.mark.parametrize("config", ["pins", "rsring", "free"])
 @pytest.mark.parametrize("world_size", [3, 4, 8])
-def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
+def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size, recorder_inputs):
     topo, hashes = topology(config, world_size), recorded(config, world_size)
     calls = rank0_calls(config, world_size, "ReduceScatter")
     points = rs_points(config)
@@ -93,7 +96,7 @@ def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
     algorithms = set()
     for (key, name, rows), call in zip(points, calls):
         dtype = dtype_of(name)
-        x = torch.stack([recorder.rs_input(dtype, world_size, rows, r) for r in range(world_size)])
+        x = recorder_inputs.rs(dtype, world_size, rows)
         outs, _ = reduce_scatter(x.reshape(world_size, -1), [rows * recorder.HIDDEN] * world_size,
                                  NcclContext(topo, [call]))
         assert [digest(o) for o in outs] == hashes[key], f"{key}: {call.describe()}"
@@ -105,7 +108,7 @@ def test_reduce_scatter_models_reproduce_every_bit_of_nccl(config, world_size):
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
-def test_tree_all_reduce_model_reproduces_every_bit_of_nccl(world_size):
+def test_tree_all_reduce_model_reproduces_every_bit_of_nccl(world_size, recorder_inputs):
     topo, hashes = topology("pins", world_size), recorded("pins", world_size)
     calls = rank0_calls("pins", world_size, "AllReduce")  # then the recorder's closing barrier
     points = [(name, nbytes) for name in recorder.DTYPES for nbytes in recorder.AR_BYTES]
@@ -114,19 +117,19 @@ def test_tree_all_reduce_model_reproduces_every_bit_of_nccl(world_size):
     for (name, nbytes), call in zip(points, calls):
         dtype = dtype_of(name)
         n = nbytes // dtype.itemsize
-        x = ar_inputs(dtype, world_size, n)
+        x = recorder_inputs.ar(dtype, world_size, n)
         out, _ = all_reduce(x, NcclContext(topo, [call]))
         assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, call.describe()
         channels.add(call.channels)
     assert channels == {(0, 0), (0, 1), (0, 7)}  # the split changes with the message size
 
 
-def test_the_logged_algorithm_matters():
+def test_the_logged_algorithm_matters(recorder_inputs):
     """The PAT model matches NCCL's small reduce-scatter; the ring model, which NCCL did
     not run, misses thousands of elements (the recorded outputs themselves, world size 4)."""
     out = torch.load(FIXTURES / "outputs-w4-bfloat16.pt")
     got = out["pins/rs/bfloat16/rows2"].view(torch.bfloat16).reshape(4, -1)
-    x = torch.stack([recorder.rs_input(torch.bfloat16, 4, 2, r) for r in range(4)]).reshape(4, -1)
+    x = recorder_inputs.rs(torch.bfloat16, 4, 2).reshape(4, -1)
     sizes = [2 * recorder.HIDDEN] * 4
     pat = torch.stack(nccl_pat.pat_reduce_scatter(x, sizes))
     ring = torch.stack(orders.nccl_ring_reduce_scatter(x, sizes))
@@ -240,14 +243,14 @@ def sweep(config: str, world_size: int, max_bytes: int | None = None, dtypes=rec
             if (max_bytes is None or nbytes <= max_bytes) and name in dtypes]
 
 
-def reproduce(config: str, world_size: int, points) -> set[str]:
+def reproduce(config: str, world_size: int, points, inputs) -> set[str]:
     """Every point's model output against NCCL's recorded digests; the algorithms seen."""
     topo, hashes = topology(config, world_size), recorded(config, world_size)
     seen = set()
     for name, nbytes, call in points:
         dtype = dtype_of(name)
         n = nbytes // dtype.itemsize
-        x = ar_inputs(dtype, world_size, n)
+        x = inputs.ar(dtype, world_size, n)
         out, _ = all_reduce(x, NcclContext(topo, [call]))
         assert hashes[f"ar/{name}/{nbytes}"] == [digest(out)] * world_size, f"{name}: {call.describe()}"
         seen.add(f"{call.algorithm}/{call.protocol}")
@@ -255,7 +258,7 @@ def reproduce(config: str, world_size: int, points) -> set[str]:
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
-def test_unpinned_all_reduce_models_reproduce_every_bit_of_nccl(world_size):
+def test_unpinned_all_reduce_models_reproduce_every_bit_of_nccl(world_size, recorder_inputs):
     """Nothing pinned, one node per rank: NCCL builds 2 channels and picks ring (LL below
     ~64-128 KiB, Simple above) nearly everywhere, tree/LL for 4 KiB at 8 ranks."""
     topo = topology("free", world_size)
@@ -263,7 +266,7 @@ def test_unpinned_all_reduce_models_reproduce_every_bit_of_nccl(world_size):
     points = sweep("free", world_size, None if FULL_SWEEP else 1 << 20)
     name, nbytes = LARGE[world_size]
     points += [] if FULL_SWEEP else [p for p in sweep("free", world_size, None, (name,)) if p[1] == nbytes]
-    seen = reproduce("free", world_size, points)
+    seen = reproduce("free", world_size, points, recorder_inputs)
     assert {"RING/LL", "RING/SIMPLE"} <= seen and seen <= {"RING/LL", "RING/SIMPLE", "TREE/LL"}
     assert ("TREE/LL" in seen) == (world_size == 8)
 
@@ -294,7 +297,7 @@ def assert_split_predicts_every_logged_range(config: str, world_size: int):
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_tree_without_channel_pin_reproduces_every_bit_of_nccl(world_size):
+def test_tree_without_channel_pin_reproduces_every_bit_of_nccl(world_size, recorder_inputs):
     """Tree pinned, no channel pin, one node per rank: 2 channels carrying the two trees of
     the double binary tree; below 64 KiB (2 channels x 512 threads x 64 B) only channel 0."""
     topo = topology("treefree", world_size)
@@ -303,12 +306,12 @@ def test_tree_without_channel_pin_reproduces_every_bit_of_nccl(world_size):
         nbytes: {(0, 0) if nbytes < 1 << 16 else (0, 1)} for nbytes in recorder.SWEEP_BYTES}
     assert_split_predicts_every_logged_range("treefree", world_size)
     points = tree_points("treefree", world_size)
-    assert reproduce("treefree", world_size, points) == {"TREE/SIMPLE"}
+    assert reproduce("treefree", world_size, points, recorder_inputs) == {"TREE/SIMPLE"}
     assert {c.channels for _, _, c in points} == {(0, 0), (0, 1)}
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_tree_on_one_channel_reproduces_every_bit_of_nccl(world_size):
+def test_tree_on_one_channel_reproduces_every_bit_of_nccl(world_size, recorder_inputs):
     """NCCL_MIN/MAX_NCHANNELS=1 and NCCL_MIN/MAX_CTAS=1: one coll channel, carrying the tree
     of channel 0 of the unpinned communicator, and every size of the sweep (and the
     recorder's closing barrier) on channel 0 only."""
@@ -321,7 +324,7 @@ def test_tree_on_one_channel_reproduces_every_bit_of_nccl(world_size):
     assert {c.channels for c in calls} == {(0, 0)}
     assert logged_channels_by_size("treech1", world_size) == {nbytes: {(0, 0)} for nbytes in recorder.SWEEP_BYTES}
     assert_split_predicts_every_logged_range("treech1", world_size)
-    assert reproduce("treech1", world_size, tree_points("treech1", world_size)) == {"TREE/SIMPLE"}
+    assert reproduce("treech1", world_size, tree_points("treech1", world_size), recorder_inputs) == {"TREE/SIMPLE"}
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -340,14 +343,14 @@ def test_one_channel_and_two_channel_trees_agree_exactly_where_nccl_used_channel
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_a_wrong_tree_or_channel_assignment_misses_nccl(world_size):
+def test_a_wrong_tree_or_channel_assignment_misses_nccl(world_size, recorder_inputs):
     """Positive control for the tree model: 64 KiB of bf16, the smallest size NCCL splits over
     two channels. The model with the logged trees and split equals both recordings; the same
     order with the trees swapped, with the whole message on one tree, or with the one-channel
     recording fed the other tree, misses NCCL's output in thousands of elements (counted
     against the model, which equals NCCL's recorded bits)."""
     nbytes, n = 1 << 16, (1 << 16) // 2
-    x = ar_inputs(torch.bfloat16, world_size, n)
+    x = recorder_inputs.ar(torch.bfloat16, world_size, n)
     [(_, _, two_call)] = [p for p in sweep("treefree", world_size, None, ("bfloat16",)) if p[1] == nbytes]
     [(_, _, one_call)] = [p for p in sweep("treech1", world_size, None, ("bfloat16",)) if p[1] == nbytes]
     two_topo, one_topo = topology("treefree", world_size), topology("treech1", world_size)
@@ -369,7 +372,7 @@ def test_a_wrong_tree_or_channel_assignment_misses_nccl(world_size):
     assert misses(orders.nccl_tree_all_reduce(x, [tree1], [n]), one) > n // 10
 
 
-def test_the_ring_model_needs_nccls_channel_split():
+def test_the_ring_model_needs_nccls_channel_split(recorder_inputs):
     """Recorded whole (4 ranks, bf16): ring/LL at 64 KiB and ring/Simple at 128 KiB, each over
     channels 0..1. The model reproduces every element; the same ring folded as one channel
     (the chunking of a single-channel ring all-reduce) misses thousands."""
@@ -378,7 +381,7 @@ def test_the_ring_model_needs_nccls_channel_split():
     calls = {nbytes: call for name, nbytes, call in sweep("free", 4, 1 << 17, ("bfloat16",))}
     for nbytes, proto in ((65536, "LL"), (131072, "SIMPLE")):
         got = saved[f"free/ar/bfloat16/{nbytes}"].view(torch.int16)
-        x = ar_inputs(torch.bfloat16, 4, nbytes // 2)
+        x = recorder_inputs.ar(torch.bfloat16, 4, nbytes // 2)
         call = calls[nbytes]
         assert (call.protocol, call.channels) == (proto, (0, 1))
         out, _ = all_reduce(x, NcclContext(topo, [call]))

@@ -29,6 +29,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.30.7-single-node"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
 import nccl_record as recorder  # noqa: E402  (the recorder defines the inputs it used)
 
+from tests.shared_nccl import one_torch_thread, recorder_inputs  # noqa: E402,F401  (fixtures)
+
 MAX_BYTES = 1 << 20  # larger all-reduces take seconds each on a CPU
 # Unpinned ring all-reduce (LL) at 200,704 B on 8 ranks: the channel split is predicted
 # (0..5, as logged) but the bits are not; the LL ring's chunking of a partial cell there is
@@ -74,14 +76,14 @@ def test_the_log_shows_one_node_of_p2p_rings_and_one_chain_tree(config, world_si
 
 @pytest.mark.parametrize("config", ["pins", "rsring", "free"])
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_the_ring_reduce_scatter_model_reproduces_every_bit(config, world_size):
+def test_the_ring_reduce_scatter_model_reproduces_every_bit(config, world_size, recorder_inputs):
     topo, hashes = topology(config, world_size), recorded(config, world_size)
     logged = calls(config, world_size, "ReduceScatter")
     points = [(f"rs/{name}/rows{rows}", name, rows) for name in recorder.DTYPES for rows in recorder.RS_ROWS
               if config != "free" or rows == recorder.RS_ROWS[0]]
     assert len(logged) == len(points)
     for (key, name, rows), call in zip(points, logged):
-        x = torch.stack([recorder.rs_input(dtype_of(name), world_size, rows, r) for r in range(world_size)])
+        x = recorder_inputs.rs(dtype_of(name), world_size, rows)
         outs, _ = reduce_scatter(x.reshape(world_size, -1), [rows * recorder.HIDDEN] * world_size,
                                  NcclContext(topo, [call]))
         assert [digest(o) for o in outs] == hashes[key], f"{key}: {call.describe()}"
@@ -99,15 +101,14 @@ def all_reduce_points(config: str, world_size: int):
 
 @pytest.mark.parametrize("config", ["pins", "treefree", "free"])
 @pytest.mark.parametrize("world_size", [4, 8])
-def test_the_all_reduce_models_reproduce_every_bit_or_say_where_they_stop(config, world_size):
+def test_the_all_reduce_models_reproduce_every_bit_or_say_where_they_stop(config, world_size, recorder_inputs):
     """Tree (the fix's path: Simple, 8 channels or NCCL's own count) and ring (nothing pinned:
     LL up to 1 MiB here, on up to 64 channels)."""
     topo, hashes = topology(config, world_size), recorded(config, world_size)
     exact, stopped, missed = 0, [], []
     for name, nbytes, call in all_reduce_points(config, world_size):
         dtype = dtype_of(name)
-        x = torch.stack([recorder.ar_input(dtype, world_size, nbytes // dtype.itemsize, r)
-                         for r in range(world_size)])
+        x = recorder_inputs.ar(dtype, world_size, nbytes // dtype.itemsize)
         try:
             out, _ = all_reduce(x, NcclContext(topo, [call]))
         except NoPrediction as exc:
