@@ -45,6 +45,16 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ordered + light
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Torch's work in the test processes themselves on one intra-op thread: on 2 cores shared
+    with the ranks that other tests launch, a second OpenMP thread mostly spins (3-6 CPU-s in
+    one module, measured). Ranks and commands are processes of their own and pin their own
+    threads; a session that has not imported torch is left without it."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """The subject registry as a copy for a test that registers subjects: whatever it adds is

@@ -10,10 +10,8 @@ inputs side by side), and every worker maps that file (torch.from_file, copy-on-
 model that wrote into its input would not change the file) and keeps it for the session. All-reduce inputs over
 STORE_MAX_BYTES per rank (one test each) are generated afresh and not kept.
 
-`one_torch_thread`: torch ops on one thread while a module's tests run (restored after): the
-models are elementwise folds over tensors of up to 50 M elements, whose bits do not depend on
-the thread count, and on a 2-core box shared with other xdist workers two OpenMP threads per
-worker cost up to twice the CPU (spinning on busy cores) for no gain.
+(The models run on one torch thread, as everything in the test processes: conftest's
+one_torch_thread. They are elementwise folds, whose bits do not depend on the thread count.)
 """
 from __future__ import annotations
 
@@ -82,11 +80,3 @@ class RecorderInputs:
 @pytest.fixture(scope="session")
 def recorder_inputs(tmp_path_factory) -> RecorderInputs:
     return RecorderInputs(shared_dir(tmp_path_factory) / "nccl-recorder-inputs")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -29,7 +29,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nccl-2.28.9-emulated-hosts"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
 import nccl_record as recorder  # noqa: E402  (the recorder defines the inputs it used)
 
-from tests.shared_nccl import one_torch_thread, recorder_inputs  # noqa: E402,F401  (fixtures)
+from tests.shared_nccl import recorder_inputs  # noqa: E402,F401  (a fixture)
 
 
 def topology(config: str, world_size: int) -> nccl_log.Topology:

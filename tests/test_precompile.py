@@ -47,19 +47,6 @@ SMALL_M = {"m_values": [1, 7, 64, 129, 300], "other_loads": [0, 33, 200], "expec
 SMALL_MOE = {"hidden": 256, "intermediate": 128, "num_experts": 8, "tokens": 16, "batch_sizes": [1, 7, 16]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Torch's intra-op work in this process (the checks' warm-up on small tensors) on one
-    thread: a second one only spins, 3-6 CPU-s of this module's tests on a loaded 2-core
-    machine. Restored afterwards, for the other tests of this process."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def fake_deep_gemm(monkeypatch):
     """The fake imported as `deep_gemm` in this process (and the adapters' cached import reset).
