@@ -64,8 +64,9 @@ def map_svg(mismatch_map: dict) -> str:
                    f'</title></rect>')
         if labelled:
             for j, v in enumerate(row):
+                ink = "white" if v > 0.6 * peak else "black"
                 out.append(f'<text x="{left + (j + 0.5) * cell_w:.1f}" y="{y + cell_h / 2:.1f}" text-anchor="middle" '
-                           f'dominant-baseline="central" fill="{"white" if v > 0.6 * peak else "black"}" font-size="8">{100 * v:.0f}%</text>')
+                           f'dominant-baseline="central" fill="{ink}" font-size="8">{100 * v:.0f}%</text>')
     for t in range(0, bins, max(1, bins // 8)):  # about 8 ticks, at bin edges, in element indices
         x = left + t * cell_w
         out.append(f'<line x1="{x:.1f}" y1="{plot_h:.1f}" x2="{x:.1f}" y2="{plot_h + 4:.1f}" stroke="#555"/>'

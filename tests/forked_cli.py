@@ -102,7 +102,11 @@ class ForkedCli:
                                          stdout=log, stderr=log, pass_fds=(write,), text=True, env=self.env)
         os.close(write)
         self.reply = os.fdopen(read, "r")
-        hello = json.loads(self._line(300))
+        try:
+            hello = json.loads(self._line(300))
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise
         # A fork of a process with threads may hang in the child: the preloaded imports start none.
         assert hello["threads"] == 1, hello
 
@@ -133,11 +137,13 @@ class ForkedCli:
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding}) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self._line(60))["pid"]
+        pid = None
         try:
+            pid = json.loads(self._line(60))["pid"]
             code = json.loads(self._line(timeout))["returncode"]
         except subprocess.TimeoutExpired:  # as subprocess.run: the command is killed (its agent dies with it)
-            os.kill(pid, signal.SIGKILL)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
             self.close()
             raise
 

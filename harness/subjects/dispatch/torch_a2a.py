@@ -36,7 +36,8 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     return out.view(send.dtype) if raw is not send else out
 
 
-def _exchange_rows(parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int], group) -> list[torch.Tensor]:
+def _exchange_rows(parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
+                   group) -> list[torch.Tensor]:
     """Several tensors' rows (the same rows: metadata, values, scales) in one all_to_all: each
     row's bytes side by side, split again on arrival (bytes copied, so bits kept). One exchange
     instead of one a tensor: on CPU ranks each all-to-all costs milliseconds of wake-ups."""
@@ -125,8 +126,8 @@ class TorchAllToAllDispatcher:
         valid = valid[back]
         dest = handle.src_rank[valid]
         send_counts, recv_counts = _exchange_counts(dest, world, flat.device, group)
-        meta, rows = _exchange_rows([torch.stack([handle.src_token[valid], handle.src_slot[valid]], dim=1), flat[valid]],
-                                    send_counts, recv_counts, group)
+        sources = torch.stack([handle.src_token[valid], handle.src_slot[valid]], dim=1)
+        meta, rows = _exchange_rows([sources, flat[valid]], send_counts, recv_counts, group)
         tokens, k = topk_weights.shape
         slots = torch.zeros((tokens, k, flat.shape[1]), dtype=torch.float32, device=flat.device)
         slots[meta[:, 0], meta[:, 1]] = rows.float()
