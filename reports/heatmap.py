@@ -21,12 +21,12 @@ def _rgb(hex_colour: str) -> tuple[int, int, int]:
     return tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
 
 
-def colour(t: float) -> str:
-    """The ramp at t in [0, 1], interpolated between its classes."""
+def colour(t: float) -> tuple[int, int, int]:
+    """The ramp at t in [0, 1], interpolated between its classes (RGB)."""
     t = min(max(t, 0.0), 1.0) * (len(RAMP) - 1)
     i = min(int(t), len(RAMP) - 2)
     lo, hi = map(_rgb, RAMP[i:i + 2])
-    return "#" + "".join(f"{round(a + (b - a) * (t - i)):02x}" for a, b in zip(lo, hi))
+    return tuple(round(a + (b - a) * (t - i)) for a, b in zip(lo, hi))
 
 
 def map_svg(mismatch_map: dict) -> str:
@@ -81,7 +81,7 @@ def map_svg(mismatch_map: dict) -> str:
 def _cells_png(fraction: list[list[float]], peak: float) -> str:
     """One pixel per cell, its colour on the ramp, as base64 PNG."""
     image = Image.new("RGB", (max(len(fraction[0]) if fraction else 0, 1), max(len(fraction), 1)), _rgb(RAMP[0]))
-    image.putdata([_rgb(colour(v / peak)) for row in fraction for v in row] or [_rgb(RAMP[0])])
+    image.putdata([colour(v / peak) for row in fraction for v in row] or [_rgb(RAMP[0])])
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()

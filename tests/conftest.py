@@ -66,17 +66,16 @@ def scratch_registry(monkeypatch):
     scratch = {name: s for name, s in subject._REGISTRY.items() if name != "my_reduce_scatter"}
     monkeypatch.setattr(subject, "_REGISTRY", scratch)
     return scratch
-def run_cli(*args, cwd=REPO, timeout=600, fresh=False):
+def run_cli(*args, cwd=REPO, timeout=600):
     """Run the installed console script the way a user would: forked from this test process's
     interpreter that has imported torch and the harness already (tests/forked_cli.py; 1.5-2 s of
-    CPU less a command, ranks and agents still their own processes), or, with `fresh` or an
-    environment that differs in what is read at start-up, as a process of its own."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not fresh:
-        from tests.forked_cli import shared_server
+    CPU less a command, ranks and agents still their own processes), or, where the environment
+    differs in what is read at start-up, as a process of its own."""
+    from tests.forked_cli import shared_server
 
-        if (server := shared_server(env)) is not None:
-            return server(*args, cwd=cwd, env=env, timeout=timeout)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if (server := shared_server(env)) is not None:
+        return server(*args, cwd=cwd, env=env, timeout=timeout)
     exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
     return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 

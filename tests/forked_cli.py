@@ -2,8 +2,8 @@
 torch and the harness already (1.5-2 s of CPU a command otherwise). What a command prints, its
 exit code, what it writes and the ranks it launches are its own; only the imports are shared,
 and it ends as the console script does (`sys.exit(main())`, then the interpreter's exit).
-Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one:
-conftest.run_cli(fresh=True), or an environment that differs in what is read at start-up.
+Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one of
+their own; conftest.run_cli starts one where the environment differs in what is read at start-up.
 
 `shared_server`: conftest.run_cli's server, one per test process. `cli_fork`: a fixture, the
 same server whatever the environment. `cli_batch`: many command lines in one interpreter

@@ -5,8 +5,8 @@ Regenerating every rank's input from the seed (`ep_harness.inputs.values`: float
 single-threaded) was most of those files' time, and with `pytest -n 3` every xdist worker
 regenerated the same inputs. `recorder_inputs` makes each one once per session with the
 recorder's own functions (ci/nccl_record.py ar_input / rs_input, unchanged), writes its bytes
-to the directory the workers share (under a file lock per input, so workers make different
-inputs side by side), and every worker maps that file (torch.from_file, copy-on-write: a
+to the directory the workers share (conftest.once_per_session: a file lock per input, so
+workers make different inputs side by side), and every worker maps that file (torch.from_file, copy-on-write: a
 model that wrote into its input would not change the file) and keeps it for the session. All-reduce inputs over
 STORE_MAX_BYTES per rank (one test each) are generated afresh and not kept.
 
@@ -16,14 +16,13 @@ one_torch_thread. They are elementwise folds, whose bits do not depend on the th
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, shared_dir
+from tests.conftest import REPO, once_per_session
 
 sys.path.insert(0, str(REPO / "ci"))
 import nccl_record as recorder  # noqa: E402  (the recorder defines the inputs it used)
@@ -34,8 +33,8 @@ STORE_MAX_BYTES = 2 << 20  # per rank: every reduce-scatter input and the all-re
 class RecorderInputs:
     """Every rank's input of one recorded collective, stacked: [world_size, ...]."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
         self._mapped: dict[tuple, torch.Tensor] = {}
 
     def ar(self, dtype: torch.dtype, world_size: int, n: int) -> torch.Tensor:
@@ -58,25 +57,23 @@ class RecorderInputs:
         numel = math.prod(shape)
         if numel // world_size * dtype.itemsize > STORE_MAX_BYTES:
             return generate()
-        from filelock import FileLock
 
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"{kind}-{str(dtype).removeprefix('torch.')}-w{world_size}-{n}.bin"
-        if not path.exists():
-            with FileLock(str(path.with_suffix(".lock"))):
-                if not path.exists():  # written whole, then renamed: a path that exists is complete
-                    made = generate()
-                    assert made.shape == shape and made.is_contiguous()
-                    tmp = path.with_suffix(f".tmp{os.getpid()}")
-                    made.view(torch.uint8).numpy().tofile(tmp)
-                    os.replace(tmp, path)
+        def write(folder: Path) -> str:  # once per session, under once_per_session's lock
+            made = generate()
+            assert made.shape == shape and made.is_contiguous()
+            folder.mkdir(parents=True, exist_ok=True)
+            made.view(torch.uint8).numpy().tofile(folder / "input.bin")
+            return str(folder / "input.bin")
+
+        name = f"nccl-input-{kind}-{str(dtype).removeprefix('torch.')}-w{world_size}-{n}"
+        path = once_per_session(self.tmp_path_factory, name, write)
         # Every test reads the file, the worker that wrote it too (its pages stay in the page
         # cache, shared by the workers, rather than in each worker's own memory).
-        made = torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+        made = torch.from_file(path, shared=False, size=numel, dtype=dtype).view(shape)
         self._mapped[key] = made
         return made
 
 
 @pytest.fixture(scope="session")
 def recorder_inputs(tmp_path_factory) -> RecorderInputs:
-    return RecorderInputs(shared_dir(tmp_path_factory) / "nccl-recorder-inputs")
+    return RecorderInputs(tmp_path_factory)

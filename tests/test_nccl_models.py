@@ -64,13 +64,13 @@ def test_the_shared_inputs_are_the_recorders_bits(recorder_inputs):
     ar = torch.stack([recorder.ar_input(torch.float16, 3, 3000, r) for r in range(3)])
     rs = torch.stack([recorder.rs_input(torch.bfloat16, 4, 2, r) for r in range(4)])
     assert torch.equal(recorder_inputs.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
-    other = RecorderInputs(recorder_inputs.folder)  # nothing mapped yet: reads the files
+    other = RecorderInputs(recorder_inputs.tmp_path_factory)  # nothing mapped yet: reads the files
     assert other.ar(torch.float16, 3, 3000) is not recorder_inputs.ar(torch.float16, 3, 3000)
     assert torch.equal(other.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
     assert torch.equal(other.rs(torch.bfloat16, 4, 2).view(torch.int16), rs.view(torch.int16))
     other.ar(torch.float16, 3, 3000)[1, 7] += 1
     assert not torch.equal(other.ar(torch.float16, 3, 3000).view(torch.int16), ar.view(torch.int16))
-    assert torch.equal(RecorderInputs(recorder_inputs.folder).ar(torch.float16, 3, 3000).view(torch.int16),
+    assert torch.equal(RecorderInputs(recorder_inputs.tmp_path_factory).ar(torch.float16, 3, 3000).view(torch.int16),
                        ar.view(torch.int16))
 
 
