@@ -43,8 +43,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	@touch $@
 	@echo "# set-up done: $(VENV)"
 
+# The command starts with the hash seed its ranks are pinned to (unless the shell sets one), so
+# that it forks their torchrun agent instead of starting a new interpreter (harness/launch/forks.py).
 verify: install
-	$(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
+	PYTHONHASHSEED=$${PYTHONHASHSEED-0} $(VENV)/bin/ep-harness verify --suite $(SUITE) $(GPU_FLAG) $(NODE_FLAG)
 
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: every pytest process (workers,
 # and the sessions some tests start) would otherwise compile and assert-rewrite the same ~180
@@ -60,7 +62,7 @@ bench-gpu: install
 	$(PY) -m ep_harness.cost.bench_gemm_cost --out reports/out/cost
 
 nightly: install
-	$(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \
+	PYTHONHASHSEED=$${PYTHONHASHSEED-0} $(VENV)/bin/ep-harness nightly --suite $(NIGHTLY_SUITE) $(GPU_FLAG) \
 		$(if $(SUMMARY_MD),--summary-md $(SUMMARY_MD),) $(if $(JUNIT_XML),--junit-xml $(JUNIT_XML),)
 
 # For the nightly workflow: prints skip=false where DeepEP imports and EP_HARNESS_DEEPEP_VERSION

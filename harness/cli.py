@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 from ep_harness import console
 from ep_harness.console import Console
 from ep_harness.errors import HarnessError
-from ep_harness.launch.agent import _imports_without_gc  # the agent's: the same GC handling around imports
+# the agent's: the same GC handling around imports, and numpy's BLAS without its thread pool
+from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
 from ep_harness.regress.gate import NotComparable
 
 
@@ -209,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
             gc.freeze()
 
 
+@contextlib.contextmanager
+def _launching_imports():
+    """Around the imports of a command that launches ranks (torch loads there): no garbage
+    collection, and numpy's BLAS without its thread pool, so that the command keeps one thread
+    and can fork its torchrun agents (harness/launch/forks.py)."""
+    with _imports_without_gc(), _blas_without_a_thread_pool():
+        yield
+
+
 def _command(args, argv: list[str], out: Console) -> int:
     try:
         if args.command == "verify":
@@ -231,7 +242,7 @@ def _command(args, argv: list[str], out: Console) -> int:
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
-            with _imports_without_gc():
+            with _launching_imports():
                 from ep_harness.run.verify import RunOptions, verify
 
             code, run_dir = verify(RunOptions(
@@ -256,12 +267,15 @@ def _command(args, argv: list[str], out: Console) -> int:
 
             return doctor()
         if args.command == "selftest":
-            from ep_harness.selftest.run import selftest
+            with _launching_imports():
+                from ep_harness.selftest.run import selftest
+            from ep_harness.launch import forks
 
-            return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
-                            selection=args.check, plugins=args.plugin, out_root=args.out,
-                            command=["ep-harness", *argv], render=not args.no_report,
-                            every_cell=args.every_cell, emulate=args.emulate)[0]
+            with forks.serving() if args.emulate is None else contextlib.nullcontext():  # before any plugin loads
+                return selftest(args.suite, args.injections, args.limit, gpus=args.gpus, cpu_ranks=args.cpu_ranks,
+                                selection=args.check, plugins=args.plugin, out_root=args.out,
+                                command=["ep-harness", *argv], render=not args.no_report,
+                                every_cell=args.every_cell, emulate=args.emulate)[0]
         if args.command == "gate":
             from ep_harness.regress.gate import gate, render_gate
 
@@ -279,12 +293,16 @@ def _command(args, argv: list[str], out: Console) -> int:
             if importlib.util.find_spec("hypothesis") is None:
                 raise HarnessError("explore searches with hypothesis, which is not installed; "
                                    "pip install 'ep-harness[explore]'")
-            from ep_harness.run.explore import explore
+            with _launching_imports():
+                from ep_harness.run.explore import explore
+            from ep_harness.launch import forks
 
-            return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
-                           store=args.store, gpus=args.gpus, out=args.out)
+            with forks.serving():  # before any plugin loads
+                return explore(args.subject, args.world_size, args.budget, args.max_examples, args.plugin,
+                               store=args.store, gpus=args.gpus, out=args.out)
         if args.command == "nightly":
-            from ep_harness.regress.nightly import nightly
+            with _launching_imports():
+                from ep_harness.regress.nightly import nightly
 
             return nightly(args.suite, gpus=args.gpus, baseline=args.baseline, history=args.history,
                            emulate=args.emulate, summary_md=args.summary_md, junit_xml=args.junit_xml,

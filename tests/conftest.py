@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Every process the tests start runs with the hash seed the harness pins for its ranks, so a
+# command forks its torchrun agents instead of starting them anew (harness/launch/forks.py);
+# set before anything reads the session's environment (tests/forked_cli.py).
+os.environ["PYTHONHASHSEED"] = "0"
 sys.path.insert(0, str(REPO))
 # For processes that import the tests' own modules (tests.planted, tests.distributed.*).
 REPO_ON_PYTHONPATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -75,7 +75,15 @@ def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, no
             "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir), **signing}
 
 
-def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+def spawn(cmd: list[str], env: dict, log_path: Path):
+    """torchrun's agent (or srun) in a session of its own, its output in `log_path`: forked by
+    the command's agent server where one serves it (harness/launch/forks.py), else a new process."""
+    from ep_harness.launch import forks
+
+    server = forks.current()
+    forked = server.spawn(cmd, env, log_path) if server is not None else None
+    if forked is not None:
+        return forked
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)

@@ -6,6 +6,7 @@ kernels after them (the same order within each part), their ranks waiting until 
 has ended; results.jsonl keeps the plan's order."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -21,6 +22,7 @@ from ep_harness.check import Check
 from ep_harness.errors import HarnessError
 from ep_harness.environment import applicable_env, pinned_env, platform_for, redacted
 from ep_harness.run.fresh import compared_records
+from ep_harness.launch import forks
 from ep_harness.launch.launcher import Head, Outcome, run_job
 from ep_harness.launch.nodes import Nodes
 from ep_harness.run.plan import expand, jobs, literal, planned, selected
@@ -357,6 +359,19 @@ def verify(options: RunOptions) -> tuple[int, Path]:
     fails (harness/run/fresh.py). On several nodes this is the head's side (node rank 0); the
     others run ep_harness.launch.follower.follow."""
     nodes, plugins = options.nodes.validate(), list(options.plugins)
+    # Before a plugin loads or the run's store starts a thread: the fork that forks the agents.
+    with forks.serving() if _forks_agents(nodes, options) else contextlib.nullcontext():
+        return _verify(options, nodes, plugins)
+
+
+def _forks_agents(nodes: Nodes, options: RunOptions) -> bool:
+    """Whether the agents may be forks of the command (harness/launch/forks.py): one node run by
+    torchrun, no emulated topology, and not --fresh-processes, whose every launch must be a new
+    interpreter (its own hash seed and address layout)."""
+    return not nodes.multi and nodes.launcher == "torchrun" and options.emulate is None and options.fresh_processes == 1
+
+
+def _verify(options: RunOptions, nodes, plugins: list[str]) -> tuple[int, Path]:
     if options.from_record is not None:
         suite_path = options.from_record
         registry.load_all(plugins)
