@@ -10,10 +10,15 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from ep_harness.launch.nodes import Nodes
 from ep_harness.launch.processes import agent_command, child_env
 from tests.conftest import REPO
+
+# The server declines on a CUDA build of torch (a fork must never follow a CUDA initialisation).
+cpu_build = pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
+                               reason="agents are forked only where torch is a CPU build (harness/launch/forks.py)")
 
 # A command's side, in a new interpreter that imports torch as `ep-harness verify` does: start
 # the agent server, then launch the probe's ranks once through it (or anew: FRESH) and wait.
@@ -57,6 +62,7 @@ def _command_env(**extra) -> dict:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
+@cpu_build
 @pytest.mark.parametrize("handled", [True, False], ids=["launch-handles-signals", "sigint-ignored"])
 def test_a_forked_agent_starts_its_ranks_as_a_new_agent_would(tmp_path, handled):
     """The command starts with SIGINT ignored (as under nohup); the launcher handles it while
@@ -115,6 +121,7 @@ _KILLED = textwrap.dedent(r"""
 """)
 
 
+@cpu_build
 def test_a_forked_agent_killed_with_its_launch_ends_with_its_ranks_and_the_server_with_the_command(tmp_path):
     nodes = Nodes()
     cmd = agent_command(nodes, 2, "killed", None, tmp_path, module="tests.agent_probe", args=(str(tmp_path), "600"))
