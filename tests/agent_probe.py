@@ -7,12 +7,21 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
-def rank_main(out_dir: str, sleep_s: str = "0") -> None:
-    import time
+def _daemon(out_dir: str) -> None:
+    """A process that leaves the launch without exec: fork, setsid, fork, the middle one exits."""
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            Path(out_dir, "daemon.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+        os._exit(0)
 
+
+def rank_main(out_dir: str, sleep_s: str = "0", daemon: str = "0") -> None:
     import torch
 
     from ep_harness.threads import apply_in_rank
@@ -25,6 +34,7 @@ def rank_main(out_dir: str, sleep_s: str = "0") -> None:
         "hash_randomization": sys.flags.hash_randomization,
         "hash": hash("ep-harness"),
         "threads": torch.get_num_threads(),
+        "optimize": sys.flags.optimize,
         "main": getattr(sys.modules["__main__"].__spec__, "name", None),
         "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS", "PYTHONHASHSEED",
                                                "PYTHONPATH", "PROBE_MARK", "TORCHELASTIC_RUN_ID")},
@@ -34,4 +44,6 @@ def rank_main(out_dir: str, sleep_s: str = "0") -> None:
         "agent_cmdline": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:3],
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(state, sort_keys=True))
+    if daemon == "1" and rank == "0":
+        _daemon(out_dir)
     time.sleep(float(sleep_s))

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from ep_harness.launch.forks import at_import
 from tests.conftest import REPO, completed
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
@@ -115,8 +114,10 @@ class ForkedCli:
         """Whether a command in `env` behaves here as in a fresh interpreter: what is read as
         the interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
         thread-count and library variables) is the same as this server's."""
-        skip = {"PYTHONUNBUFFERED"}
-        return self.proc.poll() is None and at_import(env, skip) == at_import(self.env, skip)
+        def at_import(e):
+            return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+        return self.proc.poll() is None and at_import(env) == at_import(self.env)
 
     def _line(self, timeout: float) -> str:
         ready, _, _ = select.select([self.reply], [], [], timeout)
@@ -163,6 +164,11 @@ class ForkedCli:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Variables a process reads as it starts or as torch and the harness's modules import (nodes.py
+# and launcher.py read their timeouts then): a command whose environment differs in one of them
+# is not forked from a server started without it.
+IMPORT_TIME_PREFIXES = ("PYTHON", "EP_HARNESS_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "ATEN_", "KMP_",
+                        "GOMP_", "CUDA", "NCCL_", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG")
 _SESSION_ENV = dict(os.environ)  # as the test session started, before any test's monkeypatch
 _SHARED: list[ForkedCli] = []
 

@@ -39,15 +39,25 @@ _COMMAND = textwrap.dedent(r"""
 """)
 
 
-def _launch(tmp_path, name: str, command_env: dict, launch_env: dict | None = None, handled: bool = True) -> dict:
+MARK = "in the command's environment and the launch's"  # what the ranks must see either way
+
+
+def _probe_launch(name: str, out, args: tuple, launch_env: dict | None = None) -> tuple[list, dict]:
+    """The agent command of a 2-rank launch of tests/agent_probe.py, and its environment."""
+    nodes = Nodes()
+    cmd = agent_command(nodes, 2, name, None, out, module="tests.agent_probe", args=args)
+    env = child_env({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PROBE_MARK": MARK, **(launch_env or {})},
+                    "127.0.0.1:1", name, out, nodes)
+    return cmd, env
+
+
+def _launch(tmp_path, name: str, command_env: dict, launch_env: dict | None = None, handled: bool = True,
+            options=()) -> dict:
     out = tmp_path / name
     out.mkdir()
-    nodes = Nodes()
-    cmd = agent_command(nodes, 2, name, None, out, module="tests.agent_probe", args=(str(out),))
-    env = child_env({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PROBE_MARK": "m", **(launch_env or {})},
-                    "127.0.0.1:1", name, out, nodes)
-    proc = subprocess.run([sys.executable, "-c", _COMMAND, str(out), json.dumps(cmd), json.dumps(env), str(int(handled))],
-                          cwd=tmp_path,
+    cmd, env = _probe_launch(name, out, (str(out),), launch_env)
+    argv = [sys.executable, *options, "-c", _COMMAND, str(out), json.dumps(cmd), json.dumps(env), str(int(handled))]
+    proc = subprocess.run(argv, cwd=tmp_path,
                           env=command_env, capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,7 +69,7 @@ def _launch(tmp_path, name: str, command_env: dict, launch_env: dict | None = No
 
 def _command_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    return {**env, "PYTHONPATH": str(REPO), **extra}
+    return {**env, "PYTHONPATH": str(REPO), "PROBE_MARK": MARK, **extra}
 
 
 @cpu_build
@@ -89,13 +99,16 @@ def test_a_forked_agent_starts_its_ranks_as_a_new_agent_would(tmp_path, handled)
         assert "probe rank 0 on stdout" in run["log"] and "probe rank 1 on stdout" in run["log"]
 
 
-@pytest.mark.parametrize("command_extra, launch_extra, why", [
-    ({}, {}, "the command's hash seed is not the launch's 0"),
-    ({"PYTHONHASHSEED": "0"}, {"MKL_NUM_THREADS": "3"}, "the launch sets a variable read as torch loads"),
-    ({"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "2"}, {}, "numpy's BLAS started threads in the command"),
+@pytest.mark.parametrize("command_extra, launch_extra, options, why", [
+    ({}, {}, [], "the command's hash seed is not the launch's 0"),
+    ({"PYTHONHASHSEED": "0"}, {"MKL_NUM_THREADS": "3"}, [], "the launch sets a variable read as torch loads"),
+    ({"PYTHONHASHSEED": "0"}, {"PYTORCH_JIT": "0"}, [], "the launch sets a variable the launcher does not own"),
+    ({"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "2"}, {}, [], "numpy's BLAS started threads in the command"),
+    ({"PYTHONHASHSEED": "0"}, {}, ["-O"], "the command runs with an interpreter option a new agent lacks"),
 ])
-def test_an_agent_that_a_fork_would_not_reproduce_is_a_new_interpreter(tmp_path, command_extra, launch_extra, why):
-    run = _launch(tmp_path, "run", _command_env(**command_extra), launch_extra)
+def test_an_agent_that_a_fork_would_not_reproduce_is_a_new_interpreter(tmp_path, command_extra, launch_extra, options,
+                                                                        why):
+    run = _launch(tmp_path, "run", _command_env(**command_extra), launch_extra, options=options)
     assert run["how"]["forked"] is False, why
     assert run["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"], why
 
@@ -111,7 +124,7 @@ _KILLED = textwrap.dedent(r"""
     out, cmd, env = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     with forks.serving() as server:
         proc = spawn(cmd, env, Path(out) / "agent.log")
-        while not all((Path(out) / f"rank{r}.json").exists() for r in range(2)):
+        while not all((Path(out) / name).exists() for name in ("rank0.json", "rank1.json", "daemon.pid")):
             assert proc.poll() is None, (Path(out) / "agent.log").read_text()
             time.sleep(0.05)
         kill_launch(proc, grace_s=2.0)
@@ -123,15 +136,19 @@ _KILLED = textwrap.dedent(r"""
 
 @cpu_build
 def test_a_forked_agent_killed_with_its_launch_ends_with_its_ranks_and_the_server_with_the_command(tmp_path):
-    nodes = Nodes()
-    cmd = agent_command(nodes, 2, "killed", None, tmp_path, module="tests.agent_probe", args=(str(tmp_path), "600"))
-    env = child_env({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}, "127.0.0.1:1", "killed", tmp_path, nodes)
+    """kill_launch on a forked agent ends its ranks and a daemon one of them left behind (the
+    agent is the launch's subreaper); the agent's exit code comes through the server, and the
+    server exits when the command closes it."""
+    cmd, env = _probe_launch("killed", tmp_path, (str(tmp_path), "600", "1"))
     proc = subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path), json.dumps(cmd), json.dumps(env)],
                           env=_command_env(PYTHONHASHSEED="0"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["forked"] == "ForkedAgent" and result["server_ended"], result
     assert result["code"] not in (None, 0), result  # ended by the signal, its exit code reported by the server
-    # both ranks had started (the command waited for them); none may outlive the launch
+    # both ranks and rank 0's daemon (forked, set apart in a session of its own, its parent
+    # gone) had started (the command waited for them); none may outlive the launch
+    daemon = int((tmp_path / "daemon.pid").read_text())
+    assert not os.path.exists(f"/proc/{daemon}") or open(f"/proc/{daemon}/stat").read().split()[2] in "ZX"
     leftover = subprocess.run(["pgrep", "-f", f"agent_probe.*{tmp_path}"], capture_output=True, text=True).stdout
     assert leftover.strip() == "", leftover

@@ -12,15 +12,20 @@ launch's PYTHONPATH first, the command's script folder or working directory neve
 signal handlers and exit handlers of its own; it dies with the server, which dies with the
 command (PR_SET_PDEATHSIG).
 
-Where the launch's environment differs from the command's in what is read as an interpreter
-starts or as torch and the harness import (IMPORT_TIME_VARIABLES), the agent is a new
-interpreter as before; so it is on GPUs (a fork must never follow a CUDA initialisation), on
-several nodes, and where the command has a thread by then. The launch pins PYTHONHASHSEED=0,
-which a forked process cannot change: a command started with it (`make verify`, the tests)
-forks its agents, any other starts them anew. EP_HARNESS_AGENT_FORKS=0 turns the server off. One difference remains: /proc/PID/environ of a forked agent, and of its ranks, is
-the command's environment at its start (the kernel keeps the block the process was executed
-with), so a stray that leaves the launch's process groups is found as a descendant, or by the
-launch's EP_HARNESS_CHANNEL only where it executed a program (ep_harness.launch.processes.kill_launch).
+signal handlers and exit handlers of its own, numpy's random state drawn anew; it dies with the
+server, which dies with the command (PR_SET_PDEATHSIG), and it is the child subreaper of its
+launch: a process that leaves the launch is re-parented to it, so that kill_launch finds it as
+a descendant (the /proc/PID/environ of a fork is the command's, without the launch's
+EP_HARNESS_CHANNEL, which kill_launch also looks for).
+
+Where the launch's environment differs from the command's in any variable but those the
+launcher sets for every launch (PER_LAUNCH), the agent is a new interpreter as before; so it is
+on GPUs (a fork must never follow a CUDA initialisation), on several nodes, where the command
+has a thread by then or was started with interpreter options (-O, -W, -X ...). The launch pins
+PYTHONHASHSEED=0, which a forked process cannot change: a command started with it (`make
+verify`, the tests) forks its agents, any other starts them anew. EP_HARNESS_AGENT_FORKS=0
+turns the server off. A signal that ends the run waits while an agent is being forked, so
+that no agent runs untracked.
 """
 from __future__ import annotations
 
@@ -44,40 +49,35 @@ from contextlib import contextmanager
 from ep_harness.cases import FORCED_ENV
 from ep_harness.launch.channel import SECRET_ENV
 
-# Variables a process reads as it starts or as torch and the harness import (nodes.py and
-# launcher.py read their timeouts then): an agent whose environment differs from the server's
-# in one of them is a new interpreter.
-IMPORT_TIME_PREFIXES = ("PYTHON", "EP_HARNESS_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "CUDA", "NCCL_", "LD_",
-                        "LC_", "LANG")
-# ... except those the launcher sets for every launch, which the agent and its ranks read only
-# once they run: the path is rebuilt from PYTHONPATH below; each rank sets its thread count with
-# torch.set_num_threads (ep_harness.threads.apply_in_rank); the pins of NCCL and symmetric memory
-# are read as a communicator is made (ep_harness.environment.pinned_env). PYTHONHASHSEED is
-# not among them: the launch pins 0, so a command forks its agents only if it was started so.
+# The variables in which a launch's environment may differ from the command's (every other
+# difference means a new interpreter): those the launcher sets for every launch, which the agent
+# and its ranks read only once they run. The path is rebuilt from PYTHONPATH below; each rank
+# sets its thread count with torch.set_num_threads (ep_harness.threads.apply_in_rank); cuBLAS,
+# NCCL and symmetric memory read their pins as a handle or communicator is made
+# (ep_harness.environment.pinned_env). PYTHONHASHSEED is not among them: the launch pins 0, so
+# a command forks its agents only if it was started so.
 PER_LAUNCH = {"PYTHONPATH", "PYTHONSAFEPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "EP_HARNESS_STORE",
               "EP_HARNESS_CHANNEL", "EP_HARNESS_JOB_DIR", "EP_HARNESS_NODE", SECRET_ENV,
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", *FORCED_ENV}
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUBLAS_WORKSPACE_CONFIG",
+              *FORCED_ENV}
 AGENT_MODULE = "ep_harness.launch.agent"
 # The signals a command or the server may handle, which an agent starts with as after exec.
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # what ends a run (processes.interruptible)
 RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                  signal.SIGCHLD)
 SWITCH = "EP_HARNESS_AGENT_FORKS"
-
-
-def at_import(env: dict[str, str], skip=frozenset()) -> dict[str, str]:
-    """The variables of `env` read as an interpreter starts or the harness imports, less `skip`."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in skip}
 
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _libc():
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
 def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (the server runs on Linux only: start())
 
 
 class ForkedAgent:
@@ -115,6 +115,15 @@ class ForkedAgent:
         self.send_signal(signal.SIGKILL)
 
 
+def _end_group(agent: ForkedAgent) -> None:
+    """A forked agent and its session's processes killed, its exit waited for."""
+    try:
+        os.killpg(agent.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    agent.wait()
+
+
 class AgentServer:
     """The command's agent server (see the module's docstring); `spawn` forks an agent, or
     returns None where the agent must be a new interpreter."""
@@ -123,7 +132,10 @@ class AgentServer:
         self.env = dict(os.environ)  # the command's, as the server was forked
         requests_r, self._requests = os.pipe()
         self._replies, replies_w = os.pipe()
-        self._buffer, self.exits, self.dead, self.running = b"", {}, False, set()
+        self._buffer, self.dead, self.requests = b"", False, 0
+        self.started: dict[int, int] = {}  # request id -> agent pid
+        self.exits: dict[int, int] = {}  # agent pid -> exit code
+        self.running: set[int] = set()
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -140,30 +152,53 @@ class AgentServer:
         self.pid = pid
 
     def serves(self, cmd: list[str], env: dict[str, str]) -> bool:
-        """Whether `cmd` in `env` is an agent this server forks as a fresh interpreter would run it."""
-        return (not self.dead and cmd[:3] == [sys.executable, "-m", AGENT_MODULE]
-                and at_import(env, PER_LAUNCH) == at_import(self.env, PER_LAUNCH))
+        """Whether `cmd` in `env` is an agent this server forks as a fresh interpreter would run
+        it: `env` is the command's environment but for the variables of PER_LAUNCH."""
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return not self.dead and cmd[:3] == [sys.executable, "-m", AGENT_MODULE] and not differ - PER_LAUNCH
 
     def spawn(self, cmd: list[str], env: dict[str, str], log_path) -> ForkedAgent | None:
         if not self.serves(cmd, env):
             return None
         # what an exec'd agent inherits: the signals ignored here stay ignored, the others are reset
         ignored = [s.value for s in RESET_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
-        request = {"argv": cmd[3:], "env": env, "log": str(log_path), "cwd": os.getcwd(), "ignored": ignored}
+        self.requests += 1
+        request = {"id": self.requests, "argv": cmd[3:], "env": env, "log": str(log_path), "cwd": os.getcwd(),
+                   "ignored": ignored}
+        # No signal may end the command between the request and its answer (the agent would run
+        # untracked): they wait until the agent is known, then end it with the launch.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        agent = None
         try:
-            os.write(self._requests, (json.dumps(request) + "\n").encode())
-        except OSError:  # the server is gone: a new interpreter then
-            self.dead = True
+            pid = self._start(request)
+            if pid is not None:
+                agent = ForkedAgent(self, pid, cmd)
+        finally:
+            try:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a waiting signal's handler runs here
+            except BaseException:
+                if agent is not None:
+                    _end_group(agent)
+                raise
+        return agent
+
+    def _start(self, request: dict) -> int | None:
+        """The started agent's pid, or None (the server is gone or did not answer: a new
+        interpreter then, and this server serves no more)."""
+        data = (json.dumps(request) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self._requests, data):]
+        except OSError:
+            self._end_server()
             return None
         deadline = time.monotonic() + 60
-        while "started" not in self.exits and not self.dead and time.monotonic() < deadline:
+        while request["id"] not in self.started and not self.dead and time.monotonic() < deadline:
             self.drain(1.0)
-        started = self.exits.pop("started", None)
-        if started is None:
-            self.dead = True
-            return None
-        self.running.add(started)
-        return ForkedAgent(self, started, cmd)
+        pid = self.started.pop(request["id"], None)
+        if pid is None:
+            self._end_server()
+        return pid
 
     def drain(self, timeout: float) -> None:
         """Read the server's replies that arrive within `timeout` s: a started agent's pid, an
@@ -182,13 +217,24 @@ class AgentServer:
         for line in lines:
             reply = json.loads(line)
             if "started" in reply:
-                self.exits["started"] = reply["started"]
+                self.started[reply["id"]] = reply["started"]
+                self.running.add(reply["started"])
             else:
                 self.running.discard(reply["pid"])
                 self.exits[reply["pid"]] = reply["returncode"]
 
+    def _end_server(self) -> None:
+        """Kill a server that failed to answer (its agents die with it) and reap it."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._lost()
+
     def _lost(self) -> None:
         """The server ended: its agents were killed with it (PR_SET_PDEATHSIG)."""
+        if self.dead:
+            return
         self.dead = True
         for pid in self.running:
             self.exits[pid] = -signal.SIGKILL
@@ -205,8 +251,7 @@ class AgentServer:
             os.close(self._requests)
         except OSError:
             pass
-        if not self.dead:  # its agents have ended (kill_launch waited for each): it exits at once
-            self._lost()
+        self._lost()  # its agents have ended (kill_launch waited for each): it exits at once
         os.close(self._replies)
         self.pid = None
 
@@ -217,7 +262,7 @@ def start() -> AgentServer | None:
         return None
     import torch
 
-    if torch.version.cuda is not None or torch.version.hip is not None or _threads() != 1:
+    if torch.version.cuda is not None or torch.version.hip is not None or _threads() != 1 or _interpreter_options():
         return None
     from ep_harness.console import Console
 
@@ -245,6 +290,13 @@ def serving():
         _current = before
         if server is not None:
             server.close()
+
+
+def _interpreter_options() -> bool:
+    """Whether this interpreter was started with options of its own (-O, -W, -X, -B, ...),
+    which a fork would pass on and `python -m ep_harness.launch.agent` does not have."""
+    first = sys.orig_argv[1] if len(sys.orig_argv) > 1 else ""
+    return first.startswith("-") and first not in ("-m", "-c")
 
 
 # --- the server process ---------------------------------------------------------------------
@@ -286,16 +338,16 @@ def _serve(requests: int, replies: int) -> int:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                server = os.getpid()
+                server, request = os.getpid(), json.loads(line)
                 pid = os.fork()
                 if pid == 0:
                     os.close(requests)
                     os.close(wake_r)
                     os.close(wake_w)
                     out.close()
-                    _agent({**json.loads(line), "server": server})
+                    _agent({**request, "server": server})
                 agents.add(pid)
-                out.write((json.dumps({"started": pid}) + "\n").encode())
+                out.write((json.dumps({"id": request["id"], "started": pid}) + "\n").encode())
 
 
 def _agent(request: dict) -> None:
@@ -305,6 +357,10 @@ def _agent(request: dict) -> None:
     try:
         os.setsid()  # as spawn's start_new_session: the launch is killed as this process group
         _die_with_parent()
+        # A process of the launch that leaves it (a daemon: fork, setsid, parent exits) is
+        # re-parented here, so kill_launch finds it as a descendant (a new agent's ranks carry
+        # the launch's EP_HARNESS_CHANNEL in /proc/PID/environ; a fork's show the command's).
+        _libc().prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
         if os.getppid() != request["server"]:  # the server ended before the line above
             os._exit(128 + signal.SIGKILL)
         signal.set_wakeup_fd(-1)
@@ -324,7 +380,8 @@ def _agent(request: dict) -> None:
         os.dup2(log, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as Popen's close_fds: the command's files are its own
         _fresh_streams(env)
-        atexit._clear()  # the command's exit handlers are the command's
+        _fresh_exit_handlers()
+        _fresh_random_state()
         from ep_harness import console
 
         console._current = None
@@ -352,6 +409,24 @@ def _agent(request: dict) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code if isinstance(code, int) else 1)
+
+
+def _fresh_exit_handlers() -> None:
+    """The command's exit handlers are the command's; those a new interpreter has after
+    importing torch and logging are registered again."""
+    import logging
+    import weakref
+
+    atexit._clear()
+    atexit.register(logging.shutdown)
+    weakref.finalize._registered_with_atexit = False  # registers itself again with its next finalizer
+
+
+def _fresh_random_state() -> None:
+    """numpy's global random state drawn from the OS, as numpy does as it loads in a new agent,
+    not the command's (Python's `random` reseeds itself in a fork)."""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def _agent_as_main() -> None:
