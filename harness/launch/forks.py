@@ -48,6 +48,7 @@ from contextlib import contextmanager
 
 from ep_harness.cases import FORCED_ENV
 from ep_harness.launch.channel import SECRET_ENV
+from ep_harness.launch.processes import _die_with_parent
 
 # The variables in which a launch's environment may differ from the command's (every other
 # difference means a new interpreter): those the launcher sets for every launch, which the agent
@@ -61,8 +62,8 @@ PER_LAUNCH = {"PYTHONPATH", "PYTHONSAFEPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREA
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUBLAS_WORKSPACE_CONFIG",
               *FORCED_ENV}
 AGENT_MODULE = "ep_harness.launch.agent"
-# The signals a command or the server may handle, which an agent starts with as after exec.
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # what ends a run (processes.interruptible)
+# The signals a command or the server may handle, which an agent starts with as after exec.
 RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                  signal.SIGCHLD)
 SWITCH = "EP_HARNESS_AGENT_FORKS"
@@ -70,14 +71,6 @@ SWITCH = "EP_HARNESS_AGENT_FORKS"
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-def _libc():
-    return ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def _die_with_parent() -> None:
-    _libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (the server runs on Linux only: start())
 
 
 class ForkedAgent:
@@ -360,7 +353,7 @@ def _agent(request: dict) -> None:
         # A process of the launch that leaves it (a daemon: fork, setsid, parent exits) is
         # re-parented here, so kill_launch finds it as a descendant (a new agent's ranks carry
         # the launch's EP_HARNESS_CHANNEL in /proc/PID/environ; a fork's show the command's).
-        _libc().prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
         if os.getppid() != request["server"]:  # the server ended before the line above
             os._exit(128 + signal.SIGKILL)
         signal.set_wakeup_fd(-1)
