@@ -20,18 +20,22 @@ from tests.conftest import REPO
 cpu_build = pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
                                reason="agents are forked only where torch is a CPU build (harness/launch/forks.py)")
 
-# A command's side, in a new interpreter that imports torch as `ep-harness verify` does: start
-# the agent server, then launch the probe's ranks once through it (or anew: FRESH) and wait.
-_COMMAND = textwrap.dedent(r"""
-    import json, os, sys
-    from pathlib import Path
-    from ep_harness.launch.agent import _blas_without_a_thread_pool
-    with _blas_without_a_thread_pool():
-        import torch
-    from ep_harness.launch import forks
-    import contextlib
-    from ep_harness.launch.processes import interruptible, spawn
-    out, cmd, env, handled = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "1"
+# A command's side, in a new interpreter that imports torch as `ep-harness verify` does; its
+# arguments: the launch's folder, the agent command and its environment (JSON), then its own.
+_PREAMBLE = r"""
+import contextlib, json, os, sys, time
+from pathlib import Path
+from ep_harness.launch.agent import _blas_without_a_thread_pool
+with _blas_without_a_thread_pool():
+    import torch
+from ep_harness.launch import forks
+from ep_harness.launch.processes import interruptible, kill_launch, spawn
+out, cmd, env = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+"""
+# Start the agent server, launch the probe's ranks once through it (or anew where it declines),
+# under the launcher's signal handlers or not, and wait.
+_COMMAND = _PREAMBLE + textwrap.dedent(r"""
+    handled = sys.argv[4] == "1"
     with forks.serving() as server, interruptible() if handled else contextlib.nullcontext():
         proc = spawn(cmd, env, Path(out) / "agent.log")
         code = proc.wait(120)
@@ -57,8 +61,7 @@ def _launch(tmp_path, name: str, command_env: dict, launch_env: dict | None = No
     out.mkdir()
     cmd, env = _probe_launch(name, out, (str(out),), launch_env)
     argv = [sys.executable, *options, "-c", _COMMAND, str(out), json.dumps(cmd), json.dumps(env), str(int(handled))]
-    proc = subprocess.run(argv, cwd=tmp_path,
-                          env=command_env, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(argv, cwd=tmp_path, env=command_env, capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert proc.returncode == 0, proc.stderr[-3000:]
     how = json.loads(proc.stdout.splitlines()[-1])
@@ -113,15 +116,8 @@ def test_an_agent_that_a_fork_would_not_reproduce_is_a_new_interpreter(tmp_path,
     assert run["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"], why
 
 
-_KILLED = textwrap.dedent(r"""
-    import json, os, sys, time
-    from pathlib import Path
-    from ep_harness.launch.agent import _blas_without_a_thread_pool
-    with _blas_without_a_thread_pool():
-        import torch
-    from ep_harness.launch import forks
-    from ep_harness.launch.processes import kill_launch, spawn
-    out, cmd, env = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# Launch ranks that sleep, wait until they (and rank 0's daemon) run, then end the launch.
+_KILLED = _PREAMBLE + textwrap.dedent(r"""
     with forks.serving() as server:
         proc = spawn(cmd, env, Path(out) / "agent.log")
         while not all((Path(out) / name).exists() for name in ("rank0.json", "rank1.json", "daemon.pid")):

@@ -74,7 +74,8 @@ def _threads() -> int:
 
 
 class ForkedAgent:
-    """What the launcher uses of subprocess.Popen, for an agent forked by the server."""
+    """What the launchers use of subprocess.Popen (pid, poll, wait, returncode), for an agent
+    forked by the server; kill_launch ends it as a process group, as it ends a new one."""
 
     def __init__(self, server: AgentServer, pid: int, args: list[str]):
         self.server, self.pid, self.args, self.returncode = server, pid, args, None
@@ -94,18 +95,6 @@ class ForkedAgent:
             self.server.drain(0.5 if left is None else min(left, 0.5))
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def _end_group(agent: ForkedAgent) -> None:
@@ -299,7 +288,7 @@ def _serve(requests: int, replies: int) -> int:
     the command (its death, or the request pipe closing)."""
     _die_with_parent()
     os.setsid()  # the command's terminal signals are the command's to pass on
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     # What every agent imports before it forks its ranks' fork server, once here.
     from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
