@@ -54,5 +54,5 @@ def warm_up(check, subject, ctx) -> None:
 
 
 def execute(check, subject, ctx):
-    """Run one check on this rank; every rank returns the same Measurement."""
+    """Run one check on this rank: its Measurement on rank 0, None on the others."""
     return driver.execute(get(check.family), check, subject, ctx)

@@ -290,8 +290,11 @@ def warm_up(family: Family, check, subject, ctx: RankContext) -> None:
     family.observe(subject, ctx, p, check.property, family.runs(check.property, p, ctx.world_size))
 
 
-def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
-    """Run an ep_harness.check.Check of `family` on this rank; every rank returns the same Measurement."""
+def execute(family: Family, check, subject, ctx: RankContext) -> Measurement | None:
+    """Run an ep_harness.check.Check of `family` on this rank: its Measurement on rank 0, None
+    on the others. Rank 0 alone records it, so the verdict is not sent back: on CPU ranks each
+    collective costs milliseconds of wake-ups (two for an object broadcast), and the other
+    ranks go on to the next check's first collective, which waits for rank 0 anyway."""
     p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)
@@ -313,7 +316,7 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement:
             _prove_kernels(result, subject, p, kernels)
         if hook(subject, "describe") is not None:  # what exactly ran: library version, its configuration
             result.detail["subject_info"] = description(subject, p)
-    return ctx.share_from_rank0(result)  # every rank reaches the same verdict
+    return result
 
 
 def _prove_kernels(result: Measurement, subject, p, kernels: list[set[str]]) -> None:

@@ -40,15 +40,16 @@ def rank_main(job_dir: str) -> int:
     dist.init_process_group(job["backend"], timeout=datetime.timedelta(seconds=job["budget_s"] + 300))
     ctx = RankContext(rank, dist.get_world_size(), job["backend"], device, dist.group.WORLD)
 
-    def evaluate(example):
+    def evaluate(example) -> tuple[bool, object]:
+        """(whether rank 0 sent an example, its Measurement: on rank 0 only); None ends the search."""
         box = [example]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
-            return None
-        return execute(as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
+            return False, None
+        return True, execute(as_check(subject, box[0], ctx.world_size, job["backend"]), subject, ctx)
 
     if rank != 0:
-        while evaluate(None) is not None:
+        while evaluate(None)[0]:
             pass
         dist.destroy_process_group()
         return 0
@@ -60,7 +61,7 @@ def rank_main(job_dir: str) -> int:
         if time.time() - began > job["budget_s"]:
             return False
         count += 1
-        m = evaluate(example)
+        _, m = evaluate(example)
         return m.held is False and not m.vacuous_reason
 
     for example in job["known"]:  # replay known counterexamples first
@@ -79,7 +80,7 @@ def rank_main(job_dir: str) -> int:
             found = None
     summary = None
     if found is not None:
-        m = evaluate(found)
+        _, m = evaluate(found)
         summary = (f"{found['property']}: {m.mismatched:,} / {m.total:,} differ "
                    f"(first at {m.first_mismatch['row']})" if m.first_mismatch else found["property"])
     evaluate(None)
