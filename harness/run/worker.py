@@ -221,7 +221,8 @@ def rank_main() -> None:
                 from ep_harness.selftest.wrap import wrapped
 
                 subject = wrapped(subject, injection, check)
-            measured = execute(check, subject, check_ctx)  # rank 0's alone
+            measured = execute(check, subject, check_ctx)  # rank 0's alone (None elsewhere)
+            measured = measured.to_json() if rank == 0 else None
             if check_ctx.world_size < ctx.world_size:
                 dist.barrier()  # with the ranks outside its subgroup, which wait in theirs
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
@@ -232,7 +233,7 @@ def rank_main() -> None:
         if rank == 0:
             channel.put(protocol.record_key(index), protocol.Record(
                 index=index, check=check.id, seconds=round(time.perf_counter() - began - warm_s, 4),
-                warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured.to_json()).to_wire())
+                warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured).to_wire())
     for subject in prepared.values():
         tear_down(subject, ctx)
     progress(len(checks))
