@@ -61,12 +61,17 @@ class OrderModel:
     tells what NCCL logged for the call, and a model raises
     ep_harness.nccl.models.NoPrediction when it cannot say. `exact` says the model is known to
     reproduce the backend bit for bit (a measured count that differs from its prediction is
-    then a failure).
+    then a failure). `elementwise` says an output element depends on that element of every
+    rank's input (and on positions and sizes) alone, never on another element's value, as in
+    a plain sum whatever its order; the harness then predicts the probe from the probe's rows
+    alone, the other rows zero. Leave it False for a model that reads other elements (a
+    quantized all-reduce with per-block scales).
     """
 
     name: str
     predict: Callable
     exact: bool
+    elementwise: bool = False
 
 
 @runtime_checkable

@@ -60,10 +60,6 @@ def ring_walk(ring: list[int], end: int) -> list[int]:
     return [ring[(k + 1 + j) % n] for j in range(n)]
 
 
-def _uniform_order(walk: list[int], n: int) -> torch.Tensor:
-    return torch.tensor(walk, dtype=torch.long).unsqueeze(1).expand(len(walk), n)
-
-
 def _check(inputs: torch.Tensor, ring: list[int] | None) -> list[int]:
     world_size = inputs.shape[0]
     ring = list(range(world_size)) if ring is None else list(ring)
@@ -82,8 +78,7 @@ def nccl_ring_reduce_scatter(
     ring = _check(inputs, ring)
     outs, offset = [], 0
     for dest, size in enumerate(sizes):
-        part = inputs[:, offset:offset + size]
-        outs.append(fold(part, _uniform_order(ring_walk(ring, dest), size)))
+        outs.append(chain_fold(inputs[:, offset:offset + size], ring_walk(ring, dest)))
         offset += size
     return outs
 
@@ -120,10 +115,8 @@ def nccl_ring_all_reduce(
     ring = _check(inputs, ring)
     world_size, n = inputs.shape
     align = align_elems or max(1, 16 // inputs.element_size())
-    chunk = nccl_ring_chunk_of(n, world_size, chunk_elems, align)
-    walks = torch.tensor([ring_walk(ring, ring[c]) for c in range(world_size)], dtype=torch.long)
-    order = walks[chunk].T.contiguous()
-    return fold(inputs, order)
+    return fold_ranges(inputs, [(start, end, ring_walk(ring, ring[k]))
+                                for start, end, k in nccl_ring_chunks(n, world_size, chunk_elems, align)])
 
 
 def nccl_ring_all_reduce_channels(inputs: torch.Tensor, channel_rings: list[list[int]],
@@ -221,9 +214,29 @@ def nccl_tree_all_reduce(inputs: torch.Tensor, channel_trees: list[dict[int, tup
 
 
 def chain_fold(inputs: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """Every element summed in the same explicit rank order (order[0] first)."""
+    """Every element summed in the same explicit rank order (order[0] first): `fold` with that
+    order in every column, the same bits, without its [world_size, N] index and gather."""
     _check(inputs, order)
-    return fold(inputs, _uniform_order(order, inputs.shape[1]))
+    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    acc = inputs[order[0]].clone()
+    for rank in order[1:]:
+        acc = (acc.to(wide) + inputs[rank].to(wide)).to(inputs.dtype)
+    return acc
+
+
+def fold_ranges(inputs: torch.Tensor, pieces) -> torch.Tensor:
+    """`fold` for an order that is one walk per contiguous range of elements: `pieces` are
+    (start, end, walk), together covering [0, N) once. Every model whose order changes only
+    at chunk or channel boundaries is one; per range a `chain_fold`, so the whole buffer
+    costs its adds alone (a [world_size, N] gather index is 8 bytes an element a rank)."""
+    out = torch.empty(inputs.shape[1], dtype=inputs.dtype)
+    covered = 0
+    for start, end, walk in pieces:
+        out[start:end] = chain_fold(inputs[:, start:end], walk)
+        covered += end - start
+    if covered != inputs.shape[1]:
+        raise ValueError(f"the ranges cover {covered} of {inputs.shape[1]} elements")
+    return out
 
 
 def gloo_segments(n: int, world_size: int, max_segment_elems: int | None = None) -> int:
@@ -242,12 +255,10 @@ def gloo_ring_all_reduce(inputs: torch.Tensor, max_segment_elems: int | None = N
     """
     world_size, n = inputs.shape
     chunk_len = gloo_segments(n, world_size, max_segment_elems)
-    chunk = torch.clamp(torch.arange(n) // chunk_len, max=world_size - 1)
-    walks = torch.tensor(
-        [[(c - 1 - j) % world_size for j in range(world_size)] for c in range(world_size)],
-        dtype=torch.long,
-    )
-    return fold(inputs, walks[chunk].T.contiguous())
+    ends = [min(n, (c + 1) * chunk_len) for c in range(world_size - 1)] + [n]  # the last chunk takes the rest
+    starts = [0] + ends[:-1]
+    return fold_ranges(inputs, [(lo, hi, [(c - 1 - j) % world_size for j in range(world_size)])
+                                for c, (lo, hi) in enumerate(zip(starts, ends)) if lo < hi])
 
 
 def order_sensitive(inputs: torch.Tensor) -> torch.Tensor:

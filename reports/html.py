@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from ep_harness.reports import heatmap, plots
+from ep_harness.reports import bars, heatmap
 from ep_harness.reports.analysis import FAILING, OUTCOMES, counts, outcome, pairs, verdict, worst_first
 from ep_harness.reports.selftest import selftest_context
 from ep_harness.reports.text import DASH, cost_text, fmt_count, fmt_float, fmt_int, mismatch_text
@@ -153,7 +153,7 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
         "topology": _text((env.get("topology") or {}).get("describe")), "command": _text(env.get("command")),
         "node_differences": [_text(line) for line in env.get("node_differences") or []],
         "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records, "chips": _chips(records),
-        "summary_png": plots.summary_figure(records) if records else None, "pairs": _pairs(records), "shown_pairs": SHOWN_PAIRS,
+        "summary_svg": bars.summary_svg(records), "pairs": _pairs(records), "shown_pairs": SHOWN_PAIRS,
         "changes": changes, "against": _text(against), "trends": trends, "filters": filters,
         "rows": rows, "costs": any(cost_text(r) for r in records),
         "details": [_detail(r) for r in worst_first(records) if _has_detail(r)],

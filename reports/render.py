@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ep_harness import console
 from ep_harness.records import write_atomic
-from ep_harness.reports import terminal, trends
+from ep_harness.reports import terminal
 from ep_harness.reports.analysis import compare_runs, verdict
 from ep_harness.reports.html import render_page
 from ep_harness.reports.load import load_run
@@ -25,10 +25,20 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     if not quiet:
         printer.info(terminal.render(run.records, run.environment, changes, show_skipped, rows, colour=printer.colour))
     target = out or (run.path / "report.html")
-    page = render_page(run, changes, str(against) if against else None, trends=trends.context(history))
+    page = render_page(run, changes, str(against) if against else None, trends=_trends(history))
     write_atomic(Path(target), page)
     if not quiet:
         printer.info(f"# report: {target}")
     if any(c["kind"] == "regression" for c in changes or ()):
         return 1
     return 1 if failed_run_fails and verdict(run.records).startswith(("FAILED", "INTERRUPTED")) else 0
+
+
+def _trends(history: Path | None) -> dict | None:
+    """The trends section, from a nightly history; pandas and matplotlib (0.4 s of imports,
+    most of a report's time) are loaded only for one."""
+    if history is None:
+        return None
+    from ep_harness.reports import trends
+
+    return trends.context(history)

@@ -112,3 +112,108 @@ def test_reference_reduce_scatterv_handles_empty_shards():
     assert shard_offsets([1, 0, 5]) == [0, 1, 1]
     with pytest.raises(ValueError, match="summing to 6"):
         reduce_scatter(x, [1, 1, 1])
+
+
+def _per_element_order(pieces, world: int, n: int) -> torch.Tensor:
+    """The [world, n] order `fold` takes, spelled element by element from (start, end, walk)."""
+    order = torch.full((world, n), -1, dtype=torch.long)
+    for start, end, walk in pieces:
+        order[:, start:end] = torch.tensor(walk).unsqueeze(1)
+    assert (order >= 0).all()
+    return order
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(3, 6), n=st.integers(1, 300), chunk=st.integers(1, 40), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), data=st.data())
+def test_range_wise_models_give_the_bits_of_the_per_element_fold(world, n, chunk, seed, dtype, data):
+    """The ring models fold each chunk with one walk (fold_ranges); the general `fold`, given
+    every element's rank order, must give the same bits on order-sensitive data."""
+    from ep_harness import inputs as gen
+
+    x = gen.values((world, n), dtype, seed, "ranges")
+    ring = data.draw(st.permutations(list(range(world))))
+    align = max(1, 16 // x.element_size())
+    walks = [(s, e, orders.ring_walk(ring, ring[k])) for s, e, k in orders.nccl_ring_chunks(n, world, chunk, align)]
+    want = orders.fold(x, _per_element_order(walks, world, n))
+    got = orders.nccl_ring_all_reduce(x, chunk_elems=chunk, ring=ring)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    length = orders.gloo_segments(n, world)
+    gloo = [(c * length, n if c == world - 1 else min(n, (c + 1) * length), [(c - 1 - j) % world for j in range(world)])
+            for c in range(world) if c * length < n]
+    want = orders.fold(x, _per_element_order(gloo, world, n))
+    assert torch.equal(orders.gloo_ring_all_reduce(x).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_range_wise_folds_differ_where_the_walks_do():
+    """Control: the same ranges folded with the walks rotated by one rank change bits on the
+    same kind of data, so the equality above compares orders, not only sums."""
+    from ep_harness import inputs as gen
+
+    x = gen.values((4, 512), torch.bfloat16, 7, "ranges")
+    pieces = [(0, 256, [3, 2, 1, 0]), (256, 512, [0, 3, 2, 1])]
+    rotated = [(s, e, walk[1:] + walk[:1]) for s, e, walk in pieces]
+    assert torch.equal(orders.fold_ranges(x, pieces), orders.fold(x, _per_element_order(pieces, 4, 512)))
+    assert not torch.equal(orders.fold_ranges(x, pieces).view(torch.int16),
+                           orders.fold_ranges(x, rotated).view(torch.int16))
+    with pytest.raises(ValueError, match="cover 256 of 512"):
+        orders.fold_ranges(x, pieces[:1])
+
+
+def _probe_bits(model, p, dtype, world: int, layout, inputs) -> torch.Tensor:
+    """The probe rows `model` predicts from `inputs(p, dtype, world, layout)`, as bits."""
+    x = inputs(p, dtype, world, layout)
+    outs = model.predict(x.reshape(world, -1), [s * p.hidden for s in layout.sizes], None)
+    rows = []
+    for row in layout.probes:
+        dest, local = layout.owner(row)
+        rows.append(outs[dest].view(-1, p.hidden)[local])
+    return torch.stack(rows).view(torch.uint8)
+
+
+def _gloo_models():
+    from ep_harness import subject as registry
+    from ep_harness.subject import order_model_of
+
+    registry.import_built_in()
+    return {s.name: order_model_of(s, "gloo") for s in registry.load_all().values() if s.family == "collective"}
+
+
+def _predicts_the_same_from_the_probe_rows(model, world: int, prop: str, dtype_name: str) -> bool:
+    from ep_harness.families import collective
+    from ep_harness.check import typed_params
+    from ep_harness.subject import get
+
+    p = typed_params("collective", {"dtype": dtype_name, "world_size": world, "hidden": 136, "seed": 11},
+                     get("all_gather_fold"), "t")
+    dtype = getattr(torch, dtype_name)
+    return all(torch.equal(_probe_bits(model, p, dtype, world, layout, collective.all_inputs),
+                           _probe_bits(model, p, dtype, world, layout, collective.probe_rows))
+               for layout in collective.layouts(prop, p, world))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in _gloo_models().items() if m is not None and m.elementwise))
+def test_an_elementwise_model_predicts_the_probe_from_its_rows_alone(name):
+    """A model that says it is elementwise is given the probe's rows alone (the rest zero) when
+    rank 0 predicts a check: on every layout the probe's bits must be those predicted from
+    every rank's whole input."""
+    for world, prop, dtype in ((4, "batch-invariance", "bfloat16"), (4, "position-invariance", "float16"),
+                               (4, "size-invariance", "bfloat16"), (8, "rank-invariance", "float32")):
+        assert _predicts_the_same_from_the_probe_rows(_gloo_models()[name], world, prop, dtype), (name, world, prop)
+
+
+def test_a_model_that_reads_other_elements_is_caught_by_the_probe_rows_check():
+    """Control: an all-reduce whose per-block scale reads the filler rows (quantized on the
+    wire) predicts other probe bits from the probe rows alone, so the check above can fail."""
+    from ep_harness.subject import OrderModel
+    from ep_harness.subjects.collective.common import per_destination
+
+    def block_scaled(x, sizes, nccl):
+        blocks = x.float().view(x.shape[0], -1, 16)  # 136-element rows: blocks straddle rows
+        scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 7
+        wire = (blocks / scale).round() * scale  # 4-bit codes per block of 16
+        return per_destination(orders.chain_fold(wire.view(x.shape[0], -1).to(x.dtype), list(range(x.shape[0]))),
+                               sizes)
+
+    model = OrderModel("block-scaled fold", block_scaled, exact=True, elementwise=True)
+    assert not _predicts_the_same_from_the_probe_rows(model, 4, "batch-invariance", "bfloat16")

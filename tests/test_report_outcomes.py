@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ep_harness.reports import plots, terminal
+from ep_harness.reports import bars, terminal
 from ep_harness.reports.analysis import outcome, pairs
 from ep_harness.reports.ci_outputs import case_lines, github_annotations, junit_xml
 from ep_harness.reports.html import render_page
@@ -45,7 +45,7 @@ def test_a_composed_control_sits_beside_its_fix_and_every_bar_has_its_own_label(
     assert c is native and fixes == [fold]
     assert "moe-native-tp (composed_moe): 4,612 / 8,192 (56.3%) -> moe (composed_moe): 0 / 8,192 (0.0%)" in \
         terminal.render([native, fold], {})
-    labels = [b["label"] for b in plots.summary_bars([fold, native])]
+    labels = [b["label"] for b in bars.summary_bars([fold, native])]
     assert len(set(labels)) == 2 and "moe-native-tp  batch-invariance" in labels
 
 
@@ -53,14 +53,29 @@ def test_a_small_failure_comes_first_in_the_plot_and_on_the_page(tmp_path):
     small = record("tiny/batch-invariance", case="tiny", property="batch-invariance", status="unexpected",
                    held=False, mismatched=2, total=1000, reason="expected to hold, but 2 / 1,000 differ")
     recs = [control(f"ctl{i}/rank-invariance") for i in range(30)] + [record("fix/rank-invariance"), small]
-    bars = plots.summary_bars(recs)
-    assert bars[0] == {"label": "tiny  batch-invariance", "outcome": "failed", "pct": 0.2}
-    assert [b["outcome"] for b in bars[1:]] == ["xfail"] * 30 + ["held"]
+    drawn = bars.summary_bars(recs)
+    assert drawn[0] == {"label": "tiny  batch-invariance", "outcome": "failed", "pct": 0.2}
+    assert [b["outcome"] for b in drawn[1:]] == ["xfail"] * 30 + ["held"]
     page = render_page(load_run(write_run(tmp_path / "run", recs)))
     failures, pairs_at, controls = page.index('id="failures"'), page.index('id="pairs"'), page.index("Details: controls")
     assert failures < page.index('id="d-tiny/batch-invariance"') < pairs_at < controls  # its details open, first
     assert 'class="mark xfail">xfail</span> ctl0/rank-invariance' in page
 
+
+
+def test_the_summary_bars_name_a_failure_in_words_and_escape_every_label():
+    """The SVG summary: each bar as long as its percentage of the axis, a failing bar's row
+    marked in words, and a case name carrying markup printed as text."""
+    evil = "<script>alert(1)</script>"
+    small = record(f"{evil}/batch-invariance", case=evil, property="batch-invariance", status="unexpected",
+                   held=False, mismatched=2, total=1000, reason="expected to hold, but 2 / 1,000 differ")
+    svg = bars.summary_svg([control("ctl/rank-invariance"), small, record("fix/rank-invariance")])
+    assert "<script>" not in svg and "&lt;script&gt;alert(1)&lt;/script&gt;  batch-invariance" in svg
+    assert "0.2%  &lt;- FAILED" in svg and "control, violated as expected" in svg and "held: must be 0" in svg
+    widths = [float(w) for w in re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="12"', svg)]
+    pcts = [b["pct"] for b in bars.summary_bars([control("ctl/rank-invariance"), small])]
+    assert len(widths) == 3 and widths[2] == 0 and widths[0] == pytest.approx(widths[1] * pcts[0] / pcts[1], abs=0.1)  # 0.1 px: drawn to .1f
+    assert bars.summary_svg([record("ref", property="reference")]) is None  # nothing compared across runs
 
 def test_zero_counts_are_neutral_on_an_ok_run(tmp_path):
     page = render_page(load_run(write_run(tmp_path / "run", [record("a"), control("c")])))

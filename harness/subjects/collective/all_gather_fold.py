@@ -29,7 +29,7 @@ class AllGatherFold:
         out.copy_(fold_descending(per_rank[:, start:start + sizes[rank]]))
 
     def order_model(self, backend):
-        return OrderModel("fixed fold W-1..0", _model, exact=True)
+        return OrderModel("fixed fold W-1..0", _model, exact=True, elementwise=True)
 
 
 FOLD_MODEL = _model

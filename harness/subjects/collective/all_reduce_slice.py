@@ -35,4 +35,4 @@ class AllReduceSlice:
             return GLOO_ALL_REDUCE_SLICE
         return OrderModel("NCCL all-reduce as logged (tree model over the logged trees) + slice",
                           lambda x, sizes, nccl: per_destination(nccl_models.all_reduce(x, nccl)[0], sizes),
-                          exact=True)
+                          exact=True, elementwise=True)

@@ -30,4 +30,4 @@ class AllToAllFold:
         out.copy_(fold_descending(received.view(world_size, mine, *inp.shape[1:])))
 
     def order_model(self, backend):
-        return OrderModel("fixed fold W-1..0", FOLD_MODEL, exact=True)
+        return OrderModel("fixed fold W-1..0", FOLD_MODEL, exact=True, elementwise=True)

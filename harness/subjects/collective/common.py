@@ -47,4 +47,5 @@ def gloo_all_reduce_slices(inputs: torch.Tensor, sizes_elems: list[int], nccl=No
 
 # gloo's reduce_scatter_tensor is a ring all-reduce plus a slice, so the native control and
 # the all-reduce-then-slice path accumulate alike there.
-GLOO_ALL_REDUCE_SLICE = OrderModel("gloo ring all-reduce + slice", gloo_all_reduce_slices, exact=True)
+GLOO_ALL_REDUCE_SLICE = OrderModel("gloo ring all-reduce + slice", gloo_all_reduce_slices, exact=True,
+                                   elementwise=True)

@@ -71,4 +71,4 @@ class CustomAllReduce:
 
     def order_model(self, backend):
         return OrderModel("one-shot fold 0..W-1 / two-shot reduce-scatter model, by message size", _predict,
-                          exact=True)
+                          exact=True, elementwise=True)

@@ -30,4 +30,5 @@ class NativeReduceScatter:
         if backend == "gloo":
             return GLOO_ALL_REDUCE_SLICE
         return OrderModel("NCCL reduce-scatter as logged (ring or PAT model)",
-                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True)
+                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True,
+                          elementwise=True)

@@ -34,6 +34,7 @@ class NativeReduceScatterV:
 
     def order_model(self, backend):
         if backend == "gloo":
-            return OrderModel("gloo ring all-reduce per shard", _per_shard_gloo, exact=True)
+            return OrderModel("gloo ring all-reduce per shard", _per_shard_gloo, exact=True, elementwise=True)
         return OrderModel("NCCL reduce per destination as logged (ring model)",
-                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True)
+                          lambda x, sizes, nccl: nccl_models.reduce_scatter(x, sizes, nccl)[0], exact=True,
+                          elementwise=True)

@@ -60,7 +60,7 @@ class TreeReduceScatter:
         out.copy_(orders.balanced_tree(received.view(world_size, mine, *inp.shape[1:])))
 
     def order_model(self, backend):
-        return OrderModel("balanced tree over ranks", _tree_over_ranks, exact=True)
+        return OrderModel("balanced tree over ranks", _tree_over_ranks, exact=True, elementwise=True)
 
     def shards_order_model(self, backend):
-        return OrderModel("balanced tree over the virtual shards", _tree_over_shards, exact=True)
+        return OrderModel("balanced tree over the virtual shards", _tree_over_shards, exact=True, elementwise=True)
