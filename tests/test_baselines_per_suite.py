@@ -5,20 +5,17 @@ offering another suite's baselines, a night without DeepEP that looks passed).""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, once_per_session
+from tests.conftest import REPO, once_per_session, run_cli
 
 
 
 def _verify(*args: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "-q", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_cli("verify", "-q", *args, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = Path(args[args.index("--out") + 1])
     return (out / "latest").resolve()

@@ -1,8 +1,6 @@
 """The nightly gate, baselines, history, the workflow file, and `pytest --ep-suite`."""
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,7 @@ import yaml
 from ep_harness.regress.gate import (NotComparable, append_history, baseline_path, fingerprint, fingerprint_hash, gate,
                           platform_key, read_baseline, update_baseline)
 from ep_harness.reports.render import render_run
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 from tests.shared_runs import plugin_items_session  # noqa: F401  (a fixture)
 from tests.test_reports import record, write_run
 
@@ -87,8 +85,7 @@ def test_another_platform_is_not_comparable_and_exits_3(tmp_path, baseline, chan
     message = str(err.value)
     assert message.startswith("not comparable: baseline") and "this run on cpu-gloo-4" in message
     assert "ep-harness baseline update" in message and "\n" not in message
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "gate", str(run), "--baseline", str(baseline)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_cli("gate", str(run), "--baseline", str(baseline), timeout=120)
     assert proc.returncode == 3 and "not comparable" in proc.stderr
     # ... while a GPU run's fingerprint leaves the host CPU out (the GPU computes what is measured)
     gpu = {**ENV, "backend": "nccl", "gpus": ["NVIDIA H200"]}

@@ -1,15 +1,13 @@
 """Red-team holes in the gate (issue 23, item 6): an interrupted run, an all-error run and a
 run whose every check is vacuous used to pass; each now fails, with one line saying why."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from ep_harness.errors import HarnessError
 from ep_harness.regress.gate import fingerprint, gate, render_gate, update_baseline
 from ep_harness.records import write_jsonl
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
 from tests.test_gate import ENV, baseline_records, run_with
 from tests.test_reports import write_run
 
@@ -55,8 +53,7 @@ def test_a_run_that_showed_nothing_fails_the_gate_even_against_its_own_baseline(
     assert [c["check"] for c in result["regressions"]] == ["(the run)"]
     assert said in result["regressions"][0]["what"]
     assert "FAILED" in render_gate(result) and said in render_gate(result)
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "gate", str(run), "--baseline", str(base)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("gate", str(run), "--baseline", str(base), timeout=120)
     assert proc.returncode == 1 and said in proc.stdout, proc.stdout + proc.stderr
     # ... nor can such a run become the baseline that the next one is compared with
     with pytest.raises(HarnessError, match="not recorded as a baseline"):
