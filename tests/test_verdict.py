@@ -39,3 +39,21 @@ def test_a_check_measured_under_another_nccl_algorithm_is_an_error():
     assert rec["status"] == "error" and "pins ReduceScatter to RING" in rec["reason"]
     assert rec["nccl_calls"] == calls and rec["mismatched"] == 10
     assert rec["params"]["hidden"] == 2048 and rec["params"]["seed"] == 0  # every effective parameter
+
+
+def test_a_measurement_travels_as_asdict_would_send_it_and_comes_back_equal():
+    """to_json is shallow (no deep copy of the evidence): the same values as asdict, the bound
+    as a plain dict, and from_json rebuilds an equal Measurement."""
+    from dataclasses import asdict
+
+    import torch
+
+    from ep_harness.compare import compare_bitwise
+    from ep_harness.measurement import Bound
+
+    got = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.5, -0.0]], dtype=torch.bfloat16)
+    m = Measurement.bitwise(compare_bitwise(got, got[0]), predicted_mismatched=2, detail={"copies": [{"n": 1}]})
+    m.bound = Bound(rule="|err| <= u", terms={"u": 2.0 ** -8})
+    sent = m.to_json()
+    assert sent == asdict(m) and isinstance(sent["bound"], dict) and sent["mismatched"] == 2
+    assert Measurement.from_json(sent) == m

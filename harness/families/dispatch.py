@@ -120,7 +120,7 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
                                 rounds_partials(subject))
     observed, labels = probe_copies(runs, gathered)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
-    require_finite(m, observed, _probe_combined(p, runs[0].spec, world))
+    require_finite(m, observed, _probe_combined(p, runs[0].spec))
     m.sensitivity = order_sensitive(p)
     m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
     model = combine_model_of(subject)
@@ -227,20 +227,24 @@ def _measure_dispatch(p: DispatchParams, wire: str, run, per_rank_rows: list, wo
 
 
 def _combine_inputs(p: DispatchParams, run, world: int):
-    """float64 expert outputs per (token, slot) and weights, rebuilt from inputs alone."""
-    outs = []
-    for src in range(world):
-        x, idx, w = rank_tokens(p, run, src)
-        xd = x.double()
-        if p.expert_quant == "fp8":
-            q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p.ue8m0)
-            xd = ref_quant.dequantize_per_token_group(q, s)
-        scale = torch.tensor([expert_scale(int(e)) if e >= 0 else 0.0 for e in idx.flatten()], dtype=torch.float64)
-        y = xd.unsqueeze(1) * scale.view(idx.shape).unsqueeze(-1)
-        y = torch.where((idx >= 0).unsqueeze(-1), y, 0.0)  # an empty slot adds nothing (not 0 * Inf = NaN)
-        y = y.to(torch.bfloat16).double()  # experts write bf16 (exact here: powers of two)
-        outs.append((y, w.double()))
-    return outs
+    """Every rank's `_rank_combine_inputs`, in rank order."""
+    return [_rank_combine_inputs(p, run, src) for src in range(world)]
+
+
+def _rank_combine_inputs(p: DispatchParams, run, src: int):
+    """Rank `src`'s float64 expert outputs per (token, slot) [T, k, H] and weights [T, k],
+    rebuilt from inputs alone."""
+    x, idx, w = rank_tokens(p, run, src)
+    xd = x.double()
+    if p.expert_quant == "fp8":
+        q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p.ue8m0)
+        xd = ref_quant.dequantize_per_token_group(q, s)
+    scales = torch.tensor([expert_scale(e) for e in range(p.num_experts)], dtype=torch.float64)
+    scale = torch.where(idx >= 0, scales[idx.clamp(min=0)], 0.0)
+    y = xd.unsqueeze(1) * scale.unsqueeze(-1)
+    y = torch.where((idx >= 0).unsqueeze(-1), y, 0.0)  # an empty slot adds nothing (not 0 * Inf = NaN)
+    y = y.to(torch.bfloat16).double()  # experts write bf16 (exact here: powers of two)
+    return y, w.double()
 
 
 def _measure_combine(p: DispatchParams, run, outputs, world: int, rounds_partials: bool = False) -> Measurement:
@@ -261,17 +265,17 @@ def _measure_combine(p: DispatchParams, run, outputs, world: int, rounds_partial
     return Measurement.within(got, exact, bound, rule)
 
 
-def _probe_combined(p: DispatchParams, run, world: int) -> torch.Tensor:
+def _probe_combined(p: DispatchParams, run) -> torch.Tensor:
     """The probe's float64 combined output [H] (its first copy in `run`)."""
     rank, pos = run.probes[0]
-    y, w = _combine_inputs(p, run, world)[rank]
+    y, w = _rank_combine_inputs(p, run, rank)
     return (y[pos] * w[pos].unsqueeze(-1)).sum(0)
 
 
 def order_sensitive(p: DispatchParams) -> int:
     """Probe elements whose bf16 combine result changes under some order of its k terms."""
     run = placements("position-invariance", p, 1)[0]
-    y, w64 = _combine_inputs(p, run, 1)[0]
+    y, w64 = _rank_combine_inputs(p, run, 0)
     terms = (y[0] * w64[0].unsqueeze(-1)).float()  # [k, H] as float32 products
     first = None
     sensitive = torch.zeros(terms.shape[1], dtype=torch.bool)
