@@ -137,11 +137,15 @@ def planted_calls(n: int, world: int, draw) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_planted_rare_corruption_is_caught_call_by_call(fail_run):
-    """SUITE's cases, in the shared failing run (tests/shared_runs.py), after its planted faults."""
+def test_planted_rare_corruption_is_caught_call_by_call(fail_run, smoke_run):
+    """SUITE's planted case, in the shared failing run (tests/shared_runs.py), after its planted
+    faults; the clean dispatcher at the same 300 calls is the smoke suite's dispatch-corruption."""
     proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    clean, rare = recs["a2a"], recs["rare"]
+    [clean] = [r for r in map(json.loads, (smoke_run[1] / "results.jsonl").read_text().splitlines())
+               if r["case"] == "dispatch-corruption"]
+    rare = recs["rare"]
+    assert clean["subject"] == "torch_a2a_dispatch" and clean["params"]["calls"] == 300
     assert clean["status"] == "ok" and clean["detail"]["corruption"]["upper_bound"] < 0.01
     assert "0 of 300 calls corrupted, per-call rate <= 0.994%" in clean["reason"]
     expected = planted_calls(300, 4, lambda c: rare_corruption(c, 4))
