@@ -58,7 +58,10 @@ def summary_svg(records: list[dict]) -> str | None:
     plot_top = TOP + legend_h + 6
     plot_h = ROW_H * len(bars)
     width, height = left + PLOT_W + 190, plot_top + plot_h + AXIS_H
-    x = lambda pct: left + PLOT_W * pct / top  # noqa: E731
+
+    def x(pct: float) -> float:  # a percentage's place on the plot
+        return left + PLOT_W * pct / top
+
     out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" role="img" width="{width:.0f}" height="{height}" '
            f'viewBox="0 0 {width:.0f} {height}" font-family="sans-serif" font-size="11">',
            "<title>mismatch summary: elements whose bits differ per case and property (worst grid point)</title>",

@@ -63,4 +63,4 @@ class TreeReduceScatter:
         return OrderModel("balanced tree over ranks", _tree_over_ranks, exact=True, elementwise=True)
 
     def shards_order_model(self, backend):
-        return OrderModel("balanced tree over the virtual shards", _tree_over_shards, exact=True, elementwise=True)
+        return OrderModel("balanced tree over the virtual shards", _tree_over_shards, exact=True)
