@@ -12,7 +12,7 @@ Comparison kinds:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 import torch
 
@@ -118,12 +118,14 @@ class Measurement(Mismatch):
         return top
 
     def to_json(self) -> dict:
-        """Every field, the bound as a dict. Shallow, as `bitwise` reads a Mismatch: asdict deep-copies
-        each list and dict of the evidence (0.4 s of rank 0 in a launch of model checks), and
-        a Measurement is sent as it stands and not changed afterwards."""
+        """Every field, the bound and any dataclass in `detail` (a subject's describe() may hold
+        one) as dicts. The harness's own evidence is taken as it stands: asdict deep-copies
+        each of its lists (0.4 s of rank 0 in a launch of model checks), and a Measurement is
+        sent as it stands and not changed afterwards."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.bound is not None:
             out["bound"] = asdict(self.bound)
+        out["detail"] = _plain(self.detail)
         return out
 
     @classmethod
@@ -159,6 +161,17 @@ class Measurement(Mismatch):
             self.bits_fingerprint = None
         self.bits_blocks = None  # two tensors' blocks: the whole fingerprint still says whether bits moved
         return self
+
+
+def _plain(value):
+    """`value` with every dataclass in it as a dict (containers rebuilt, leaves as they are)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def _magnitude(x: float | str | None) -> float:

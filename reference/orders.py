@@ -45,11 +45,17 @@ def fold(inputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """
     if order.shape != inputs.shape:
         raise ValueError(f"order shape {tuple(order.shape)} != inputs shape {tuple(inputs.shape)}")
-    ordered = torch.gather(inputs, 0, order)
+    return _fold_rows(torch.gather(inputs, 0, order))
+
+
+def _fold_rows(ordered: torch.Tensor) -> torch.Tensor:
+    """Row 0 + row 1 + ..., each add in float32 (float64 for float64) rounded to the dtype.
+    Whole rows at a time: torch rounds a float32 NaN to fp16 with other bits in its vector loop
+    than in its scalar tail, so adding range by range would move the tails and NaN's bits."""
     acc = ordered[0].clone()
-    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
-    for hop in range(1, inputs.shape[0]):
-        acc = (acc.to(wide) + ordered[hop].to(wide)).to(inputs.dtype)
+    wide = torch.float64 if ordered.dtype == torch.float64 else torch.float32
+    for hop in range(1, ordered.shape[0]):
+        acc = (acc.to(wide) + ordered[hop].to(wide)).to(ordered.dtype)
     return acc
 
 
@@ -227,16 +233,22 @@ def chain_fold(inputs: torch.Tensor, order: list[int]) -> torch.Tensor:
 def fold_ranges(inputs: torch.Tensor, pieces) -> torch.Tensor:
     """`fold` for an order that is one walk per contiguous range of elements: `pieces` are
     (start, end, walk), together covering [0, N) once. Every model whose order changes only
-    at chunk or channel boundaries is one; per range a `chain_fold`, so the whole buffer
-    costs its adds alone (a [world_size, N] gather index is 8 bytes an element a rank)."""
-    out = torch.empty(inputs.shape[1], dtype=inputs.dtype)
-    covered = 0
+    at chunk or channel boundaries is one. Each range's rows are copied in walk order into one
+    [world_size, N] buffer, then added as whole rows (`fold`'s bits, NaN's too), without
+    `fold`'s [world_size, N] index of 8 bytes an element and its gather."""
+    n = inputs.shape[1]
+    ordered = torch.empty(inputs.shape, dtype=inputs.dtype)
+    covered = torch.zeros(n, dtype=torch.bool)
     for start, end, walk in pieces:
-        out[start:end] = chain_fold(inputs[:, start:end], walk)
-        covered += end - start
-    if covered != inputs.shape[1]:
-        raise ValueError(f"the ranges cover {covered} of {inputs.shape[1]} elements")
-    return out
+        _check(inputs, walk)
+        if not 0 <= start <= end <= n or covered[start:end].any():
+            raise ValueError(f"range [{start}, {end}) is outside [0, {n}) or overlaps another")
+        for hop, rank in enumerate(walk):  # row slices: plain copies, no index tensor
+            ordered[hop, start:end] = inputs[rank, start:end]
+        covered[start:end] = True
+    if not covered.all():
+        raise ValueError(f"the ranges leave {int((~covered).sum())} of {n} elements out")
+    return _fold_rows(ordered)
 
 
 def gloo_segments(n: int, world_size: int, max_segment_elems: int | None = None) -> int:

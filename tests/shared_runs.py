@@ -102,8 +102,9 @@ def pass_run(tmp_path_factory):
 # --- one failing run that two tests read --------------------------------------------------------
 
 # test_verify_cpu's planted faults (each an error record, the run going on in relaunches), then
-# test_corruption's rarely corrupting dispatcher, in the launch after the last fault. Its clean
-# dispatcher at the same 300 calls is the smoke suite's dispatch-corruption (the smoke run's).
+# test_corruption's rarely corrupting dispatcher, in the launch after the last fault. The clean
+# dispatcher it is held against is the smoke run's dispatch-corruption: the same subject and 300
+# calls of 32 tokens, with the default 16 experts where corruption.toml has 8.
 FAIL_SUITE = {"faults.toml": (), "corruption.toml": ("a2a",)}  # file: the cases left out
 
 

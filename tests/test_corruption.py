@@ -139,7 +139,8 @@ def planted_calls(n: int, world: int, draw) -> list[tuple[int, int]]:
 @pytest.mark.slow
 def test_planted_rare_corruption_is_caught_call_by_call(fail_run, smoke_run):
     """SUITE's planted case, in the shared failing run (tests/shared_runs.py), after its planted
-    faults; the clean dispatcher at the same 300 calls is the smoke suite's dispatch-corruption."""
+    faults; the clean dispatcher, 300 calls of 32 tokens, is the smoke suite's dispatch-corruption
+    (16 experts, corruption.toml's 8: what is bounded is the subject's per-call rate)."""
     proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     [clean] = [r for r in map(json.loads, (smoke_run[1] / "results.jsonl").read_text().splitlines())

@@ -77,6 +77,18 @@ def test_the_summary_bars_name_a_failure_in_words_and_escape_every_label():
     assert len(widths) == 3 and widths[2] == 0 and widths[0] == pytest.approx(widths[1] * pcts[0] / pcts[1], abs=0.1)  # 0.1 px: drawn to .1f
     assert bars.summary_svg([record("ref", property="reference")]) is None  # nothing compared across runs
 
+
+@pytest.mark.parametrize("mismatched, total, label", [(3, 0, "300.0%"), (9000, 8192, "109.9%"), (float("inf"), 8, "inf%"),
+                                                       (float("nan"), 8, "nan%"), (5, 10**12, "0.0%")])
+def test_the_summary_bars_draw_any_count_a_record_holds_within_the_plot(mismatched, total, label):
+    """A foreign or hand-edited record may count more than it compared, or NaN: the page still
+    renders, the bar stays inside the plot and its label says what the record says."""
+    odd = record("odd/batch-invariance", case="odd", property="batch-invariance", mismatched=mismatched, total=total)
+    svg = bars.summary_svg([odd, control("ctl/rank-invariance")])
+    widths = [float(w) for w in re.findall(r'<rect x="[\d.]+" y="\d+" width="([\d.]+)" height="12"', svg)]
+    assert len(widths) == 2 and all(0 <= w <= bars.PLOT_W for w in widths)
+    assert f">{label}<" in svg and not re.search(r'="-?(nan|inf)"', svg)  # every attribute a number
+
 def test_zero_counts_are_neutral_on_an_ok_run(tmp_path):
     page = render_page(load_run(write_run(tmp_path / "run", [record("a"), control("c")])))
     chips = {text: cls for cls, text in re.findall(r'<span class="pill (\w+)"[^>]*>(\d+ \w+)</span>', page)}

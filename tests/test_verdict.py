@@ -1,5 +1,6 @@
 """From a measurement to a status: controls, fixes, `expect = model`, and measurements taken
 under conditions other than the ones pinned."""
+import json
 from types import SimpleNamespace
 
 from ep_harness.check import single_check
@@ -57,3 +58,6 @@ def test_a_measurement_travels_as_asdict_would_send_it_and_comes_back_equal():
     sent = m.to_json()
     assert sent == asdict(m) and isinstance(sent["bound"], dict) and sent["mismatched"] == 2
     assert Measurement.from_json(sent) == m
+    # a subject's describe() may hold a dataclass: it travels as a dict, as asdict sent it
+    m.detail["subject_info"] = {"backend": Bound(rule="a kernel's own")}
+    assert json.loads(json.dumps(m.to_json()))["detail"]["subject_info"] == {"backend": asdict(Bound(rule="a kernel's own"))}

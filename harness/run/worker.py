@@ -222,18 +222,17 @@ def rank_main() -> None:
 
                 subject = wrapped(subject, injection, check)
             measured = execute(check, subject, check_ctx)  # rank 0's alone (None elsewhere)
-            measured = measured.to_json() if rank == 0 else None
             if check_ctx.world_size < ctx.world_size:
                 dist.barrier()  # with the ranks outside its subgroup, which wait in theirs
+            if rank == 0:  # sent here: what JSON cannot hold (in a subject's describe()) is this check's error
+                channel.put(protocol.record_key(index), protocol.Record(
+                    index=index, check=check.id, seconds=round(time.perf_counter() - began - warm_s, 4),
+                    warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured.to_json()).to_wire())
         except BaseException as exc:  # report, then leave: peers may be stuck in a collective
             channel.put(protocol.error_key(rank), protocol.RankError(
                 index=index, check=check.id, rank=rank, time=time.time(), error=f"{type(exc).__name__}: {exc}",
                 traceback=traceback.format_exc(), **where).to_wire())
             os._exit(3)
-        if rank == 0:
-            channel.put(protocol.record_key(index), protocol.Record(
-                index=index, check=check.id, seconds=round(time.perf_counter() - began - warm_s, 4),
-                warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured).to_wire())
     for subject in prepared.values():
         tear_down(subject, ctx)
     progress(len(checks))
