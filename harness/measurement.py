@@ -169,6 +169,8 @@ def _plain(value):
         return asdict(value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple, rebuilt as asdict does
+        return type(value)(*(_plain(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value

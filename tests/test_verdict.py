@@ -59,5 +59,15 @@ def test_a_measurement_travels_as_asdict_would_send_it_and_comes_back_equal():
     assert sent == asdict(m) and isinstance(sent["bound"], dict) and sent["mismatched"] == 2
     assert Measurement.from_json(sent) == m
     # a subject's describe() may hold a dataclass: it travels as a dict, as asdict sent it
+    from typing import NamedTuple
+
+    class Hit(NamedTuple):
+        row: str
+        where: Bound
+
     m.detail["subject_info"] = {"backend": Bound(rule="a kernel's own")}
-    assert json.loads(json.dumps(m.to_json()))["detail"]["subject_info"] == {"backend": asdict(Bound(rule="a kernel's own"))}
+    m.detail["hits"] = [Hit("token 3", Bound(rule="r"))]
+    assert m.to_json() == asdict(m)
+    sent = json.loads(json.dumps(m.to_json()))["detail"]
+    assert sent["subject_info"] == {"backend": asdict(Bound(rule="a kernel's own"))}
+    assert sent["hits"] == [["token 3", asdict(Bound(rule="r"))]]
