@@ -48,14 +48,15 @@ def fold(inputs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return _fold_rows(torch.gather(inputs, 0, order))
 
 
-def _fold_rows(ordered: torch.Tensor) -> torch.Tensor:
-    """Row 0 + row 1 + ..., each add in float32 (float64 for float64) rounded to the dtype.
-    Whole rows at a time: torch rounds a float32 NaN to fp16 with other bits in its vector loop
-    than in its scalar tail, so adding range by range would move the tails and NaN's bits."""
-    acc = ordered[0].clone()
-    wide = torch.float64 if ordered.dtype == torch.float64 else torch.float32
-    for hop in range(1, ordered.shape[0]):
-        acc = (acc.to(wide) + ordered[hop].to(wide)).to(ordered.dtype)
+def _fold_rows(rows) -> torch.Tensor:
+    """rows[0] + rows[1] + ... (a [hops, N] tensor or a list of [N] rows), each add in float32
+    (float64 for float64) rounded to the dtype. Whole rows at a time: torch rounds a float32
+    NaN to fp16 with other bits in its vector loop than in its scalar tail, so adding range by
+    range would move the tails and NaN's bits."""
+    acc = rows[0].clone()
+    wide = torch.float64 if acc.dtype == torch.float64 else torch.float32
+    for row in rows[1:]:
+        acc = (acc.to(wide) + row.to(wide)).to(acc.dtype)
     return acc
 
 
@@ -223,11 +224,7 @@ def chain_fold(inputs: torch.Tensor, order: list[int]) -> torch.Tensor:
     """Every element summed in the same explicit rank order (order[0] first): `fold` with that
     order in every column, the same bits, without its [world_size, N] index and gather."""
     _check(inputs, order)
-    wide = torch.float64 if inputs.dtype == torch.float64 else torch.float32
-    acc = inputs[order[0]].clone()
-    for rank in order[1:]:
-        acc = (acc.to(wide) + inputs[rank].to(wide)).to(inputs.dtype)
-    return acc
+    return _fold_rows([inputs[rank] for rank in order])
 
 
 def fold_ranges(inputs: torch.Tensor, pieces) -> torch.Tensor:

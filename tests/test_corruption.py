@@ -21,6 +21,7 @@ from tests import fake_deep_ep
 from tests.conftest import REPO, run_cli
 from tests.planted import rare_corruption
 from tests.shared_runs import fail_run  # noqa: F401 (a fixture)
+from tests.test_verify_cpu import records
 
 SUITE = str(REPO / "tests/cases/corruption.toml")
 
@@ -143,8 +144,7 @@ def test_planted_rare_corruption_is_caught_call_by_call(fail_run, smoke_run):
     (16 experts, corruption.toml's 8: what is bounded is the subject's per-call rate)."""
     proc, _, recs = fail_run
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [clean] = [r for r in map(json.loads, (smoke_run[1] / "results.jsonl").read_text().splitlines())
-               if r["case"] == "dispatch-corruption"]
+    [clean] = [r for r in records(smoke_run[1]) if r["case"] == "dispatch-corruption"]
     rare = recs["rare"]
     assert clean["subject"] == "torch_a2a_dispatch" and clean["params"]["calls"] == 300
     assert clean["status"] == "ok" and clean["detail"]["corruption"]["upper_bound"] < 0.01
