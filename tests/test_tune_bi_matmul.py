@@ -114,7 +114,7 @@ def test_split_candidates_cut_k_into_whole_segments_and_keep_their_walk():
             assert groups["small"] and not unsplit & set(groups["small"])  # names say the split
             for group, configs in groups.items():
                 for cfg in configs.values():
-                    assert kernel.split_problem(cfg, k) is None
+                    assert kernel.tile_problem(cfg, k) is None
                     assert kernel.k_walk(cfg, k) == kernel.k_walk(kernel.walk_reference(k_splits), k)
                     if group != "mid":  # small: few tiles, a program per segment; large: one per tile
                         assert cfg.split_parallel == (group == "small")

@@ -51,10 +51,18 @@ CANDIDATES = {
               T(64, 64, 64, 8, 4, 6, True), T(64, 32, 64, 8, 4, 6, True),
               # deeper K pipelines for thin N (N = 2048: 128 programs of 16 columns, long K)
               T(16, 16, 512, 8, 4, 5, True), T(16, 16, 256, 8, 4, 10, True), T(16, 32, 256, 8, 4, 8, True),
-              T(16, 32, 512, 8, 4, 4, True)),
+              T(16, 32, 512, 8, 4, 4, True),
+              # the tensor cores' 64-row steps with A's rows masked, not a TMA box past M (16-row
+              # tiles are a chain of smaller MMAs, measured slower per K step)
+              *(replace(c, masked_rows=True) for c in (
+                  T(64, 16, 256, 8, 4, 4, True), T(64, 32, 256, 8, 4, 4, True), T(64, 32, 128, 8, 4, 6, True),
+                  T(64, 64, 128, 8, 4, 5, True), T(64, 16, 128, 8, 4, 8, True), T(64, 32, 128, 8, 4, 4, True, 2),
+                  T(64, 64, 64, 8, 4, 6, True), T(64, 128, 64, 8, 4, 6, True)))),
     "mid": (T(64, 128, 64, 8, 4, 6, True), T(128, 64, 64, 8, 4, 6, True), T(128, 128, 64, 8, 4, 5, True),
             T(128, 128, 64, 8, 8, 4, True), T(64, 128, 128, 8, 4, 4, True), T(128, 64, 128, 8, 4, 4, True),
-            T(128, 128, 64, 8, 4, 4, True, 1, "flatten"), T(64, 128, 128, 8, 4, 4, True, 1, "flatten")),
+            T(128, 128, 64, 8, 4, 4, True, 1, "flatten"), T(64, 128, 128, 8, 4, 4, True, 1, "flatten"),
+            # N = 7,168 in whole waves: 128 x 112 and 64 x 224 tiles at M = 256 are 128 tiles for 132 SMs
+            T(64, 256, 64, 8, 4, 4, True), T(128, 112, 64, 8, 4, 5, True), T(64, 224, 64, 8, 4, 4, True)),
     # two programs per SM: one's epilogue runs beside the other's main loop (short K)
     "large": (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(256, 128, 64, 8, 8, 3, True),
               T(128, 128, 64, 8, 4, 5, True), T(128, 128, 64, 8, 4, 3, True, 2), T(128, 128, 64, 8, 8, 3, True, 2),
@@ -62,7 +70,11 @@ CANDIDATES = {
               # the next tile's loads beside this tile's epilogue; producer and consumer warps
               T(128, 256, 64, 8, 8, 3, True, 1, "flatten"), T(128, 128, 64, 8, 4, 4, True, 1, "flatten"),
               T(128, 256, 64, 8, 8, 3, True, 1, "warp_specialize"), T(128, 128, 64, 8, 8, 4, True, 1, "warp_specialize"),
-              T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize")),
+              T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize"),
+              # N = 7,168 in whole waves: 64 x 256 at M = 2,048 is 6.8 waves (128 x 256: 3.4), 128 x 224 at
+              # M = 1,024 and 2,048 1.94 and 3.88 waves
+              T(64, 256, 64, 8, 4, 4, True), T(64, 256, 64, 8, 8, 4, True), T(128, 224, 64, 8, 8, 3, True),
+              T(128, 224, 64, 8, 8, 4, True)),
 }
 BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
 SPLITS = (2, 4)  # split counts tried where the unsplit walk misses a target
@@ -91,7 +103,7 @@ def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileCo
         split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
                  for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
         split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
-        out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.split_problem(c, k)}
+        out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.tile_problem(c, k)}
     return out
 # Two-launch plans (kernel.TilePlan): large tiles over whole waves, the rest of the rows in a tail
 # of smaller tiles; tried wherever the large tiles would leave the last wave less than half full.
@@ -105,7 +117,7 @@ def name_of(cfg: kernel.TileConfig) -> str:
     split = f"-k{cfg.k_splits}{'p' if cfg.split_parallel else 's'}" if cfg.k_splits != 1 else ""
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
-            f"{f'-{cfg.schedule}' if cfg.schedule else ''}{split}")
+            f"{f'-{cfg.schedule}' if cfg.schedule else ''}{'-mr' if cfg.masked_rows else ''}{split}")
 
 
 def plan_name(plan: kernel.TilePlan) -> str:

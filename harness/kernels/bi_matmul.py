@@ -22,7 +22,9 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
   every SM (and, at a thin N, one program per K segment). Where main's tiles would
   leave a last wave part-filled, the rows past the whole waves go to a second launch in
-  smaller tiles (`TilePlan.tail`), again without changing any element's walk.
+  smaller tiles (`TilePlan.tail`), again without changing any element's walk. A tile's
+  width need not be a power of two: a 224-wide one is three dots (128 + 64 + 32 columns) over
+  the same A tile, so that N = 7,168 makes tile counts that fill whole waves.
 * The compiled kernel does not depend on M beyond its tiles: M and the program count are
   excluded from Triton's value specialization (`do_not_specialize`), which would otherwise
   compile a separate variant for M == 1 or M divisible by 16.
@@ -30,8 +32,8 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   programs, ... . Which program computes a tile changes with M; what it computes does not.
 
 Two kernels with the same tile walk: operands through TMA descriptors (bf16 where rows are
-16-byte aligned: the fast path on Hopper), or through masked pointer loads (one tile shape
-for every M). bf16 and float32 operands, float32 accumulation, output in the operand dtype.
+16-byte aligned: the fast path on Hopper; at small M, A's rows and C's through masked pointers,
+`masked_rows`), or through masked pointer loads (one tile shape for every M). bf16 and float32 operands, float32 accumulation, output in the operand dtype.
 float32 uses IEEE products (`input_precision="ieee"`), not TF32, so it stays within the
 float32 bound (and runs on the FMA units, far below cuBLAS), with one tile shape.
 """
@@ -56,6 +58,9 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
+    # a power of two, or the sum of three (224 = 128 + 64 + 32: the wide kernel, one dot per
+    # part over the same A tile), so that N = 7,168 = 7 x 1,024 can be cut into tiles that fill
+    # whole waves of programs (at M = 1,024: 8 x 32 tiles of 128 x 224 on 132 SMs, 1.94 waves)
     block_n: int
     block_k: int
     group_m: int  # tiles of M walked together, for L2 reuse of B (order of tiles only)
@@ -72,6 +77,10 @@ class TileConfig:
     # segment, partial sums through a workspace, instead of one program walking them all.
     k_splits: int = 1
     split_parallel: bool = False
+    # A's rows loaded and C's stored through masked pointer accesses (rows past M read as zeros,
+    # never written), B still through TMA: a TMA box reaching far past A's last row was measured
+    # 2x slower (H200: 64 x 32 tiles took 29 us at M = 1 and 13 us at M = 64). The same walk.
+    masked_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,8 +132,23 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
     return min(config.num_stages, room // stage)
 
 
-def split_problem(config: TileConfig, k: int) -> str | None:
-    """Why `config` cannot walk K = k in its segments (None: it can)."""
+def n_parts(block_n: int) -> tuple[int, ...]:
+    """block_n as the powers of two it is the sum of, largest first (224 -> 128, 64, 32)."""
+    return tuple(1 << bit for bit in reversed(range(block_n.bit_length())) if block_n >> bit & 1)
+
+
+def tile_problem(config: TileConfig, k: int) -> str | None:
+    """Why `config` cannot walk K = k (None: it can)."""
+    parts = n_parts(config.block_n)
+    if len(parts) not in (1, 3):
+        return (f"block_n = {config.block_n} is neither a power of two nor the sum of three (e.g. 224 = 128 + 64 + 32); "
+                f"choose one of those")
+    if len(parts) == 3 and (not config.tma or config.k_splits != 1 or config.masked_rows or config.schedule
+                            or min(parts) < 16):
+        return (f"a {config.block_n}-wide tile (the wide kernel) takes TMA tiles of parts >= 16 walking K unsplit, "
+                f"without masked_rows or a schedule")
+    if config.masked_rows and not config.tma:
+        return "masked_rows is a TMA kernel's option (tma=True); the pointer kernel masks every row already"
     if config.k_splits < 1 or (config.split_parallel and config.k_splits < 2):
         return f"k_splits must be >= 1 (>= 2 with split_parallel), not {config.k_splits}"
     if config.k_splits > 1 and not config.tma:
@@ -150,7 +174,7 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
         configs = [cfg for _, plan in buckets for cfg in (plan.main, plan.tail) if cfg is not None]
         reference = walk_reference(configs[0].k_splits)
         for cfg in configs:
-            if k_walk(cfg, k) != k_walk(reference, k) or k % cfg.block_k or split_problem(cfg, k):
+            if k_walk(cfg, k) != k_walk(reference, k) or k % cfg.block_k or tile_problem(cfg, k):
                 raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles "
                                  f"(or from the shape's other tiles); re-run python3 -m ep_harness.cost.tune_bi_matmul")
         if buckets[-1][0] is not None:
@@ -250,23 +274,54 @@ if triton is not None:
             tile += num_programs
 
     @triton.jit
-    def _step(a_desc, b_desc, off_m, off_n, k, acc, DOT_PRECISION: tl.constexpr):
-        """acc plus one K step's products (TMA zero-fills reads past M and K)."""
-        return tl.dot(a_desc.load([off_m, k]), b_desc.load([off_n, k]).T, acc, input_precision=DOT_PRECISION)
+    def _a_tile(a, off_m, k, M, stride_am, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                MASKED_ROWS: tl.constexpr):
+        """A's [BLOCK_M, BLOCK_K] tile at (off_m, k): `a` is a TMA descriptor (which zero-fills reads
+        past M and K), or with MASKED_ROWS A's pointer, rows past M loaded as zeros."""
+        if MASKED_ROWS:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = k + tl.arange(0, BLOCK_K)
+            return tl.load(a + rows[:, None].to(tl.int64) * stride_am + cols[None, :],
+                           mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+        else:
+            return a.load([off_m, k])
 
     @triton.jit
-    def _segment(a_desc, b_desc, off_m, off_n, k_first, K_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _store_tile(c, off_m, off_n, acc, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASKED_ROWS: tl.constexpr):
+        """acc into C at (off_m, off_n) in C's dtype: through its TMA descriptor (which clips at M
+        and N), or with MASKED_ROWS through C's pointer, rows past M and columns past N left alone."""
+        if MASKED_ROWS:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            tl.store(c + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], acc.to(c.dtype.element_ty),
+                     mask=(rows[:, None] < M) & (cols[None, :] < N))
+        else:
+            c.store([off_m, off_n], acc.to(c.dtype))
+
+    @triton.jit
+    def _step(a, b_desc, off_m, off_n, k, acc, M, stride_am, K: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, MASKED_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """acc plus one K step's products (TMA zero-fills B's reads past N and K)."""
+        a_tile = _a_tile(a, off_m, k, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS)
+        return tl.dot(a_tile, b_desc.load([off_n, k]).T, acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _segment(a, b_desc, off_m, off_n, k_first, M, stride_am, K: tl.constexpr, K_SEGMENT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED_ROWS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
         """One tile's products over K = k_first .. k_first + K_SEGMENT, from k_first upward into a
         float32 accumulator that starts at zero."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K_SEGMENT, BLOCK_K):  # static bounds: Triton pipelines the loop
-            acc = _step(a_desc, b_desc, off_m, off_n, k_first + k0, acc, DOT_PRECISION)
+            acc = _step(a, b_desc, off_m, off_n, k_first + k0, acc, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS,
+                        DOT_PRECISION)
         return acc
 
     @triton.jit
-    def _tile_walk(a_desc, b_desc, off_m, off_n, K: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _tile_walk(a, b_desc, off_m, off_n, M, stride_am, K: tl.constexpr, K_SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED_ROWS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
         """A whole tile in one program: K_SPLITS segments, their sums added in segment order (the
         order the split programs' last arrival adds them in). Two or four segments advance side
         by side in one pipelined loop, each into its own accumulator, each still from its start
@@ -274,13 +329,16 @@ if triton is not None:
         pipeline at every segment."""
         SEG: tl.constexpr = K // K_SPLITS
         if K_SPLITS == 1:
-            total = _segment(a_desc, b_desc, off_m, off_n, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            total = _segment(a, b_desc, off_m, off_n, 0, M, stride_am, K, K, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
         elif K_SPLITS == 2:
             acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, SEG, BLOCK_K):
-                acc0 = _step(a_desc, b_desc, off_m, off_n, k0, acc0, DOT_PRECISION)
-                acc1 = _step(a_desc, b_desc, off_m, off_n, SEG + k0, acc1, DOT_PRECISION)
+                acc0 = _step(a, b_desc, off_m, off_n, k0, acc0, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
+                acc1 = _step(a, b_desc, off_m, off_n, SEG + k0, acc1, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
             total = acc0 + acc1
         elif K_SPLITS == 4:
             acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -288,51 +346,84 @@ if triton is not None:
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, SEG, BLOCK_K):
-                acc0 = _step(a_desc, b_desc, off_m, off_n, k0, acc0, DOT_PRECISION)
-                acc1 = _step(a_desc, b_desc, off_m, off_n, SEG + k0, acc1, DOT_PRECISION)
-                acc2 = _step(a_desc, b_desc, off_m, off_n, 2 * SEG + k0, acc2, DOT_PRECISION)
-                acc3 = _step(a_desc, b_desc, off_m, off_n, 3 * SEG + k0, acc3, DOT_PRECISION)
+                acc0 = _step(a, b_desc, off_m, off_n, k0, acc0, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
+                acc1 = _step(a, b_desc, off_m, off_n, SEG + k0, acc1, M, stride_am, K, BLOCK_M, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
+                acc2 = _step(a, b_desc, off_m, off_n, 2 * SEG + k0, acc2, M, stride_am, K, BLOCK_M, BLOCK_K,
+                             MASKED_ROWS, DOT_PRECISION)
+                acc3 = _step(a, b_desc, off_m, off_n, 3 * SEG + k0, acc3, M, stride_am, K, BLOCK_M, BLOCK_K,
+                             MASKED_ROWS, DOT_PRECISION)
             total = ((acc0 + acc1) + acc2) + acc3
         else:  # other counts: one segment after the other
-            total = _segment(a_desc, b_desc, off_m, off_n, 0, SEG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            total = _segment(a, b_desc, off_m, off_n, 0, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS,
+                             DOT_PRECISION)
             for s in tl.static_range(1, K_SPLITS):
-                total += _segment(a_desc, b_desc, off_m, off_n, s * SEG, SEG, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                total += _segment(a, b_desc, off_m, off_n, s * SEG, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  MASKED_ROWS, DOT_PRECISION)
         return total
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_kernel(a_desc, b_desc, c_desc, M, N, num_programs,
+    def _bi_matmul_tma_kernel(a, b_desc, c, M, N, num_programs, stride_am, stride_cm,
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              K_SPLITS: tl.constexpr):
+                              K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
         # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments); TMA clips the store.
         tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
         while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            acc = _tile_walk(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, K, K_SPLITS,
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], acc.to(c_desc.dtype))
+            acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
+            _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
             tile += num_programs
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_scheduled_kernel(a_desc, b_desc, c_desc, M, N, num_programs,
+    def _bi_matmul_tma_scheduled_kernel(a, b_desc, c, M, N, num_programs, stride_am, stride_cm,
                                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                        K_SPLITS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                                        K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr, FLATTEN: tl.constexpr,
+                                        WARP_SPECIALIZE: tl.constexpr):
         # _bi_matmul_tma_kernel's walk as a tl.range loop, which Triton can pipeline across
         # tiles (FLATTEN) or split into producer and consumer warps (WARP_SPECIALIZE).
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=FLATTEN,
                              warp_specialize=WARP_SPECIALIZE):
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            acc = _tile_walk(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, K, K_SPLITS,
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], acc.to(c_desc.dtype))
+            acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
+            _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_split_kernel(a_desc, b_desc, c_desc, partial_ptr, arrivals_ptr, M, N, num_programs,
+    def _bi_matmul_tma_wide_kernel(a_desc, b0_desc, b1_desc, b2_desc, c0_desc, c1_desc, c2_desc, M, N, num_programs,
+                                   K: tl.constexpr, BLOCK_M: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr,
+                                   BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                   DOT_PRECISION: tl.constexpr):
+        # Tiles BN0 + BN1 + BN2 columns wide (three powers of two): each K step's A tile meets the
+        # three parts of B in three dots, each into its own accumulator. An output element sees
+        # the K steps of _bi_matmul_tma_kernel's unsplit walk, in the same order.
+        BLOCK_N: tl.constexpr = BN0 + BN1 + BN2
+        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
+        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+            off_m, off_n = tile_m * BLOCK_M, tile_n * BLOCK_N
+            acc0 = tl.zeros((BLOCK_M, BN0), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a_tile = a_desc.load([off_m, k0])
+                acc0 = tl.dot(a_tile, b0_desc.load([off_n, k0]).T, acc0, input_precision=DOT_PRECISION)
+                acc1 = tl.dot(a_tile, b1_desc.load([off_n + BN0, k0]).T, acc1, input_precision=DOT_PRECISION)
+                acc2 = tl.dot(a_tile, b2_desc.load([off_n + BN0 + BN1, k0]).T, acc2, input_precision=DOT_PRECISION)
+            c0_desc.store([off_m, off_n], acc0.to(c0_desc.dtype))
+            c1_desc.store([off_m, off_n + BN0], acc1.to(c1_desc.dtype))
+            c2_desc.store([off_m, off_n + BN0 + BN1], acc2.to(c2_desc.dtype))
+            tile += num_programs
+
+    @triton.jit(do_not_specialize=["M", "num_programs"])
+    def _bi_matmul_tma_split_kernel(a, b_desc, c, partial_ptr, arrivals_ptr, M, N, num_programs, stride_am, stride_cm,
                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                    K_SPLITS: tl.constexpr):
+                                    K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
         # Work item = (tile, segment). Each writes its segment's float32 sum to the workspace
         # [K_SPLITS, tiles, BLOCK_M x BLOCK_N], then arrives at the tile's counter; the last to
         # arrive adds the K_SPLITS sums in segment order (whichever program that is, the order
@@ -346,8 +437,8 @@ if triton is not None:
         while item < tiles * K_SPLITS:  # persistent: this program's items, num_programs apart
             tile, segment = item // K_SPLITS, item % K_SPLITS
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            acc = _segment(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, segment * (K // K_SPLITS),
-                           K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            acc = _segment(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, segment * (K // K_SPLITS), M, stride_am, K,
+                           K // K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
             tile_base = partial_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(tile_base + segment * segment_stride + inside, acc)
             tl.debug_barrier()  # every thread's partial is written before the arrival is published
@@ -357,7 +448,8 @@ if triton is not None:
                 total = tl.load(tile_base + inside, cache_modifier=".cg")
                 for s in tl.static_range(1, K_SPLITS):
                     total += tl.load(tile_base + s * segment_stride + inside, cache_modifier=".cg")
-                c_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], total.to(c_desc.dtype))
+                _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, total, M, N, stride_cm, BLOCK_M, BLOCK_N,
+                            MASKED_ROWS)
             item += num_programs
 
 
@@ -432,7 +524,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
     """One kernel launch over all of a's rows with the tiles `cfg`."""
     m, k = a.shape
     n = b.shape[0]
-    problem = split_problem(cfg, k)
+    problem = tile_problem(cfg, k)
     if problem:
         raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
     _, programs = launch_plan(m, n, k, DTYPES[a.dtype], a.device, cfg)
@@ -445,22 +537,35 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                 raise ValueError(f"bi_matmul's TMA path needs {name} with unit column stride, 16-byte aligned "
                                  f"start and row stride; pass {name}.contiguous() (a fresh allocation)")
 
-        descriptors = (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
-                       TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k]),
-                       TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]))
+        parts = n_parts(cfg.block_n)
+        if len(parts) == 3:  # the wide kernel: B and C through one descriptor per part
+            _bi_matmul_tma_wide_kernel[(programs,)](
+                TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+                *(TensorDescriptor.from_tensor(b, [part, cfg.block_k]) for part in parts),
+                *(TensorDescriptor.from_tensor(out, [cfg.block_m, part]) for part in parts), m, n, programs,
+                K=k, BLOCK_M=cfg.block_m, BN0=parts[0], BN1=parts[1], BN2=parts[2], BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return
+        # masked_rows: A and C go as pointers, rows masked (the kernels read them either way)
+        a_arg = a if cfg.masked_rows else TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        c_arg = out if cfg.masked_rows else TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
         shape = dict(K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     DOT_PRECISION=precision, K_SPLITS=cfg.k_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                     DOT_PRECISION=precision, K_SPLITS=cfg.k_splits, MASKED_ROWS=cfg.masked_rows,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        strides = (a.stride(0), out.stride(0))
         if cfg.split_parallel:
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
-            _bi_matmul_tma_split_kernel[(programs,)](*descriptors, partial, _arrivals(a.device, cfg.k_splits, tiles),
-                                                     m, n, programs, **shape)
+            _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
+                                                     _arrivals(a.device, cfg.k_splits, tiles),
+                                                     m, n, programs, *strides, **shape)
         elif cfg.schedule:
-            _bi_matmul_tma_scheduled_kernel[(programs,)](*descriptors, m, n, programs, **shape,
+            _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides, **shape,
                                                          FLATTEN=cfg.schedule == "flatten",
                                                          WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
         else:
-            _bi_matmul_tma_kernel[(programs,)](*descriptors, m, n, programs, **shape)
+            _bi_matmul_tma_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides, **shape)
         return
     _bi_matmul_kernel[(programs,)](
         a, b, out, m, n, programs,
