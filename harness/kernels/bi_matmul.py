@@ -33,9 +33,10 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
 
 Two kernels with the same tile walk: operands through TMA descriptors (bf16 where rows are
 16-byte aligned: the fast path on Hopper; at small M, A's rows and C's through masked pointers,
-`masked_rows`), or through masked pointer loads (one tile shape for every M). bf16 and float32 operands, float32 accumulation, output in the operand dtype.
-float32 uses IEEE products (`input_precision="ieee"`), not TF32, so it stays within the
-float32 bound (and runs on the FMA units, far below cuBLAS), with one tile shape.
+`masked_rows`), or through masked pointer loads (one tile shape for every M). bf16 and float32
+operands, float32 accumulation, output in the operand dtype. float32 uses IEEE products
+(`input_precision="ieee"`), not TF32, so it stays within the float32 bound (and runs on the
+FMA units, far below cuBLAS), with one tile shape.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class TileConfig:
     split_parallel: bool = False
     # A's rows loaded and C's stored through masked pointer accesses (rows past M read as zeros,
     # never written), B still through TMA: a TMA box reaching far past A's last row was measured
-    # 2x slower (H200: 64 x 32 tiles took 29 us at M = 1 and 13 us at M = 64). The same walk.
+    # 2x slower (H200, results/2026-12-02-cost-parked/tune.json: 64 x 32 tiles at N x K = 2048 x 7168
+    # took 29 us at M = 1, 13 us at M = 64). The same walk.
     masked_rows: bool = False
 
 
