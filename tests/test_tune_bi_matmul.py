@@ -81,6 +81,15 @@ def test_the_tuner_refuses_a_machine_without_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_a_shape_to_tune_is_n_x_k(capsys):
+    assert tune.parse_shape("2048x7168") == (2048, 7168)
+    for bad in ("2048", "2048x", "x7168", "0x7168", "2048*7168"):
+        with pytest.raises(SystemExit) as exit_info:
+            tune.main(["--out", "x", "--shape", bad])
+        assert exit_info.value.code == 2
+        assert "write it as 2048x7168" in capsys.readouterr().err
+
+
 def test_rotation_takes_sets_in_turn_and_counts_copies_past_l2():
     rotation = timing.Rotation(["a", "b", "c"])
     assert [rotation.take() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
@@ -178,3 +187,4 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
     assert {plan.main.k_splits for _, plan in table[(2048, 7168)]} == {2}
     assert any(plan.main.split_parallel for _, plan in table[(2048, 7168)])  # small M: a program per segment
     assert {plan.main.k_splits for _, plan in table[(4096, 4096)]} == {1}
+    assert table[(7168, 7168)] == kernel.tuned_tiles()[(7168, 7168)]  # not tuned here: kept from the table in use

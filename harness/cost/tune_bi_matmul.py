@@ -338,7 +338,8 @@ def run(out_dir: Path, repeats: int, warmup: int, seed: int, shapes=SHAPES) -> d
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": kernel.triton.__version__,
               "reference_tiles": asdict(kernel.REFERENCE_TILES), "repeats": repeats, "warmup": warmup,
               "targets": {m: target(m) for m in M_VALUES}, "shapes": []}
-    table = {}
+    # shapes this run does not tune keep the entries of the table in use
+    table = json.loads(kernel.TILES_FILE.read_text())["shapes"] if kernel.TILES_FILE.exists() else {}
     out = console.current()
 
     def say(line):
@@ -377,14 +378,23 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", action="append", type=parse_shape, metavar="NxK",
+                        help="tune this (N, K) only (repeatable; default: " + ", ".join(f"{n}x{k}" for n, k in SHAPES) + ")")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available() or kernel.triton is None:
         console.current().err("error: tuning needs a CUDA GPU and triton; run it on the GPU machine")
         return 2
-    run(args.out, args.repeats, args.warmup, args.seed)
+    run(args.out, args.repeats, args.warmup, args.seed, shapes=tuple(args.shape or SHAPES))
     return 0
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    n, sep, k = text.lower().partition("x")
+    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N x K; write it as 2048x7168")
+    return int(n), int(k)
 
 
 if __name__ == "__main__":
