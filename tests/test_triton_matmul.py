@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -81,16 +80,11 @@ def test_a_split_walk_that_cannot_cut_k_says_how_to_fix_it():
         kernel.bi_matmul(torch.zeros(2, 96), torch.zeros(3, 96), config=kernel.walk_reference(2))
 
 
-def test_tile_widths_and_masked_rows_that_no_kernel_runs_say_so():
-    wide = kernel.TileConfig(128, 224, 64, 8, 8, 3, True)
-    assert kernel.n_parts(224) == (128, 64, 32) and kernel.tile_problem(wide, 7168) is None
-    assert "neither a power of two nor the sum of three" in kernel.tile_problem(replace(wide, block_n=192), 7168)
-    for other in (replace(wide, tma=False), replace(wide, k_splits=2), replace(wide, masked_rows=True),
-                  replace(wide, schedule="flatten"), replace(wide, block_n=56)):  # 56 = 32 + 16 + 8: parts under 16
-        assert "the wide kernel" in kernel.tile_problem(other, 7168), other
+def test_masked_rows_without_tma_says_so():
     assert "a TMA kernel's option" in kernel.tile_problem(kernel.TileConfig(64, 32, 64, 8, 4, 3, masked_rows=True), 64)
-    with pytest.raises(ValueError, match="neither a power of two"):
-        kernel.bi_matmul(torch.zeros(2, 64), torch.zeros(3, 64), config=replace(wide, block_n=192))
+    with pytest.raises(ValueError, match="a TMA kernel's option"):
+        kernel.bi_matmul(torch.zeros(2, 64), torch.zeros(3, 64), config=kernel.TileConfig(16, 16, 32, 2, 4, 2,
+                                                                                         masked_rows=True))
 
 
 def test_bad_operands_get_one_line_errors():
@@ -198,25 +192,8 @@ def interpreter_checks() -> dict:
             "bits": full.view(torch.int32).tolist(),
         }
     out["split"] = split_checks(g)
-    out["wide"] = wide_checks(g)
     return out
 
-
-def wide_checks(g) -> dict:
-    """A tile 112 = 64 + 32 + 16 columns wide (three dots over one A tile) against the TMA kernel's
-    16-wide tiles, at an N of two such tiles and a K of whole steps."""
-    m_max, n, k = M_MAX, 224, 256
-    a_all = (torch.randn(m_max, k, generator=g) * 2.0 ** torch.randint(-6, 7, (m_max, k), generator=g)).float()
-    b = torch.randn(n, k, generator=g).float()
-    bits = lambda t: t.view(torch.int32)  # noqa: E731
-    wide = kernel.TileConfig(**{**SMALL["tma"], "block_n": 112})
-    full = kernel.bi_matmul(a_all, b, config=wide)
-    narrow = kernel.bi_matmul(a_all, b, config=kernel.TileConfig(**SMALL["tma"]))
-    return {"parts": list(kernel.n_parts(wide.block_n)),
-            "vs_narrow": int((bits(full) != bits(narrow)).sum()),
-            "batch_mismatches": {m: int((bits(kernel.bi_matmul(a_all[:m].contiguous(), b, config=wide))
-                                         != bits(full[:m])).sum()) for m in M_VALUES},
-            "nonzero_columns_past_64": int((full[:, 64:112] != 0).sum()) + int((full[:, 176:] != 0).sum())}
 
 
 SPLIT = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2, tma=True)
@@ -290,15 +267,6 @@ def test_interpreter_comparison_sees_another_k_order(interpreted):
     assert torch.equal(k32, torch.tensor(interpreted["tma"]["bits"]))  # same walk through TMA: same bits
     assert torch.equal(k32, torch.tensor(interpreted["tma-masked-rows"]["bits"]))  # and with A's rows masked
 
-
-def test_interpreter_wide_tiles_walk_k_as_the_narrow_ones(interpreted):
-    """Three dots over one A tile (64 + 32 + 16 columns) give the bits of 16-wide tiles, for every M,
-    and fill the columns of their second and third parts (not vacuous: those columns were written)."""
-    wide = interpreted["wide"]
-    assert wide["parts"] == [64, 32, 16]
-    assert wide["vs_narrow"] == 0
-    assert wide["batch_mismatches"] == {str(m): 0 for m in M_VALUES}
-    assert wide["nonzero_columns_past_64"] == 2 * M_MAX * 48
 
 
 def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(interpreted):

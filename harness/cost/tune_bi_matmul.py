@@ -60,9 +60,7 @@ CANDIDATES = {
                   T(64, 64, 64, 8, 4, 6, True), T(64, 128, 64, 8, 4, 6, True)))),
     "mid": (T(64, 128, 64, 8, 4, 6, True), T(128, 64, 64, 8, 4, 6, True), T(128, 128, 64, 8, 4, 5, True),
             T(128, 128, 64, 8, 8, 4, True), T(64, 128, 128, 8, 4, 4, True), T(128, 64, 128, 8, 4, 4, True),
-            T(128, 128, 64, 8, 4, 4, True, 1, "flatten"), T(64, 128, 128, 8, 4, 4, True, 1, "flatten"),
-            # N = 7,168 in whole waves: 128 x 112 and 64 x 224 tiles at M = 256 are 128 tiles for 132 SMs
-            T(64, 256, 64, 8, 4, 4, True), T(128, 112, 64, 8, 4, 5, True), T(64, 224, 64, 8, 4, 4, True)),
+            T(128, 128, 64, 8, 4, 4, True, 1, "flatten"), T(64, 128, 128, 8, 4, 4, True, 1, "flatten")),
     # two programs per SM: one's epilogue runs beside the other's main loop (short K)
     "large": (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(256, 128, 64, 8, 8, 3, True),
               T(128, 128, 64, 8, 4, 5, True), T(128, 128, 64, 8, 4, 3, True, 2), T(128, 128, 64, 8, 8, 3, True, 2),
@@ -70,11 +68,7 @@ CANDIDATES = {
               # the next tile's loads beside this tile's epilogue; producer and consumer warps
               T(128, 256, 64, 8, 8, 3, True, 1, "flatten"), T(128, 128, 64, 8, 4, 4, True, 1, "flatten"),
               T(128, 256, 64, 8, 8, 3, True, 1, "warp_specialize"), T(128, 128, 64, 8, 8, 4, True, 1, "warp_specialize"),
-              T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize"),
-              # N = 7,168 in whole waves: 64 x 256 at M = 2,048 is 6.8 waves (128 x 256: 3.4), 128 x 224 at
-              # M = 1,024 and 2,048 1.94 and 3.88 waves
-              T(64, 256, 64, 8, 4, 4, True), T(64, 256, 64, 8, 8, 4, True), T(128, 224, 64, 8, 8, 3, True),
-              T(128, 224, 64, 8, 8, 4, True)),
+              T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize")),
 }
 BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
 SPLITS = (2, 4)  # split counts tried where the unsplit walk misses a target

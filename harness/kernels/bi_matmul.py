@@ -22,9 +22,7 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
   every SM (and, at a thin N, one program per K segment). Where main's tiles would
   leave a last wave part-filled, the rows past the whole waves go to a second launch in
-  smaller tiles (`TilePlan.tail`), again without changing any element's walk. A tile's
-  width need not be a power of two: a 224-wide one is three dots (128 + 64 + 32 columns) over
-  the same A tile, so that N = 7,168 makes tile counts that fill whole waves.
+  smaller tiles (`TilePlan.tail`), again without changing any element's walk.
 * The compiled kernel does not depend on M beyond its tiles: M and the program count are
   excluded from Triton's value specialization (`do_not_specialize`), which would otherwise
   compile a separate variant for M == 1 or M divisible by 16.
@@ -59,9 +57,6 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
-    # a power of two, or the sum of three (224 = 128 + 64 + 32: the wide kernel, one dot per
-    # part over the same A tile), so that N = 7,168 = 7 x 1,024 can be cut into tiles that fill
-    # whole waves of programs (at M = 1,024: 8 x 32 tiles of 128 x 224 on 132 SMs, 1.94 waves)
     block_n: int
     block_k: int
     group_m: int  # tiles of M walked together, for L2 reuse of B (order of tiles only)
@@ -134,21 +129,8 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
     return min(config.num_stages, room // stage)
 
 
-def n_parts(block_n: int) -> tuple[int, ...]:
-    """block_n as the powers of two it is the sum of, largest first (224 -> 128, 64, 32)."""
-    return tuple(1 << bit for bit in reversed(range(block_n.bit_length())) if block_n >> bit & 1)
-
-
 def tile_problem(config: TileConfig, k: int) -> str | None:
     """Why `config` cannot walk K = k (None: it can)."""
-    parts = n_parts(config.block_n)
-    if len(parts) not in (1, 3):
-        return (f"block_n = {config.block_n} is neither a power of two nor the sum of three (e.g. 224 = 128 + 64 + 32); "
-                f"choose one of those")
-    if len(parts) == 3 and (not config.tma or config.k_splits != 1 or config.masked_rows or config.schedule
-                            or min(parts) < 16):
-        return (f"a {config.block_n}-wide tile (the wide kernel) takes TMA tiles of parts >= 16 walking K unsplit, "
-                f"without masked_rows or a schedule")
     if config.masked_rows and not config.tma:
         return "masked_rows is a TMA kernel's option (tma=True); the pointer kernel masks every row already"
     if config.k_splits < 1 or (config.split_parallel and config.k_splits < 2):
@@ -396,32 +378,6 @@ if triton is not None:
             _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
 
     @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_wide_kernel(a_desc, b0_desc, b1_desc, b2_desc, c0_desc, c1_desc, c2_desc, M, N, num_programs,
-                                   K: tl.constexpr, BLOCK_M: tl.constexpr, BN0: tl.constexpr, BN1: tl.constexpr,
-                                   BN2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                   DOT_PRECISION: tl.constexpr):
-        # Tiles BN0 + BN1 + BN2 columns wide (three powers of two): each K step's A tile meets the
-        # three parts of B in three dots, each into its own accumulator. An output element sees
-        # the K steps of _bi_matmul_tma_kernel's unsplit walk, in the same order.
-        BLOCK_N: tl.constexpr = BN0 + BN1 + BN2
-        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
-        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
-            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            off_m, off_n = tile_m * BLOCK_M, tile_n * BLOCK_N
-            acc0 = tl.zeros((BLOCK_M, BN0), dtype=tl.float32)
-            acc1 = tl.zeros((BLOCK_M, BN1), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a_tile = a_desc.load([off_m, k0])
-                acc0 = tl.dot(a_tile, b0_desc.load([off_n, k0]).T, acc0, input_precision=DOT_PRECISION)
-                acc1 = tl.dot(a_tile, b1_desc.load([off_n + BN0, k0]).T, acc1, input_precision=DOT_PRECISION)
-                acc2 = tl.dot(a_tile, b2_desc.load([off_n + BN0 + BN1, k0]).T, acc2, input_precision=DOT_PRECISION)
-            c0_desc.store([off_m, off_n], acc0.to(c0_desc.dtype))
-            c1_desc.store([off_m, off_n + BN0], acc1.to(c1_desc.dtype))
-            c2_desc.store([off_m, off_n + BN0 + BN1], acc2.to(c2_desc.dtype))
-            tile += num_programs
-
-    @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_tma_split_kernel(a, b_desc, c, partial_ptr, arrivals_ptr, M, N, num_programs, stride_am, stride_cm,
                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -539,15 +495,6 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                 raise ValueError(f"bi_matmul's TMA path needs {name} with unit column stride, 16-byte aligned "
                                  f"start and row stride; pass {name}.contiguous() (a fresh allocation)")
 
-        parts = n_parts(cfg.block_n)
-        if len(parts) == 3:  # the wide kernel: B and C through one descriptor per part
-            _bi_matmul_tma_wide_kernel[(programs,)](
-                TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
-                *(TensorDescriptor.from_tensor(b, [part, cfg.block_k]) for part in parts),
-                *(TensorDescriptor.from_tensor(out, [cfg.block_m, part]) for part in parts), m, n, programs,
-                K=k, BLOCK_M=cfg.block_m, BN0=parts[0], BN1=parts[1], BN2=parts[2], BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            return
         # masked_rows: A and C go as pointers, rows masked (the kernels read them either way)
         a_arg = a if cfg.masked_rows else TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         c_arg = out if cfg.masked_rows else TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
