@@ -70,14 +70,15 @@ def scratch_registry(monkeypatch):
     scratch = {name: s for name, s in subject._REGISTRY.items() if name != "my_reduce_scatter"}
     monkeypatch.setattr(subject, "_REGISTRY", scratch)
     return scratch
-def run_cli(*args, cwd=REPO, timeout=600):
+def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None):
     """Run the installed console script the way a user would: forked from this test process's
     interpreter that has imported torch and the harness already (tests/forked_cli.py; 1.5-2 s of
     CPU less a command, ranks and agents still their own processes), or, where the environment
-    differs in what is read at start-up, as a process of its own."""
+    differs in what is read at start-up, as a process of its own. `env`: the command's whole
+    environment (this process's, with PYTHONUNBUFFERED=1, unless given)."""
     from tests.forked_cli import shared_server
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
         return server(*args, cwd=cwd, env=env, timeout=timeout)
     exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"

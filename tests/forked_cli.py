@@ -6,8 +6,8 @@ Tests of what a fresh interpreter does (its locale, its signals, its start-up) s
 their own; conftest.run_cli starts one where the environment differs in what is read at start-up.
 
 `shared_server`: conftest.run_cli's server, one per test process. `cli_fork`: a fixture, the
-same server whatever the environment. `cli_batch`: many command lines in one interpreter
-started for them (inside once_per_session's makers).
+same server whatever the environment. `cli_batch`: many command lines forked from one
+interpreter (inside once_per_session's makers).
 """
 from __future__ import annotations
 
@@ -28,21 +28,27 @@ import pytest
 from tests.conftest import REPO, completed
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
-# the console script's `sys.exit(main(argv))` in the request's directory and environment, with
-# stdout and stderr in the request's files, and answers with the child's pid, then its exit status.
+# the console script's `sys.exit(main(argv))` (kind "ep-harness") or `python -m pytest ARGV`
+# (kind "pytest") in the request's directory and environment, with stdout and stderr in the
+# request's files, and answers with the child's pid, then its exit status.
 _SERVER = r"""
 import io, json, os, sys
-# As the console script: the script's folder first on the path, never the working directory.
-sys.path[:] = [os.path.dirname(sys.executable)] + [p for p in sys.path if p not in ("", ".")]
+kind = sys.argv[2]
+# As the console script: the script's folder first on the path, never the working directory
+# (`python -m pytest` puts the working directory first: the child does, once it is there).
+sys.path[:] = [os.path.dirname(sys.executable)] * (kind == "ep-harness") + [p for p in sys.path if p not in ("", ".")]
 # numpy's OpenBLAS, which torch loads, starts a thread pool as it loads unless told otherwise
 # (as ep_harness.launch.agent does before its fork server): a fork needs one thread.
 blas = os.environ.get("OPENBLAS_NUM_THREADS")
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
-import torch  # what every command that plans checks imports
-import ep_harness.cli
-for name in ("ep_harness.run.verify", "ep_harness.run.plan", "ep_harness.cases", "ep_harness.subject",
-             "ep_harness.regress.gate", "ep_harness.reports.render", "ep_harness.selftest.run"):
-    __import__(name)
+import torch  # what every command that plans checks imports, and the sessions' ranks and tests
+if kind == "ep-harness":
+    import ep_harness.cli
+    for name in ("ep_harness.run.verify", "ep_harness.run.plan", "ep_harness.cases", "ep_harness.subject",
+                 "ep_harness.regress.gate", "ep_harness.reports.render", "ep_harness.selftest.run"):
+        __import__(name)
+else:  # pytest alone: a plugin imported before pytest loads it could not have its asserts rewritten
+    import pytest, pytest.__main__
 if blas is None:
     del os.environ["OPENBLAS_NUM_THREADS"]
 threads = len(os.listdir("/proc/self/task"))
@@ -66,6 +72,10 @@ def child(req):
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=enc)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=enc,
                                                    errors="backslashreplace", line_buffering=True)
+    if kind == "pytest":  # as `python -m pytest`, to the end (pytest/__main__.py)
+        sys.argv = [pytest.__main__.__file__, *req["argv"]]
+        sys.path.insert(0, os.getcwd())
+        raise SystemExit(pytest.console_main())
     sys.argv = ["ep-harness", *req["argv"]]
     # As the console script, to the end: `sys.exit(main())`, and the interpreter's own exit
     # (atexit, the flush of every open file, an uncaught exception's traceback and status 1).
@@ -86,19 +96,21 @@ for line in sys.stdin:
 
 
 class ForkedCli:
-    """`ep-harness ARGS` forked from a preloaded interpreter (see the module's docstring)."""
+    """`ep-harness ARGS` (or `python -m pytest ARGS`: kind "pytest") forked from a preloaded
+    interpreter (see the module's docstring)."""
 
-    def __init__(self, env: dict | None = None):
+    def __init__(self, env: dict | None = None, kind: str = "ep-harness"):
         """`env`: the interpreter's environment (its PYTHONPATH decides what plugins import)."""
         import locale
 
         self.env = dict(os.environ if env is None else env)
+        self.kind = kind
         self.encoding = locale.getpreferredencoding(False)
         self.folder = Path(tempfile.mkdtemp(prefix="ep-cli-fork-"))
         read, write = os.pipe()
         self.log = self.folder / "server.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write)], cwd=REPO, stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write), kind], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=log, stderr=log, pass_fds=(write,), text=True, env=self.env)
         os.close(write)
         self.reply = os.fdopen(read, "r")
@@ -114,18 +126,15 @@ class ForkedCli:
         """Whether a command in `env` behaves here as in a fresh interpreter: what is read as
         the interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
         thread-count and library variables) is the same as this server's."""
-        def at_import(e):
-            return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
-
         return self.proc.poll() is None and at_import(env) == at_import(self.env)
 
     def _line(self, timeout: float) -> str:
         ready, _, _ = select.select([self.reply], [], [], timeout)
         if not ready:
-            raise subprocess.TimeoutExpired("ep-harness (forked)", timeout)
+            raise subprocess.TimeoutExpired(f"{self.kind} (forked)", timeout)
         line = self.reply.readline()
         if not line:
-            raise RuntimeError(f"the ep-harness fork server ended (exit {self.proc.wait()}): "
+            raise RuntimeError(f"the {self.kind} fork server ended (exit {self.proc.wait()}): "
                                f"{self.log.read_text(errors='replace')[-3000:]}")
         return line
 
@@ -150,7 +159,8 @@ class ForkedCli:
         def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
             return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
-        return subprocess.CompletedProcess(["ep-harness", *args], code, read(out), read(err))
+        argv = ["ep-harness"] if self.kind == "ep-harness" else [sys.executable, "-m", "pytest"]
+        return subprocess.CompletedProcess([*argv, *args], code, read(out), read(err))
 
     def close(self):
         if self.proc.poll() is None:
@@ -170,23 +180,49 @@ class ForkedCli:
 IMPORT_TIME_PREFIXES = ("PYTHON", "EP_HARNESS_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "ATEN_", "KMP_",
                         "GOMP_", "CUDA", "NCCL_", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG")
 _SESSION_ENV = dict(os.environ)  # as the test session started, before any test's monkeypatch
-_SHARED: list[ForkedCli] = []
+_SERVERS: dict[tuple, ForkedCli] = {}
+
+
+def at_import(env: dict) -> dict:
+    """What of `env` a process reads as it starts or as its modules import."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+
+def _server(env: dict, kind: str = "ep-harness") -> ForkedCli:
+    """This test process's server of `kind` for `env`'s start-up variables (started on first
+    use, ended as the process ends)."""
+    key = (kind, tuple(sorted(at_import(env).items())))
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = ForkedCli(env, kind)
+        atexit.register(server.close)
+    return server
 
 
 def _shared() -> ForkedCli:
-    """This test process's server, in the session's environment (started on first use, ended
-    as the process ends)."""
-    if not _SHARED or _SHARED[0].proc.poll() is not None:
-        _SHARED[:] = [ForkedCli(_SESSION_ENV)]
-        atexit.register(_SHARED[0].close)
-    return _SHARED[0]
+    """This test process's server in the session's environment."""
+    return _server(_SESSION_ENV)
 
 
 def shared_server(env: dict) -> ForkedCli | None:
-    """The server for a command in `env`, or None where `env` needs a fresh interpreter
-    (ForkedCli.serves)."""
-    server = _shared()
-    return server if server.serves(env) else None
+    """The server for a command in `env`, or None where `env` needs a fresh interpreter: one in
+    the session's environment, or in the session's with the checkout on PYTHONPATH (the commands
+    whose ranks import the tests' plugins, conftest.REPO_ON_PYTHONPATH), where `env` reads the
+    same as one of those at start-up (ForkedCli.serves)."""
+    from tests.conftest import REPO_ON_PYTHONPATH
+
+    for start in (_SESSION_ENV, {**_SESSION_ENV, **REPO_ON_PYTHONPATH}):
+        if at_import(env) == at_import(start):
+            return _server(start)
+    return None
+
+
+def forked_pytest(*args: str, cwd, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m pytest ARGS` in CWD with environment `env`, a process of its own forked from an
+    interpreter started in `env` that has imported torch and pytest (1.1 CPU-s less a session),
+    as subprocess.run(capture_output=True, text=True) returns it. For sessions whose tests or
+    ranks import torch anyway; a test of what a session imports starts a new interpreter."""
+    return _server(env, "pytest")(*map(str, args), cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -198,10 +234,13 @@ def cli_fork():
 
 def cli_batch(jobs: list[tuple[list, Path]], env: dict, timeout: float = 600) -> list[dict]:
     """`ep-harness ARGS` in CWD for every (ARGS, CWD) of `jobs`, each forked from one
-    interpreter started for the batch with environment `env`. Returns per job what
-    conftest.completed returns for a process."""
-    server = ForkedCli(env)
+    interpreter with environment `env`: this test process's server where it serves `env`
+    (shared_server), else one started for the batch (a new interpreter costs 1.5 CPU-s).
+    Returns per job what conftest.completed returns for a process."""
+    shared = shared_server(env)
+    server = shared or ForkedCli(env)
     try:
         return [completed(server(*map(str, args), cwd=cwd, env=env, timeout=timeout)) for args, cwd in jobs]
     finally:
-        server.close()
+        if server is not shared:
+            server.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
+from tests.forked_cli import forked_pytest
 
 def shared_cli(tmp_path_factory, name: str, *args: str, cwd=None):
     """`ep-harness ARGS` once per test session, "{out}" in ARGS read as the directory
@@ -132,16 +133,15 @@ def fail_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def plugin_items_session(tmp_path_factory):
     """`pytest -q -rs --ep-suite tests/cases/plugin_items.toml --ep-gpus 0 -k "fold or split-k"
-    tests/test_gate.py --junitxml=...` (no xdist), once per session: one pytest session (and
+    tests/test_gate.py --junitxml=...` (no xdist; forked_cli.forked_pytest), once per session: one pytest session (and
     its one launch) whose three items pass, fail and are skipped. Returns the process and the
     path of its JUnit XML."""
     def make(folder):
         folder.mkdir(parents=True)
-        return completed(subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ep-suite", "tests/cases/plugin_items.toml",
-             "--ep-gpus", "0", "-rs", "tests/test_gate.py", "-k", "fold or split-k", f"--junitxml={folder / 'junit.xml'}"],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}))
+        return completed(forked_pytest(
+            "-q", "-p", "no:cacheprovider", "--ep-suite", "tests/cases/plugin_items.toml", "--ep-gpus", "0", "-rs",
+            "tests/test_gate.py", "-k", "fold or split-k", f"--junitxml={folder / 'junit.xml'}",
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}))
 
     proc = once_per_session(tmp_path_factory, "plugin-items-session", make)
     return subprocess.CompletedProcess(**proc), shared_dir(tmp_path_factory) / "plugin-items-session" / "junit.xml"

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tests.conftest import REPO
+from tests.forked_cli import forked_pytest
 from tests.shared_runs import plugin_items_session  # noqa: F401  (a fixture)
 
 USER_TESTS = '''
@@ -33,10 +34,15 @@ def test_fails(ep_world):
 '''
 
 
-def pytest_in(directory, *args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=directory,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+def pytest_in(directory, *args, timeout=600, fresh=False):
+    """`python -m pytest ARGS` in DIRECTORY with the checkout importable: forked from an
+    interpreter that has imported torch and pytest (forked_cli.forked_pytest), or, `fresh`, a
+    new interpreter (for what a session imports)."""
+    argv, env = ["-p", "no:cacheprovider", *args], {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    if not fresh:
+        return forked_pytest(*argv, cwd=directory, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "pytest", *argv], cwd=directory, capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 @pytest.mark.slow
@@ -108,9 +114,9 @@ def test_the_plugin_loads_nothing_heavy_into_a_session_that_does_not_use_it(tmp_
                                  "ep_harness.reports.html") if m in sys.modules]
             assert not heavy, heavy
     '''))
-    proc = pytest_in(tmp_path, "-q", "test_plain.py")
+    proc = pytest_in(tmp_path, "-q", "test_plain.py", fresh=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "--ep-suite" in pytest_in(tmp_path, "--help").stdout  # the plugin was loaded all the same
+    assert "--ep-suite" in pytest_in(tmp_path, "--help", fresh=True).stdout  # the plugin was loaded all the same
 
 
 def test_a_bad_ep_suite_is_a_usage_error_not_an_internal_error(tmp_path):

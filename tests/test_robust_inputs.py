@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
 from tests.conftest import REPO, gone
-from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
+from tests.forked_cli import cli_fork, forked_pytest  # noqa: F401 (cli_fork: a fixture)
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 from tests.test_gate import baseline_records, run_with
 from tests.test_redteam_plan import CASE
@@ -278,12 +277,12 @@ def test_a_case_whose_subject_skips_every_check_is_named_beside_passing_ones(pas
 
 def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path, cli_fork):
     """pytest exits 0 when every item skips; `verify` of the same checks exits 1 (nothing ran)."""
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly",
             "--ep-suite", "tests/cases/unmeasured.toml", "--ep-gpus", "0", "-k", "library", "tests/test_gate.py"]
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = forked_pytest(*args, cwd=REPO, env=dict(os.environ))  # `python -m pytest ARGS`
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "2 skipped" in proc.stdout and "nothing ran: none of the 2 check(s) passed" in proc.stdout, proc.stdout
-    allowed = subprocess.run([*args, "--ep-allow-empty"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    allowed = forked_pytest(*args, "--ep-allow-empty", cwd=REPO, env=dict(os.environ))
     assert allowed.returncode == 0, allowed.stdout[-2000:]
     alone = cli_fork("verify", "--suite", "tests/cases/unmeasured.toml", "--check", "library-missing", "--gpus", "0",
                     "--no-report", "--out", str(tmp_path))

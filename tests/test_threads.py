@@ -6,9 +6,6 @@ torch.mm on an Intel Xeon with AMX, which this AMD machine cannot show."""
 import json
 import os
 import shlex
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
 from ep_harness.threads import DEFAULT_THREADS, pinned, user_setting_note
 from ep_harness.verdict import decide
+from tests.conftest import run_cli
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,11 +25,12 @@ BITS = ("status", "held", "mismatched", "total", "max_ulp", "first_mismatch", "b
 
 
 def harness(*args, omp: str | None):
-    """`ep-harness ARGS` as a user runs it, with OMP_NUM_THREADS=`omp` in their shell (None: unset)."""
-    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
+    """`ep-harness ARGS` as a user runs it, with OMP_NUM_THREADS=`omp` in their shell (None: unset):
+    a new interpreter where that differs from this session's environment (torch reads it as it
+    loads), else forked from the preloaded one (conftest.run_cli)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update({"PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": omp} if omp is not None else {})})
-    return subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return run_cli(*args, env=env)
 
 
 def records(run_dir: Path) -> dict[str, dict]:
