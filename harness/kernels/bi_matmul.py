@@ -352,7 +352,8 @@ if triton is not None:
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
-        # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments); TMA clips the store.
+        # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments); TMA (or the row mask)
+        # clips the store.
         tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
         while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
