@@ -195,7 +195,6 @@ def interpreter_checks() -> dict:
     return out
 
 
-
 SPLIT = dict(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2, tma=True)
 
 
@@ -266,7 +265,6 @@ def test_interpreter_comparison_sees_another_k_order(interpreted):
     assert int((k32 != k16).sum()) > 0
     assert torch.equal(k32, torch.tensor(interpreted["tma"]["bits"]))  # same walk through TMA: same bits
     assert torch.equal(k32, torch.tensor(interpreted["tma-masked-rows"]["bits"]))  # and with A's rows masked
-
 
 
 def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(interpreted):
