@@ -12,7 +12,7 @@ COLOURS = {"failed": "#c0392b", "xpass": "#c0392b", "error": "#7b241c", "interru
            "vacuous": "#d4ac0d", "xfail": "#95a5a6", "held": "#2e86c1", "skipped": "#d5d8dc"}
 WORDS = {"failed": "FAILED", "xpass": "XPASS (control did not violate)", "error": "ERROR",
          "vacuous": "vacuous (could not fail)", "xfail": "control, violated as expected", "held": "held"}
-FAILING = ("failed", "xpass", "error")
+FAILING_OUTCOMES = ("failed", "xpass", "error")  # outcomes marked in words (analysis.FAILING: statuses)
 # pixels: a bar's row, the plot's width, a character of the 11 px labels, the legend's rows
 ROW_H, PLOT_W, CHAR_W, LEGEND_H, TOP, AXIS_H = 18, 420, 6.4, 16, 22, 34
 
@@ -57,7 +57,7 @@ def summary_svg(records: list[dict]) -> str | None:
     top = max([5.0] + [b["pct"] * 1.3 for b in bars if math.isfinite(b["pct"]) and b["pct"] <= 100])
     left = 12 + CHAR_W * max(len(b["label"]) for b in bars)
     present = {b["outcome"] for b in bars}
-    shown = [o for o in ("failed", "xpass", "error", "vacuous", "xfail", "held") if o in present]
+    shown = [o for o in WORDS if o in present]  # worst first, as WORDS lists them
     legend_h = LEGEND_H * len(shown)
     plot_top = TOP + legend_h + 6
     plot_h = ROW_H * len(bars)
@@ -82,7 +82,7 @@ def summary_svg(records: list[dict]) -> str | None:
     out.append(f'<text x="{left + PLOT_W / 2:.1f}" y="{plot_top + plot_h + 29}" text-anchor="middle">'
                f'elements whose bits differ (%, worst grid point)</text>')
     for i, b in enumerate(bars):
-        y, failing = plot_top + i * ROW_H, b["outcome"] in FAILING
+        y, failing = plot_top + i * ROW_H, b["outcome"] in FAILING_OUTCOMES
         label, note = escape(b["label"]), f'{b["pct"]:.1f}%' + (f"  &lt;- {WORDS[b['outcome']]}" if failing else "")
         if failing:  # the row shaded across the plot, whatever its bar's length
             out.append(f'<rect x="0" y="{y}" width="{width:.0f}" height="{ROW_H}" fill="{COLOURS["failed"]}" '

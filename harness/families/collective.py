@@ -148,12 +148,16 @@ def prefill_decode_layouts(p: CollectiveParams, world_size: int) -> list[Layout]
 
 def rank_input(p: CollectiveParams, dtype, rank: int, layout: Layout) -> torch.Tensor:
     """Rank `rank`'s [rows, hidden] input: seeded fillers with the probe's rows overwritten."""
-    seed, hidden = p.seed, p.hidden
-    x = gen.values((layout.rows, hidden), dtype, seed, "filler", rank, layout.sizes, data=p.data)
-    probe = gen.values((hidden,), dtype, seed, "probe", rank, data=p.data)
+    x = gen.values((layout.rows, p.hidden), dtype, p.seed, "filler", rank, layout.sizes, data=p.data)
+    probe = probe_values(p, dtype, rank)
     for row in layout.probes:
         x[row] = probe
     return x
+
+
+def probe_values(p: CollectiveParams, dtype, rank: int) -> torch.Tensor:
+    """Rank `rank`'s probe row [hidden], the same at every layout and world size."""
+    return gen.values((p.hidden,), dtype, p.seed, "probe", rank, data=p.data)
 
 
 def all_inputs(p, dtype, world_size, layout) -> torch.Tensor:
@@ -167,7 +171,7 @@ def probe_rows(p, dtype, world_size, layout) -> torch.Tensor:
     x = torch.zeros((world_size, layout.rows, p.hidden), dtype=dtype)
     probes = list(layout.probes)
     for r in range(world_size):
-        x[r, probes] = gen.values((p.hidden,), dtype, p.seed, "probe", r, data=p.data)
+        x[r, probes] = probe_values(p, dtype, r)
     return x
 
 
