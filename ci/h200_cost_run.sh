@@ -18,7 +18,9 @@ export DG_JIT_CACHE_DIR=/tmp/dg-cache
 for step in ${STEPS:-tune tests bench verify}; do
   start=$(date +%s)
   case $step in
-    tune)  python3 -m ep_harness.cost.tune_bi_matmul --out "$OUT/tune" >> "$OUT/run.log" 2>&1
+    # TUNE_SHAPES="2048x7168 ...": tune those only (the table keeps the others' entries)
+    tune)  python3 -m ep_harness.cost.tune_bi_matmul --out "$OUT/tune" ${TUNE_SHAPES:+$(printf -- '--shape %s ' $TUNE_SHAPES)} \
+             >> "$OUT/run.log" 2>&1
            [ -s "$OUT/tune/bi_matmul_tiles.json" ] && cp "$OUT/tune/bi_matmul_tiles.json" harness/kernels/ ;;
     bench) python3 -m ep_harness.cost.bench_gemm_cost --sections dense --budget-s "${BENCH_BUDGET:-300}" \
              --out "$OUT/cost" >> "$OUT/run.log" 2>&1 ;;

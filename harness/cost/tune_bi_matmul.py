@@ -171,7 +171,8 @@ def bit_check(a_all, b, candidates: dict, reference) -> dict:
             result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
             continue
         result[name] = {"mismatched": {m: int((int_view(got[m]) != int_view(want[m])).sum()) for m in BITS_M},
-                        "elements": {m: want[m].numel() for m in BITS_M}}
+                        "elements": {m: want[m].numel() for m in BITS_M},
+                        "compiled": kernel.compiled_resources(a_all[:BITS_M[-1]], b, cfg)}
     # Controls that the comparison sees another order: cuBLAS, the reference tiles with K
     # rotated by half a segment (the same products, summed in another order; a whole segment
     # would only swap segments, and two segments' sum does not depend on which comes first),

@@ -359,27 +359,33 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _segments_in_turn(a, b_desc, slot, off_m, off_n, M, stride_am, K: tl.constexpr, K_SPLITS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _slot_elements(slot, row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        return slot + tl.arange(0, BLOCK_M)[:, None] * row_stride + tl.arange(0, BLOCK_N)[None, :]
+
+    @triton.jit
+    def _segments_in_turn(a, b_desc, slot, slot_row_stride, off_m, off_n, M, stride_am, K: tl.constexpr,
+                          K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           MASKED_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """_tile_walk's additions with one accumulator live: segment after segment, the sum of
         those done stored in `slot` (this program's BLOCK_M x BLOCK_N float32) while the next is
-        walked, then loaded and the new segment's sum added to it: ((s0 + s1) + s2) + ... ."""
+        walked, then loaded and the new segment's sum added to it: ((s0 + s1) + s2) + ... . The
+        load's addresses use the runtime `slot_row_stride` (= BLOCK_N), the store's the constant:
+        otherwise the compiler shares one tile of addresses between them, kept in registers
+        through the whole next segment beside the accumulator."""
         SEG: tl.constexpr = K // K_SPLITS
-        inside = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         total = _segment(a, b_desc, off_m, off_n, 0, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS,
                          DOT_PRECISION)
         for s in tl.static_range(1, K_SPLITS):
             tl.debug_barrier()  # the previous tile's readers of the slot are done with it
-            tl.store(slot + inside, total)
+            tl.store(_slot_elements(slot, BLOCK_N, BLOCK_M, BLOCK_N), total)
             acc = _segment(a, b_desc, off_m, off_n, s * SEG, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K,
                            MASKED_ROWS, DOT_PRECISION)
             tl.debug_barrier()  # every thread's part of the slot is written before any reads it back
-            total = tl.load(slot + inside) + acc
+            total = tl.load(_slot_elements(slot, slot_row_stride, BLOCK_M, BLOCK_N)) + acc
         return total
 
-    @triton.jit(do_not_specialize=["M", "num_programs"])
-    def _bi_matmul_tma_kernel(a, b_desc, c, slots, M, N, num_programs, stride_am, stride_cm,
+    @triton.jit(do_not_specialize=["M", "num_programs", "slot_row_stride"])
+    def _bi_matmul_tma_kernel(a, b_desc, c, slots, slot_row_stride, M, N, num_programs, stride_am, stride_cm,
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr, IN_TURN: tl.constexpr):
@@ -390,8 +396,8 @@ if triton is not None:
         while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
             if IN_TURN:
-                acc = _segments_in_turn(a, b_desc, slot, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K,
-                                        K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
+                acc = _segments_in_turn(a, b_desc, slot, slot_row_stride, tile_m * BLOCK_M, tile_n * BLOCK_N, M,
+                                        stride_am, K, K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
             else:
                 acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K, K_SPLITS,
                                  BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
@@ -496,6 +502,15 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
+def compiled_resources(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> dict:
+    """Registers a thread, spilled registers and shared memory of `cfg`'s compiled kernel for
+    these operands (one launch): a slow candidate that spills says why (the tuner records it)."""
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=a.dtype, device=a.device)
+    compiled = _launch(a, b, out, cfg)
+    return {"registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+            "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None)}
+
+
 _ARRIVALS: dict[tuple, torch.Tensor] = {}
 
 
@@ -515,8 +530,8 @@ def _arrivals(device: torch.device, k_splits: int, tiles: int) -> torch.Tensor:
     return counters
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig) -> None:
-    """One kernel launch over all of a's rows with the tiles `cfg`."""
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig):
+    """One kernel launch over all of a's rows with the tiles `cfg`; Triton's compiled kernel."""
     m, k = a.shape
     n = b.shape[0]
     problem = tile_problem(cfg, k)
@@ -543,20 +558,19 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         if cfg.split_parallel:
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
-            _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
-                                                     _arrivals(a.device, cfg.k_splits, tiles),
-                                                     m, n, programs, *strides, **shape)
+            return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
+                                                            _arrivals(a.device, cfg.k_splits, tiles),
+                                                            m, n, programs, *strides, **shape)
         elif cfg.schedule:
-            _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides, **shape,
-                                                         FLATTEN=cfg.schedule == "flatten",
-                                                         WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
+            return _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides,
+                                                                **shape, FLATTEN=cfg.schedule == "flatten",
+                                                                WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
         else:  # segments in turn: a float32 slot per program (otherwise unread: out stands in)
             slots = torch.empty(programs * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device) \
                 if cfg.segments_in_turn else out
-            _bi_matmul_tma_kernel[(programs,)](a_arg, b_desc, c_arg, slots, m, n, programs, *strides, **shape,
-                                               IN_TURN=cfg.segments_in_turn)
-        return
-    _bi_matmul_kernel[(programs,)](
+            return _bi_matmul_tma_kernel[(programs,)](a_arg, b_desc, c_arg, slots, cfg.block_n, m, n, programs,
+                                                      *strides, **shape, IN_TURN=cfg.segments_in_turn)
+    return _bi_matmul_kernel[(programs,)](
         a, b, out, m, n, programs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
