@@ -130,15 +130,10 @@ def test_split_candidates_cut_k_into_whole_segments_and_keep_their_walk():
                     assert kernel.k_walk(cfg, k) == kernel.k_walk(kernel.walk_reference(k_splits), k)
                     if group != "mid":  # small: few tiles, a program per segment; large: one per tile
                         assert cfg.split_parallel == (group == "small")
-                    assert not cfg.segments_in_turn or group == "large"
                     assert kernel.stages_that_fit(cfg) == cfg.num_stages  # side-by-side segments' stages fit
     big = kernel.TileConfig(128, 256, 64, 8, 8, 4, True, k_splits=2)  # 2 x 48 KiB a stage beside a 64 KiB tile
     assert kernel.stages_that_fit(big) == 1 and kernel.stages_that_fit(kernel.REFERENCE_TILES) == 5
     assert tune.name_of(replace(big, num_stages=1)) not in tune.split_candidates(7168, 2)["large"]  # does not pipeline
-    # in turn, one accumulator and one segment's loads at a time: the same tiles pipeline in 3 stages
-    in_turn = replace(big, segments_in_turn=True, num_stages=3)
-    assert tune.split_candidates(7168, 2)["large"][tune.name_of(in_turn)] == in_turn
-    assert tune.name_of(in_turn).endswith("-k2t") and tune.name_of(big).endswith("-k2s")
     # 7168 is not 4 segments of 512-deep steps: those tiles are left out at 4, kept at 2
     assert any(c.block_k == 512 for c in tune.split_candidates(7168, 2)["small"].values())
     assert not any(c.block_k == 512 for c in tune.split_candidates(7168, 4)["small"].values())

@@ -84,32 +84,19 @@ def target(m: int) -> float:
     return 1.10 if m <= 64 else 1.15 if m < 1024 else 1.05
 
 
-# How a split walk's segments are shared out (kernel.TileConfig): one program per segment, one
-# program walking them side by side, or one program walking them in turn.
-SPLIT_MODES = {"parallel": dict(split_parallel=True), "side by side": {}, "in turn": dict(segments_in_turn=True)}
-GROUP_SPLIT_MODES = {"small": ("parallel",), "mid": ("parallel", "side by side"), "large": ("side by side", "in turn")}
-
-
-def walking(cfg: kernel.TileConfig, k_splits: int, mode: str = "side by side") -> kernel.TileConfig:
-    """cfg walking K in k_splits segments shared out as `mode`, with as many stages as fit."""
-    if k_splits == 1:
-        return cfg
-    split = replace(cfg, k_splits=k_splits, **SPLIT_MODES[mode])
-    return replace(split, num_stages=kernel.stages_that_fit(split))
-
-
 def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileConfig]]:
     """CANDIDATES walking K in k_splits segments: the small tiles one program per segment (few
-    tiles at small M: the segments fill the SMs), the large one program per tile (segments side
-    by side, or in turn for tiles with no room for an accumulator per segment), the mid one
-    program per segment or per tile; only those that fit two stages and whose K depth cuts K
-    into whole segments."""
+    tiles at small M: the segments fill the SMs), the large one program per tile with as many
+    stages as fit (its segments load side by side), the mid both ways; only those that fit two
+    stages and whose K depth cuts K into whole segments."""
     if k_splits == 1:
         return {group: {name_of(c): c for c in configs} for group, configs in CANDIDATES.items()}
     out = {}
     for group, configs in CANDIDATES.items():
         configs = configs + SPLIT_LARGE if group == "large" else configs
-        split = [walking(c, k_splits, mode) for c in configs for mode in GROUP_SPLIT_MODES[group]]
+        split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
+                 for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
+        split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
         out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.tile_problem(c, k)}
     return out
 # Two-launch plans (kernel.TilePlan): large tiles over whole waves, the rest of the rows in a tail
@@ -121,8 +108,7 @@ PLAN_TAILS = (T(128, 128, 64, 8, 4, 5, True), T(64, 128, 64, 8, 4, 6, True), T(6
 
 
 def name_of(cfg: kernel.TileConfig) -> str:
-    mode = "p" if cfg.split_parallel else "t" if cfg.segments_in_turn else "s"
-    split = f"-k{cfg.k_splits}{mode}" if cfg.k_splits != 1 else ""
+    split = f"-k{cfg.k_splits}{'p' if cfg.split_parallel else 's'}" if cfg.k_splits != 1 else ""
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
             f"{f'-g{cfg.group_m}' if cfg.group_m != 8 else ''}"
@@ -134,12 +120,10 @@ def plan_name(plan: kernel.TilePlan) -> str:
 
 
 def plans_at(m: int, n: int, identical_names: set[str], sms: int, k_splits: int = 1) -> dict[str, kernel.TilePlan]:
-    """The two-launch plans whose tiles are all bit-identical and that split M's rows (split
-    walks: the large main tiles' segments in turn, the tail's side by side)."""
+    """The two-launch plans whose tiles are all bit-identical and that split M's rows."""
     plans = {}
-    for main in (walking(c, k_splits, "in turn" if c.block_m * c.block_n > 128 * 128 else "side by side")
-                 for c in PLAN_MAINS):
-        for tail in (walking(c, k_splits) for c in PLAN_TAILS):
+    for main in (replace(c, k_splits=k_splits) for c in PLAN_MAINS):
+        for tail in (replace(c, k_splits=k_splits) for c in PLAN_TAILS):
             plan = kernel.TilePlan(main, tail)
             if tail != main and {name_of(main), name_of(tail)} <= identical_names \
                     and len(kernel.row_slices(m, n, plan, sms)) == 2:

@@ -12,10 +12,8 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   small M (few tiles) each segment goes to its own program (`split_parallel`), which writes
   its float32 sum to a workspace; the tile's last program to arrive adds the segments in
   segment order and stores the tile. At larger M one program walks the segments side by side,
-  each into its own accumulator, and adds them in the same order; or, for tiles too large for
-  an accumulator per segment, one after the other (`segments_in_turn`), the sum so far waiting
-  in a float32 slot of the program's own. All give the same bits (checked on the GPU by the
-  tuner).
+  each into its own accumulator, and adds them in the same order. Both give the same bits
+  (checked on the GPU by the tuner).
 * Tiles may follow M (`tile_config`), the walk may not: the tile's rows, columns, K depth per
   pipeline stage, warps and stages change how many programs share the work, not the order of
   an element's additions. Every table entry's K depth divides K (no zero-padded K steps), and
@@ -75,12 +73,6 @@ class TileConfig:
     # segment, partial sums through a workspace, instead of one program walking them all.
     k_splits: int = 1
     split_parallel: bool = False
-    # One program walks the segments one after the other, the running sum of those done waiting
-    # in a float32 slot of its own (L2) while the next is walked: one accumulator live instead of
-    # one per segment, so a split walk still has room for 128 x 256 tiles (side by side, two
-    # accumulators leave room only for 128 x 128: 1.10-1.21x cuBLAS from M = 1,024 at 2048 x 7168 on
-    # the H100, results/2026-12-06-cost-h100-masked-rows). The same additions in the same order.
-    segments_in_turn: bool = False
     # A's rows loaded and C's stored through masked pointer accesses (rows past M read as zeros,
     # never written), B still through TMA: a TMA box reaching far past A's last row was measured
     # 2x slower (H200, results/2026-12-02-cost-parked/tune.json: 64 x 32 tiles at N x K = 2048 x 7168
@@ -131,7 +123,7 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
     """The most pipeline stages (at most config's) whose bf16 operand buffers fit in shared
     memory beside the output tile, with every segment of a one-program split walk loading side
     by side (Hopper: 227 KiB a block; fewer than 2 stages: the tiles do not pipeline there)."""
-    side_by_side = 1 if config.split_parallel or config.segments_in_turn else config.k_splits
+    side_by_side = config.k_splits if not config.split_parallel else 1
     stage = side_by_side * (config.block_m + config.block_n) * config.block_k * 2
     room = shared_bytes - config.block_m * config.block_n * 2
     return min(config.num_stages, room // stage)
@@ -145,9 +137,6 @@ def tile_problem(config: TileConfig, k: int) -> str | None:
         return f"k_splits must be >= 1 (>= 2 with split_parallel), not {config.k_splits}"
     if config.k_splits > 1 and not config.tma:
         return "split K needs the TMA kernel (tma=True)"
-    if config.segments_in_turn and (config.k_splits < 2 or config.split_parallel or config.schedule):
-        return ("segments_in_turn is one program walking K_SPLITS >= 2 segments in the plain TMA kernel: "
-                "not with split_parallel, a schedule, or k_splits = 1")
     if config.k_splits > 1 and k % (config.k_splits * config.block_k):
         return (f"K = {k} is not {config.k_splits} segments of whole {config.block_k}-deep K steps; "
                 f"choose k_splits and block_k with k_splits x block_k dividing K")
@@ -358,49 +347,18 @@ if triton is not None:
                                   MASKED_ROWS, DOT_PRECISION)
         return total
 
-    @triton.jit
-    def _slot_elements(slot, row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        return slot + tl.arange(0, BLOCK_M)[:, None] * row_stride + tl.arange(0, BLOCK_N)[None, :]
-
-    @triton.jit
-    def _segments_in_turn(a, b_desc, slot, slot_row_stride, off_m, off_n, M, stride_am, K: tl.constexpr,
-                          K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          MASKED_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """_tile_walk's additions with one accumulator live: segment after segment, the sum of
-        those done stored in `slot` (this program's BLOCK_M x BLOCK_N float32) while the next is
-        walked, then loaded and the new segment's sum added to it: ((s0 + s1) + s2) + ... . The
-        load's addresses use the runtime `slot_row_stride` (= BLOCK_N), the store's the constant:
-        otherwise the compiler shares one tile of addresses between them, kept in registers
-        through the whole next segment beside the accumulator."""
-        SEG: tl.constexpr = K // K_SPLITS
-        total = _segment(a, b_desc, off_m, off_n, 0, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS,
-                         DOT_PRECISION)
-        for s in tl.static_range(1, K_SPLITS):
-            tl.debug_barrier()  # the previous tile's readers of the slot are done with it
-            tl.store(_slot_elements(slot, BLOCK_N, BLOCK_M, BLOCK_N), total)
-            acc = _segment(a, b_desc, off_m, off_n, s * SEG, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K,
-                           MASKED_ROWS, DOT_PRECISION)
-            tl.debug_barrier()  # every thread's part of the slot is written before any reads it back
-            total = tl.load(_slot_elements(slot, slot_row_stride, BLOCK_M, BLOCK_N)) + acc
-        return total
-
-    @triton.jit(do_not_specialize=["M", "num_programs", "slot_row_stride"])
-    def _bi_matmul_tma_kernel(a, b_desc, c, slots, slot_row_stride, M, N, num_programs, stride_am, stride_cm,
+    @triton.jit(do_not_specialize=["M", "num_programs"])
+    def _bi_matmul_tma_kernel(a, b_desc, c, M, N, num_programs, stride_am, stride_cm,
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr, IN_TURN: tl.constexpr):
-        # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments, side by side or IN_TURN
-        # through this program's slot of `slots`); TMA (or the row mask) clips the store.
+                              K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
+        # The same tile walk as _bi_matmul_kernel (in K_SPLITS segments); TMA (or the row mask)
+        # clips the store.
         tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
-        slot = slots + tl.program_id(0).to(tl.int64) * (BLOCK_M * BLOCK_N)
         while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
             tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-            if IN_TURN:
-                acc = _segments_in_turn(a, b_desc, slot, slot_row_stride, tile_m * BLOCK_M, tile_n * BLOCK_N, M,
-                                        stride_am, K, K_SPLITS, BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
-            else:
-                acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K, K_SPLITS,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
+            acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M, stride_am, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
             _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
             tile += num_programs
 
@@ -561,15 +519,11 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
             return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
                                                             _arrivals(a.device, cfg.k_splits, tiles),
                                                             m, n, programs, *strides, **shape)
-        elif cfg.schedule:
+        if cfg.schedule:
             return _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides,
                                                                 **shape, FLATTEN=cfg.schedule == "flatten",
                                                                 WARP_SPECIALIZE=cfg.schedule == "warp_specialize")
-        else:  # segments in turn: a float32 slot per program (otherwise unread: out stands in)
-            slots = torch.empty(programs * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device) \
-                if cfg.segments_in_turn else out
-            return _bi_matmul_tma_kernel[(programs,)](a_arg, b_desc, c_arg, slots, cfg.block_n, m, n, programs,
-                                                      *strides, **shape, IN_TURN=cfg.segments_in_turn)
+        return _bi_matmul_tma_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides, **shape)
     return _bi_matmul_kernel[(programs,)](
         a, b, out, m, n, programs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
