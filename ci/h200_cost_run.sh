@@ -6,6 +6,7 @@
 # of thinking-machines-lab/batch_invariant_ops). Everything lands in $OUT, in at most
 # 8 files (the device's limit): one log, environment.txt and the steps' own outputs.
 #   run on the device:  STEPS="tune tests bench verify nccl" bash ci/h200_cost_run.sh
+#   one shape's tiles:  TUNE_SHAPES="2048x7168" STEPS="tune bench" bash ci/h200_cost_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 [ -d .bio/batch_invariant_ops ] && export PYTHONPATH=$PWD/.bio:$PYTHONPATH
@@ -19,8 +20,8 @@ for step in ${STEPS:-tune tests bench verify}; do
   start=$(date +%s)
   case $step in
     # TUNE_SHAPES="2048x7168 ...": tune those only (the table keeps the others' entries)
-    tune)  python3 -m ep_harness.cost.tune_bi_matmul --out "$OUT/tune" ${TUNE_SHAPES:+$(printf -- '--shape %s ' $TUNE_SHAPES)} \
-             >> "$OUT/run.log" 2>&1
+    tune)  python3 -m ep_harness.cost.tune_bi_matmul --out "$OUT/tune" \
+             ${TUNE_SHAPES:+$(printf -- '--shape %s ' $TUNE_SHAPES)} >> "$OUT/run.log" 2>&1
            [ -s "$OUT/tune/bi_matmul_tiles.json" ] && cp "$OUT/tune/bi_matmul_tiles.json" harness/kernels/ ;;
     bench) python3 -m ep_harness.cost.bench_gemm_cost --sections dense --budget-s "${BENCH_BUDGET:-300}" \
              --out "$OUT/cost" >> "$OUT/run.log" 2>&1 ;;
