@@ -462,7 +462,8 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
 
 def compiled_resources(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> dict:
     """Registers a thread, spilled registers and shared memory of `cfg`'s compiled kernel for
-    these operands (one launch): a slow candidate that spills says why (the tuner records it)."""
+    these operands (one launch): a slow candidate that spills says why (the tuner records it).
+    None under Triton's interpreter, which compiles nothing."""
     out = torch.empty((a.shape[0], b.shape[0]), dtype=a.dtype, device=a.device)
     compiled = _launch(a, b, out, cfg)
     return {"registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
