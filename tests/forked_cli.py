@@ -1,7 +1,8 @@
 """`ep-harness ARGS`, each in a process of its own, forked from one interpreter that has imported
 torch and the harness already (1.5-2 s of CPU a command otherwise). What a command prints, its
 exit code, what it writes and the ranks it launches are its own; only the imports are shared,
-and it ends as the console script does (`sys.exit(main())`, then the interpreter's exit).
+and it ends as the console script does (`sys.exit(main())`, then the interpreter's exit steps
+a command can observe; not the teardown of every object, `exit_as_the_interpreter`).
 Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one of
 their own; conftest.run_cli starts one where the environment differs in what is read at start-up.
 
@@ -51,6 +52,10 @@ else:  # pytest alone: a plugin imported before pytest loads it could not have i
     import pytest, pytest.__main__
 if blas is None:
     del os.environ["OPENBLAS_NUM_THREADS"]
+# What the preloads made lives as long as each child: out of the collector's reach, as the
+# harness's agent does (a child's exit would otherwise walk all torch made: 0.3 CPU-s).
+import gc
+gc.freeze()
 threads = len(os.listdir("/proc/self/task"))
 reply = os.fdopen(int(sys.argv[1]), "w")
 reply.write(json.dumps({"threads": threads}) + "\n")
@@ -75,12 +80,36 @@ def child(req):
     if kind == "pytest":  # as `python -m pytest`, to the end (pytest/__main__.py)
         sys.argv = [pytest.__main__.__file__, *req["argv"]]
         sys.path.insert(0, os.getcwd())
-        raise SystemExit(pytest.console_main())
-    sys.argv = ["ep-harness", *req["argv"]]
-    # As the console script, to the end: `sys.exit(main())`, and the interpreter's own exit
-    # (atexit, the flush of every open file, an uncaught exception's traceback and status 1).
-    sys.exit(ep_harness.cli.main(req["argv"]))
+        run = pytest.console_main
+    else:  # as the console script: `sys.exit(main())`, main reading sys.argv (gc.freeze among its exit steps)
+        sys.argv = ["ep-harness", *req["argv"]]
+        run = ep_harness.cli.main
+    try:
+        code = run()
+    except SystemExit as exc:
+        code = exc.code
+    exit_as_the_interpreter(code)
 
+
+def exit_as_the_interpreter(code):
+    # The interpreter's exit for `sys.exit(code)` up to what a command can observe: the status
+    # (None 0, a message printed and 1), non-daemon threads joined, atexit's functions (logging's
+    # flush, weakref finalizers), the standard streams flushed; then os._exit, without tearing
+    # down every object the preloads made (0.2 CPU-s a command). An uncaught exception other
+    # than SystemExit never gets here: the interpreter ends that command (traceback, status 1,
+    # KeyboardInterrupt's signal). A file the command left open unflushed loses its tail here:
+    # the test reading it fails, where the console script would have written it.
+    import atexit, threading
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code & 0xFF)
 
 for line in sys.stdin:
     req = json.loads(line)
@@ -113,7 +142,7 @@ class ForkedCli:
             self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(write), kind], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=log, stderr=log, pass_fds=(write,), text=True, env=self.env)
         os.close(write)
-        self.reply = os.fdopen(read, "r")
+        self.reply, self._pending = read, b""  # the server's answers: a pipe, read a line at a time
         try:
             hello = json.loads(self._line(300))
         except subprocess.TimeoutExpired:
@@ -129,16 +158,33 @@ class ForkedCli:
         return self.proc.poll() is None and at_import(env) == at_import(self.env)
 
     def _line(self, timeout: float) -> str:
-        ready, _, _ = select.select([self.reply], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired(f"{self.kind} (forked)", timeout)
-        line = self.reply.readline()
-        if not line:
-            raise RuntimeError(f"the {self.kind} fork server ended (exit {self.proc.wait()}): "
-                               f"{self.log.read_text(errors='replace')[-3000:]}")
-        return line
+        """The server's next answer. Read from the descriptor itself, unbuffered by Python: a
+        child that ends at once sends its status right behind its pid, and a buffered reader
+        would hold that second line where select() cannot see it."""
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.reply], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(f"{self.kind} (forked)", timeout)
+            chunk = os.read(self.reply, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the {self.kind} fork server ended (exit {self.proc.wait()}): "
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode()
 
     def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600):
+        out, err = self.send(args, cwd, env)
+        code = self.status(timeout)
+
+        def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
+            return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
+
+        argv = ["ep-harness"] if self.kind == "ep-harness" else [sys.executable, "-m", "pytest"]
+        return subprocess.CompletedProcess([*argv, *args], code, read(out), read(err))
+
+    def send(self, args, cwd=REPO, env: dict | None = None) -> tuple[Path, Path]:
+        """Ask for one command (see __call__); the files its stdout and stderr go to."""
         out, err = self.folder / "stdout", self.folder / "stderr"
         out.write_bytes(b"")
         err.write_bytes(b"")
@@ -146,21 +192,19 @@ class ForkedCli:
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding}) + "\n")
         self.proc.stdin.flush()
+        return out, err
+
+    def status(self, timeout: float) -> int:
+        """The exit status of the command asked for (its pid first, then its status)."""
         pid = None
         try:
             pid = json.loads(self._line(60))["pid"]
-            code = json.loads(self._line(timeout))["returncode"]
+            return json.loads(self._line(timeout))["returncode"]
         except subprocess.TimeoutExpired:  # as subprocess.run: the command is killed (its agent dies with it)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
             self.close()
             raise
-
-        def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
-            return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
-
-        argv = ["ep-harness"] if self.kind == "ep-harness" else [sys.executable, "-m", "pytest"]
-        return subprocess.CompletedProcess([*argv, *args], code, read(out), read(err))
 
     def close(self):
         if self.proc.poll() is None:
@@ -170,7 +214,9 @@ class ForkedCli:
             except subprocess.TimeoutExpired:
                 self.proc.send_signal(signal.SIGKILL)
                 self.proc.wait()
-        self.reply.close()
+        if self.reply is not None:  # closed once, whoever closes first
+            os.close(self.reply)
+            self.reply = None
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

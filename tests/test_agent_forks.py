@@ -20,13 +20,14 @@ from tests.conftest import REPO
 cpu_build = pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
                                reason="agents are forked only where torch is a CPU build (harness/launch/forks.py)")
 
-# A command's side, in a new interpreter that imports torch as `ep-harness verify` does; its
+# A command's side, in a new interpreter that imports torch as `ep-harness verify` does (its
+# _launching_imports: BLAS without a thread pool, the imports out of the collector's reach); its
 # arguments: the launch's folder, the agent command and its environment (JSON), then its own.
 _PREAMBLE = r"""
 import contextlib, json, os, sys, time
 from pathlib import Path
-from ep_harness.launch.agent import _blas_without_a_thread_pool
-with _blas_without_a_thread_pool():
+from ep_harness.cli import _launching_imports
+with _launching_imports():
     import torch
 from ep_harness.launch import forks
 from ep_harness.launch.processes import interruptible, kill_launch, spawn

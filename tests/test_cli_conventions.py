@@ -12,6 +12,7 @@ import pytest
 from ep_harness import subject as registry
 from ep_harness.errors import HarnessError
 from tests.conftest import REPO, completed, once_per_session, shared_dir
+from tests.forked_cli import cli_fork  # noqa: F401  (a fixture)
 
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
@@ -24,6 +25,21 @@ def harness(*args, cwd=REPO, extra_path=(), env=None, timeout=600):
 
 
 # --- version --------------------------------------------------------------------------
+
+
+def test_a_forked_command_that_ends_at_once_is_read_to_its_status(cli_fork):
+    """tests/forked_cli.py: a command that ends at once (0.05 s, with the fork's teardown
+    skipped) sends its status right behind its pid; both answers are in the pipe before the
+    first is read, and each is still read (a buffered reader held the second where select()
+    could not see it, and the test waited out its timeout)."""
+    import time
+
+    server = cli_fork
+    out, err = server.send(["verify", "--threads", "two"])
+    time.sleep(1.0)  # the command has ended and both answers wait in the pipe
+    assert server.status(timeout=10) == 2
+    assert out.read_text() == "" and "--threads 'two' is not a thread count" in err.read_text()
+    assert server("--version").returncode == 0  # and the server goes on serving
 
 
 def test_version_names_the_pyproject_version_and_the_commit():

@@ -73,6 +73,18 @@ def test_top_of_range_data_reaches_the_top_and_every_sum_of_8_stays_finite(dtype
     assert not torch.isfinite((x * 2 ** gen.TOP_HEADROOM_BITS).sum(0)).all()  # a scale before the sum overflows
 
 
+def test_the_looked_up_powers_of_two_are_exp2s_bits():
+    """`spread` and `top` data scale by 2^e looked up, not computed: the same bits as torch.exp2
+    gave (the NCCL fixtures' digests were recorded on inputs made with it), over every
+    exponent a double holds, subnormal ones included, in one vectorized call and in tails."""
+    e = torch.randint(-1074, 1024, (10_007,), generator=torch.Generator().manual_seed(0))
+    for part in (e, e[:3], e.view(1, -1)[:, 5:]):
+        assert torch.equal(gen.powers_of_two(part, -1074, 1023).view(torch.int64),
+                           torch.exp2(part.double()).view(torch.int64))
+    e = e.clamp(-1000, 1000)
+    assert not torch.equal(gen.powers_of_two(e + 1, -999, 1001), torch.exp2(e.double()))  # an exponent off by one shows
+
+
 def test_top_of_range_data_is_for_collectives_only():
     with pytest.raises(HarnessError, match=r"data = 'top'; choose one of spread, randn"):
         _gemm("contiguous", data="top")

@@ -110,26 +110,33 @@ def test_the_comparison_kernel_defined_on_first_use_still_counts_under_the_inter
     assert fused + ")" == "(4, 3, 5)" and "(" + plain == "(4, 3, 5)"
 
 
-def test_imports_without_gc_freeze_what_they_made():
+@pytest.fixture
+def unfrozen():
+    """This test process's frozen objects (conftest's gc.freeze after the collection) back in the
+    collector's generations for the test, frozen again after it: a frozen object that dies
+    lowers the count, so counts are compared from nothing frozen."""
+    gc.unfreeze()
+    yield
+    gc.freeze()
+
+
+def test_imports_without_gc_freeze_what_they_made(unfrozen):
     from ep_harness.cli import _imports_without_gc
     from ep_harness.launch.agent import _imports_without_gc as agents
 
     for imports_without_gc in (_imports_without_gc, agents):
-        frozen = gc.get_freeze_count()
-        try:
-            with imports_without_gc():
-                assert not gc.isenabled()
-                made = [[] for _ in range(1000)]
-            assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
-        finally:
-            gc.unfreeze()  # this test process's objects back where they were
-            if frozen:
-                gc.freeze()
+        assert gc.get_freeze_count() == 0
+        with imports_without_gc():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        gc.unfreeze()
 
 
-def test_a_call_from_python_freezes_nothing(tmp_path):
+def test_a_call_from_python_freezes_nothing(tmp_path, unfrozen):
     from ep_harness import cli
 
     frozen = gc.get_freeze_count()
+    assert frozen == 0
     assert cli.main(["report", str(tmp_path / "nothing-here")]) == 2
     assert gc.get_freeze_count() == frozen and gc.isenabled()

@@ -337,12 +337,12 @@ def _key_codes(keys: torch.Tensor, world: int, tokens: int, k: int) -> torch.Ten
     return ((keys[:, 0] * world + keys[:, 1]) * tokens + keys[:, 2]) * k + keys[:, 3]
 
 
-def _expected_received(p: DispatchParams, tokens: int, call: int, rank: int, world: int, wire: str):
-    """What `rank` must receive in one call: key codes (sorted), rows and scales (None on BF16)."""
+def _expected_received(p: DispatchParams, sent: list, tokens: int, rank: int, world: int, wire: str):
+    """What `rank` must receive in one call (`sent`: every rank's call_tokens): key codes
+    (sorted), rows and scales (None on BF16)."""
     per_rank = p.num_experts // world
     keys, rows, scales = [], [], []
-    for src in range(world):
-        x, idx, _ = call_tokens(p, tokens, call, src, world)
+    for src, (x, idx, _) in enumerate(sent):
         t, slot = (idx // per_rank == rank).nonzero(as_tuple=True)
         keys.append(torch.stack([idx[t, slot], torch.full_like(t, src), t, slot], dim=1))
         q, s = ref_quant.quantize_per_token_group(x, 128, ue8m0=p.ue8m0) if wire == "fp8" else (x, None)
@@ -376,9 +376,9 @@ class CallsSeen(NamedTuple):
     dispatch_unchecked: str | None  # why its received rows could not be matched to what was sent
 
 
-def _check_dispatch(p, received, tokens, call, rank, world, wire) -> tuple[list[Hit], int]:
+def _check_dispatch(p, received, sent, tokens, call, rank, world, wire) -> tuple[list[Hit], int]:
     got = _received_rows(received, rank, p.num_experts // world)
-    want_codes, want_rows, want_scales = _expected_received(p, tokens, call, rank, world, wire)
+    want_codes, want_rows, want_scales = _expected_received(p, sent, tokens, rank, world, wire)
     keys = torch.tensor(got.keys, dtype=torch.int64).view(-1, 4)
     codes = _key_codes(keys, world, tokens, p.topk)
     order = codes.argsort()
@@ -416,18 +416,22 @@ def _observe_calls(subject, ctx: RankContext, p: DispatchParams, runs: list) -> 
     for run in runs:
         tokens = run.spec.tokens[rank]
         for call in range(p.calls):
-            x, idx, w = call_tokens(p, tokens, call, rank, world)
-            received = subject.dispatch(x.to(ctx.device), idx.to(ctx.device), w.to(ctx.device), cfg, ctx.group)
+            # every rank's tokens, made once, where the received rows are checked against them;
+            # the subject gets copies, so that the expectations are the inputs as they were made
+            sent = [call_tokens(p, tokens, call, src, world) if unchecked is None or src == rank else None
+                    for src in range(world)]
+            x, idx, w = sent[rank]
+            received = subject.dispatch(*(t.to(ctx.device, copy=True) for t in (x, idx, w)), cfg, ctx.group)
             if unchecked is None:
                 try:
-                    found, n = _check_dispatch(p, received, tokens, call, rank, world, wire)
+                    found, n = _check_dispatch(p, received, sent, tokens, call, rank, world, wire)
                     hits += found
                     compared += n
                 except SourcesUnknown as exc:
                     unchecked = (f"{exc.args[0]} received rows without their source: dispatch unchecked, "
                                  f"combine checked")
             y = run_experts(received, rank, per_rank, call_expert_scale)
-            out = kept(subject.combine(y, received, w.to(ctx.device), ctx.group))
+            out = kept(subject.combine(y, received, w.to(ctx.device, copy=True), ctx.group))
             want = _expected_combined(x, idx, w)
             if out.shape != want.shape:
                 hits.append(Hit(tokens, call, rank, "combine", f"output shape {tuple(out.shape)}, "

@@ -15,6 +15,7 @@ descriptor of their own.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import queue
@@ -157,6 +158,9 @@ def main() -> None:
         broken = f"the subjects cannot be loaded here: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
     if not broken:
         unready = unready_jits()  # each call of theirs fails with the reason (its checks are skipped for it)
+    # What torch and the subjects made as they loaded lives until the worker ends: moved out of
+    # the collector's reach, so that neither a collection nor the exit's walks it (0.3 CPU-s).
+    gc.freeze()
     answers.write(json.dumps({"ready": True}) + "\n")  # the pool's limit on a call starts now
     for line in sys.stdin:
         sent, call = json.loads(line), None
