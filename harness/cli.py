@@ -11,6 +11,7 @@ from pathlib import Path
 from ep_harness import console
 from ep_harness.console import Console
 from ep_harness.errors import HarnessError
+from ep_harness.process_exit import exit_now
 # the agent's: the same GC handling around imports, and numpy's BLAS without its thread pool
 from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
 from ep_harness.regress.gate import NotComparable
@@ -205,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The command's one console: -q (verify's) and colour are decided here, for every line after.
         with console.using(Console(quiet=getattr(args, "quiet", False))) as out:
-            return _command(args, argv, out)
+            code = _command(args, argv, out)
     finally:
         if program:  # about to exit: its last collection need not walk what torch made (below)
             gc.freeze()
+    if program:  # the command's files are closed: the exit without the teardown of every object
+        exit_now(code)
+    return code
 
 
 @contextlib.contextmanager

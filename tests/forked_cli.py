@@ -2,7 +2,7 @@
 torch and the harness already (1.5-2 s of CPU a command otherwise). What a command prints, its
 exit code, what it writes and the ranks it launches are its own; only the imports are shared,
 and it ends as the console script does (`sys.exit(main())`, then the interpreter's exit steps
-a command can observe; not the teardown of every object, `exit_as_the_interpreter`).
+a command can observe, without the teardown of every object: ep_harness.process_exit).
 Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one of
 their own; conftest.run_cli starts one where the environment differs in what is read at start-up.
 
@@ -81,35 +81,19 @@ def child(req):
         sys.argv = [pytest.__main__.__file__, *req["argv"]]
         sys.path.insert(0, os.getcwd())
         run = pytest.console_main
-    else:  # as the console script: `sys.exit(main())`, main reading sys.argv (gc.freeze among its exit steps)
+    else:  # as the console script: `sys.exit(main())`, main reading sys.argv (and ending the process itself)
         sys.argv = ["ep-harness", *req["argv"]]
         run = ep_harness.cli.main
     try:
         code = run()
     except SystemExit as exc:
         code = exc.code
-    exit_as_the_interpreter(code)
+    # The interpreter's exit steps a command can observe, not the teardown of every object the
+    # preloads made (0.2 CPU-s a command). An exception other than SystemExit never gets here:
+    # the interpreter ends that command (traceback, status 1, KeyboardInterrupt's signal).
+    from ep_harness.process_exit import exit_now
+    exit_now(code)
 
-
-def exit_as_the_interpreter(code):
-    # The interpreter's exit for `sys.exit(code)` up to what a command can observe: the status
-    # (None 0, a message printed and 1), non-daemon threads joined, atexit's functions (logging's
-    # flush, weakref finalizers), the standard streams flushed; then os._exit, without tearing
-    # down every object the preloads made (0.2 CPU-s a command). An uncaught exception other
-    # than SystemExit never gets here: the interpreter ends that command (traceback, status 1,
-    # KeyboardInterrupt's signal). A file the command left open unflushed loses its tail here:
-    # the test reading it fails, where the console script would have written it.
-    import atexit, threading
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code & 0xFF)
 
 for line in sys.stdin:
     req = json.loads(line)

@@ -17,8 +17,8 @@ STREAMS = {"stdout", "stderr", "__stdout__", "__stderr__"}
 EXCEPTIONS = {
     "harness/run/precompile_worker.py": "a compile worker: its stdout carries its answers to the pool, so it points "
                                     "sys.stdout at its log (stderr), where its failure lines go too",
-    "harness/launch/forks.py": "a forked torchrun agent: points sys.stdout and sys.stderr at its launch's log as a "
-                               "new interpreter opens them, and prints a SystemExit's message there as it would",
+    "harness/process_exit.py": "the end of a command, as the interpreter's: a SystemExit's message to stderr, then "
+                               "both streams flushed (the console's lines are written by then)",
     "harness/run/worker.py": "a rank: flushes its own stdout (the launch's log, not the terminal) before os._exit "
                          "skips the interpreter's teardown",
 }

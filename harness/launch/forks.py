@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from ep_harness.cases import FORCED_ENV
 from ep_harness.launch.channel import SECRET_ENV
 from ep_harness.launch.processes import _die_with_parent
+from ep_harness.process_exit import exit_now
 
 # The variables in which a launch's environment may differ from the command's (every other
 # difference means a new interpreter): those the launcher sets for every launch, which the agent
@@ -374,32 +375,22 @@ def _agent(request: dict) -> None:
         code = agent.main(request["argv"])
     except SystemExit as exc:
         code = exc.code
-        if isinstance(code, str):
-            print(code, file=sys.stderr)
-            code = 1
-        code = 0 if code is None else code
     except BaseException:
         traceback.print_exc()
         code = 1
-    finally:
-        try:  # the interpreter's own exit: the agent's exit handlers, multiprocessing's, the streams
-            atexit._run_exitfuncs()
-            import multiprocessing.util
-
-            multiprocessing.util._exit_function()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+    finally:  # the interpreter's own exit: the agent's exit handlers, multiprocessing's, the streams
+        exit_now(code)
 
 
 def _fresh_exit_handlers() -> None:
     """The command's exit handlers are the command's; those a new interpreter has after
-    importing torch and logging are registered again."""
+    importing torch and logging are registered again (multiprocessing's first: it runs last)."""
     import logging
+    import multiprocessing.util
     import weakref
 
     atexit._clear()
+    atexit.register(multiprocessing.util._exit_function)
     atexit.register(logging.shutdown)
     weakref.finalize._registered_with_atexit = False  # registers itself again with its next finalizer
 
