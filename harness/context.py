@@ -51,13 +51,20 @@ class RankContext:
         import torch.distributed as dist
 
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)  # a group's rank 0 is rank 0: groups are 0..w-1
+        dist.gather_object(obj, out, dst=self._first_global_rank(), group=self.group)
         return out
+
+    def _first_global_rank(self) -> int:
+        """The global rank of this group's rank 0: 0 for the world and its subgroups of ranks
+        0..w-1, the rank itself for a one-rank group of its own (a dealt check's)."""
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, 0)
 
     def share_from_rank0(self, obj):
         """Rank 0's `obj` on every rank: how all ranks agree on one verdict."""
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=self._first_global_rank(), group=self.group)
         return box[0]

@@ -10,6 +10,7 @@ from ep_harness.subject import register
 from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
 from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
+from ep_harness.subjects.gemm.fixed_order_mm import FixedOrderMm
 from ep_harness.subjects.moe.composed import ComposedMoE
 
 FAULTY_RANK = 1
@@ -311,3 +312,16 @@ class RareCorruption(TorchAllToAllDispatcher):
         if fires and rank == dist.get_rank(group) and out.shape[0]:
             out[int(where * out.shape[0]), 0] = -out[int(where * out.shape[0]), 0] - 1  # never equal to itself
         return out
+
+
+@register
+class SaysWhichRank(FixedOrderMm):
+    """fixed_order_mm that notes which rank of its launch computes it, in one-rank-checks.txt
+    beside the launch's logs: where the worker dealt a one-rank check (tests/test_verify_cpu.py)."""
+
+    name = "planted_says_which_rank"
+
+    def run(self, problem, out):
+        with open(os.path.join(os.environ["EP_HARNESS_JOB_DIR"], "one-rank-checks.txt"), "a") as f:
+            f.write(f"{os.environ['RANK']}\n")
+        super().run(problem, out)

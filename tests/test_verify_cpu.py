@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from ep_harness.records import REQUIRED
-from tests.conftest import REPO, gone, rank_pids, run_cli
+from ep_harness.run.worker import dealt_single_rank_checks
+from tests.conftest import REPO, gone, rank_pids, run_cli, shared_dir
 from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
 from tests.shared_runs import fail_run  # noqa: F401 (a fixture)
 
@@ -190,24 +191,44 @@ def test_a_subject_sets_up_once_per_launch(planted_run):
     assert [r["status"] for check, r in planted_run.items() if check.startswith("engine/")] == ["ok"] * 3
 
 
+def test_one_rank_checks_are_dealt_to_the_ranks_in_turn():
+    checks = [{"property": "reference", "params": {"world_size": w}} for w in (4, 1, 1, 3, 1, 1, 1)]
+    checks.append({"property": "tp-size-invariance", "params": {"world_size": 1}})  # a layout check: not dealt
+    assert dealt_single_rank_checks(checks, 4) == {1: 0, 2: 1, 4: 2, 5: 3, 6: 0}
+    assert dealt_single_rank_checks(checks, 3) == {1: 0, 2: 1, 4: 2, 5: 0, 6: 1}
+    assert dealt_single_rank_checks(checks[1:3], 1) == {}  # a launch of one rank runs them all
+
+
+def test_one_rank_checks_run_where_dealt_and_hold(planted_run, tmp_path_factory):
+    """The planted run's launch of 4 gloo ranks: its four one-rank checks in a row ran on ranks
+    0, 1, 2 and 3 (tests.planted.SaysWhichRank notes where), each as rank 0 of its own group."""
+    dealt = {check: r for check, r in planted_run.items() if check.startswith("dealt/")}
+    assert len(dealt) == 4 and {r["status"] for r in dealt.values()} == {"ok"}, dealt
+    run_dir = shared_dir(tmp_path_factory) / "planted-run" / "latest"
+    [noted] = list((run_dir / "jobs").glob("*/one-rank-checks.txt"))
+    assert set(noted.read_text().split()) == {"0", "1", "2", "3"}
+
+
 @pytest.mark.slow
 def test_one_launch_gives_the_bits_of_a_launch_per_world_size(smoke_run, tmp_path):
-    """World sizes 2 and 3 in one 4-rank launch (subgroups of ranks 0..w-1; the smoke run)
-    against a launch of their own: the same status, counts, prediction and first differing
-    bits. (World size 4 is the whole launch either way.)"""
+    """World sizes 1, 2 and 3 in one 4-rank launch (subgroups of ranks 0..w-1, one-rank checks
+    dealt to every rank; the smoke run) against a launch of their own: the same status,
+    counts, prediction, first differing bits and bits. (World size 4 is the whole launch
+    either way.)"""
     proc, run_dir = smoke_run
     assert sum(line.startswith("# launching") for line in proc.stdout.splitlines()) == 1
     patterns = ("rs-native/*/world_size=3", "ag-fold/*/dtype=bfloat16/world_size=3", "two-ranks/*",
-                "fold-reference/*/world_size=3")
+                "fold-reference/*/world_size=3", "gemm-fixed-order/*/layout=masked", "quant-ue8m0/*")
     proc = run_cli("verify", "--suite", "smoke", "--gpus", "0", "--launches", "per-world-size", "--no-report",
                    *(arg for p in patterns for arg in ("--check", p)), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:]
     launches = [line for line in proc.stdout.splitlines() if line.startswith("# launching")]
-    assert len(launches) == 2, launches
+    assert len(launches) == 3, launches
     runs = {"per-world-size": {r["check"]: r for r in records(tmp_path / "latest")}}
     runs["one"] = {check: r for check, r in ((r["check"], r) for r in records(run_dir)) if check in runs["per-world-size"]}
-    keys = ("status", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "max_abs")
+    keys = ("status", "mismatched", "total", "predicted_mismatched", "max_ulp", "first_mismatch", "max_abs",
+            "bits_fingerprint")
     assert runs["one"].keys() == runs["per-world-size"].keys()
     for check, r in runs["one"].items():
         assert [r.get(k) for k in keys] == [runs["per-world-size"][check].get(k) for k in keys], check
-    assert {r["params"]["world_size"] for r in runs["one"].values()} == {2, 3}
+    assert {r["params"]["world_size"] for r in runs["one"].values()} == {1, 2, 3}

@@ -6,8 +6,8 @@ server). Talks to the launchers only through the run's store (harness/launch/cha
 EP_HARNESS_STORE (HOST:PORT) and EP_HARNESS_CHANNEL (the launch's namespace), in the messages
 of harness/launch/protocol.py: the Job, its Progress (which check, since when, pid, node), a RankError
 (the traceback of a check that raised; the rank then exits so torchrun tears the job down), its
-Stack (all threads', on request) and rank 0's Record per finished check. EP_HARNESS_JOB_DIR is
-a directory of this node for NCCL's log.
+Stack (all threads', on request) and rank 0's Record per finished check (a one-rank check dealt
+to another rank on gloo: that rank's). EP_HARNESS_JOB_DIR is a directory of this node for NCCL's log.
 
 A job's `precompile` (single node only) names the marker file the head writes once the
 DeepGEMM kernels compiled beside the launch are done (harness/run/precompile.py) and the checks
@@ -180,6 +180,8 @@ def rank_main() -> None:
 
     checks = job.checks
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks} | layout_sizes(checks))
+    dealt = dealt_single_rank_checks(checks, world_size) if job.backend == "gloo" else {}
+    solo = _own_rank_context(ctx) if dealt else None
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     precompile = job.precompile  # None once the compile has ended (or when there is none)
     waits_for = set(precompile["checks"]) if precompile else set()
@@ -205,7 +207,12 @@ def rank_main() -> None:
                     began = time.perf_counter()
                     if rank == 0:
                         channel.put(protocol.PRECOMPILE_WAITED, protocol.PrecompileWaited(round(waited, 3)).to_wire())
-            if check_ctx is None:  # a smaller world size: this rank waits for its subgroup
+            if index in dealt:  # a one-rank check dealt to a rank: run where dealt, no one waits
+                check_ctx = solo if dealt[index] == rank else None
+                if check_ctx is None:
+                    _end_of_deal(dealt, index)
+                    continue
+            elif check_ctx is None:  # a smaller world size: this rank waits for its subgroup
                 dist.barrier()
                 continue
             subject = registry.get(check.subject)
@@ -220,11 +227,13 @@ def rank_main() -> None:
             if injection is not None:
                 from ep_harness.selftest.wrap import wrapped
 
-                subject = wrapped(subject, injection, check)
-            measured = execute(check, subject, check_ctx)  # rank 0's alone (None elsewhere)
-            if check_ctx.world_size < ctx.world_size:
+                subject = wrapped(subject, injection, check, check_ctx)
+            measured = execute(check, subject, check_ctx)  # rank 0's of check_ctx alone (None elsewhere)
+            if index in dealt:
+                _end_of_deal(dealt, index)
+            elif check_ctx.world_size < ctx.world_size:
                 dist.barrier()  # with the ranks outside its subgroup, which wait in theirs
-            if rank == 0:  # sent here: what JSON cannot hold (in a subject's describe()) is this check's error
+            if check_ctx.rank == 0:  # sent here: what JSON cannot hold (in a subject's describe()) is this check's error
                 channel.put(protocol.record_key(index), protocol.Record(
                     index=index, check=check.id, seconds=round(time.perf_counter() - began - warm_s, 4),
                     warm_up_seconds=round(warm_s, 4) if warm_s else None, measured=measured.to_json()).to_wire())
@@ -289,6 +298,34 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
         if c is not None:
             c.subgroups = {w: contexts[w] for w in contexts if w < c.world_size}
     return contexts
+
+
+def dealt_single_rank_checks(checks: list[dict], world_size: int) -> dict[int, int]:
+    """index -> rank for the launch's one-rank checks, dealt to its ranks in turn, where the
+    launch has more than one rank (gloo): on rank 0 alone they left the other ranks, and a
+    core, idle (1.8 of the CPU default's 15 s). Each runs on a one-rank group of its own rank,
+    where a check sees rank 0 of world size 1 as on rank 0; which process computes it is not
+    in its bits (--fresh-processes compares them across processes)."""
+    if world_size < 2:
+        return {}
+    single = [i for i, c in enumerate(checks) if c["params"]["world_size"] == 1 and not sizes_of(c)]
+    return {index: turn % world_size for turn, index in enumerate(single)}
+
+
+def _end_of_deal(dealt: dict[int, int], index: int) -> None:
+    """After the last of a run of dealt checks, every rank waits for the others: the next
+    check starts together, its time its own."""
+    if index + 1 not in dealt:
+        dist.barrier()
+
+
+def _own_rank_context(ctx):
+    """This rank alone, as rank 0 of a one-rank group: a dealt check's context. Every rank
+    makes every rank's group, in rank order, as torch.distributed requires."""
+    import dataclasses
+
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    return dataclasses.replace(ctx, rank=0, world_size=1, group=groups[ctx.rank], subgroups={})
 
 
 def layout_sizes(checks: list[dict]) -> set[int]:

@@ -1,6 +1,6 @@
 """On the ranks: a subject wrapped so that its output carries one injected defect.
 
-harness/run/worker.py calls `wrapped(subject, injection, check)` for a check whose job entry
+harness/run/worker.py calls `wrapped(subject, injection, check, ctx)` for a check whose job entry
 says `inject` (only `ep-harness selftest` sends one): the real subject runs first, then the
 wrapper changes its output (or input) as harness/selftest/injections.py describes. Every
 other attribute (the order model, unavailable, layouts, ...) is the real subject's. The
@@ -105,13 +105,16 @@ class Wrapped:
     """Delegates everything to the real subject; a family's subclass (its
     Family.selftest_wrapper) wraps the method whose output its checks compare."""
 
-    def __init__(self, subject, injection: Injection, check):
+    def __init__(self, subject, injection: Injection, check, ctx=None):
         self._subject, self._inj, self._check, self._property = subject, injection, check.id, check.property
-        self._rank = int(os.environ.get("RANK", "0"))
+        # the rank and world size the check runs on (its group's: a one-rank check dealt to
+        # rank 2 of a launch is rank 0 of 1, as in a launch of its own), else the launch's
+        self._rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
+        self._world = ctx.world_size if ctx is not None else int(os.environ.get("WORLD_SIZE", "1"))
         self._calls = 0
         self._first: tuple[int, int] | None = None  # rows and bytes of the check's first output
         self._row_draw = 0.0  # rare: where in [0, 1) of the rows the call's defect lands
-        self._log = Path(os.environ.get("EP_HARNESS_JOB_DIR", ".")) / f"injections-rank{self._rank}.jsonl"
+        self._log = Path(os.environ.get("EP_HARNESS_JOB_DIR", ".")) / f"injections-rank{os.environ.get('RANK', '0')}.jsonl"
 
     def __getattr__(self, name):
         return getattr(self._subject, name)
@@ -128,7 +131,7 @@ class Wrapped:
         if inj.when == "in-graph":
             return _capturing()
         if inj.when == "rare":
-            fires, rank, self._row_draw = rare_draw(call, inj.threshold or 50, int(os.environ.get("WORLD_SIZE", "1")))
+            fires, rank, self._row_draw = rare_draw(call, inj.threshold or 50, self._world)
             return fires and (inj.rank is not None or rank == self._rank)
         if inj.when == "rows-above":
             return rows > (self._first[0] if inj.threshold is None else inj.threshold)
@@ -209,10 +212,10 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(_INT[a.element_size()]) != b.view(_INT[b.element_size()])).sum())
 
 
-def wrapped(subject, injection: dict, check):
+def wrapped(subject, injection: dict, check, ctx=None):
     """`subject` with the injection (as the job carries it, Injection.to_json) applied for
     one ep_harness.check.Check (its id names the check in the log; its property says, for a
-    dispatcher, which output the property compares)."""
+    dispatcher, which output the property compares) on the check's RankContext `ctx`."""
     from ep_harness import families  # the registry imports the family modules, which import this one
 
-    return families.get(subject.family).selftest_wrapper(subject, Injection.from_json(injection), check)
+    return families.get(subject.family).selftest_wrapper(subject, Injection.from_json(injection), check, ctx)
