@@ -21,6 +21,7 @@ together, but a small term added between them is rounded away, so the order show
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -299,8 +300,10 @@ def call_expert_scale(e: int) -> float:
     return (-1.0) ** e
 
 
+@functools.lru_cache(maxsize=None)
 def call_weights(k: int) -> torch.Tensor:
-    """Slot j's weight 2^-(1 + j mod 3): powers of two, so weighted terms stay exact."""
+    """Slot j's weight 2^-(1 + j mod 3): powers of two, so weighted terms stay exact (made once
+    per k: callers copy it, never write it)."""
     return torch.tensor([2.0 ** -(1 + j % 3) for j in range(k)], dtype=torch.float32)
 
 
@@ -321,14 +324,14 @@ def call_tokens(p: DispatchParams, tokens: int, call: int, rank: int, world: int
     signs = torch.randint(0, 2, (tokens, (p.hidden + 127) // 128), generator=g).float() * 2 - 1
     x[:, ::128] = CALL_MAGNITUDE * signs  # each group's amax: 7
     idx = expert_choice(g, tokens, p.topk, p.num_experts, "uniform", world)
-    w = call_weights(p.topk).expand(tokens, -1).contiguous()
+    w = call_weights(p.topk).repeat(tokens, 1)  # a tensor of its own
     return x.to(torch.bfloat16), idx, w
 
 
 def _expected_combined(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The exact combined rows: sum_j w_j * c_{e_j} * x, float64 (exact), one bf16 rounding.
     A zero is +0.0: every combine's sum starts at +0.0, and an exact cancellation rounds to +0.0."""
-    c = torch.tensor([call_expert_scale(int(e)) for e in idx.flatten()], dtype=torch.float64).view(idx.shape)
+    c = torch.where(idx % 2 == 1, -1.0, 1.0).to(torch.float64)  # call_expert_scale, elementwise
     return (x.double() * (w.double() * c).sum(1, keepdim=True) + 0.0).to(torch.bfloat16)
 
 
