@@ -228,7 +228,7 @@ def rank_main() -> None:
                 from ep_harness.selftest.wrap import wrapped
 
                 subject = wrapped(subject, injection, check, check_ctx)
-            measured = execute(check, subject, check_ctx)  # rank 0's of check_ctx alone (None elsewhere)
+            measured = execute(check, subject, check_ctx)  # check_ctx's rank 0 alone gets it (None elsewhere)
             if index in dealt:
                 _end_of_deal(dealt, index)
             elif check_ctx.world_size < ctx.world_size:
