@@ -194,9 +194,11 @@ def test_a_subject_sets_up_once_per_launch(planted_run):
 def test_one_rank_checks_are_dealt_to_the_ranks_in_turn():
     checks = [{"property": "reference", "params": {"world_size": w}} for w in (4, 1, 1, 3, 1, 1, 1)]
     checks.append({"property": "tp-size-invariance", "params": {"world_size": 1}})  # a layout check: not dealt
-    assert dealt_single_rank_checks(checks, 4) == {1: 0, 2: 1, 4: 2, 5: 3, 6: 0}
-    assert dealt_single_rank_checks(checks, 3) == {1: 0, 2: 1, 4: 2, 5: 0, 6: 1}
-    assert dealt_single_rank_checks(checks[1:3], 1) == {}  # a launch of one rank runs them all
+    assert dealt_single_rank_checks(checks, [0, 1, 2, 3]) == {1: 0, 2: 1, 4: 2, 5: 3, 6: 0}
+    assert dealt_single_rank_checks(checks, [0, 1, 2]) == {1: 0, 2: 1, 4: 2, 5: 0, 6: 1}
+    # two nodes of two ranks, rank 0's node holding ranks 0 and 2: the others never get one
+    assert dealt_single_rank_checks(checks, [0, 2]) == {1: 0, 2: 2, 4: 0, 5: 2, 6: 0}
+    assert dealt_single_rank_checks(checks[1:3], [0]) == {}  # rank 0 alone runs them all
 
 
 def test_one_rank_checks_run_where_dealt_and_hold(planted_run, tmp_path_factory):

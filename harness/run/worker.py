@@ -180,7 +180,8 @@ def rank_main() -> None:
 
     checks = job.checks
     contexts = _subgroup_contexts(ctx, {c["params"]["world_size"] for c in checks} | layout_sizes(checks))
-    dealt = dealt_single_rank_checks(checks, world_size) if job.backend == "gloo" else {}
+    head_node = [r for r, env in enumerate(environments) if env["node"] == environments[0]["node"]]
+    dealt = dealt_single_rank_checks(checks, head_node) if job.backend == "gloo" else {}
     solo = _own_rank_context(ctx) if dealt else None
     prepared = {}  # subjects whose setup(ctx) ran in this launch
     precompile = job.precompile  # None once the compile has ended (or when there is none)
@@ -300,16 +301,17 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     return contexts
 
 
-def dealt_single_rank_checks(checks: list[dict], world_size: int) -> dict[int, int]:
-    """index -> rank for the launch's one-rank checks, dealt to its ranks in turn, where the
-    launch has more than one rank (gloo): on rank 0 alone they left the other ranks, and a
-    core, idle (1.8 of the CPU default's 15 s). Each runs on a one-rank group of its own rank,
-    where a check sees rank 0 of world size 1 as on rank 0; which process computes it is not
-    in its bits (--fresh-processes compares them across processes)."""
-    if world_size < 2:
+def dealt_single_rank_checks(checks: list[dict], ranks: list[int]) -> dict[int, int]:
+    """index -> rank for the launch's one-rank checks, dealt in turn to `ranks` (gloo: the ranks
+    on rank 0's node, where rank 0 alone ran them before and whose machine the run's records
+    name), where there are two or more: on rank 0 alone they left the other ranks, and a core,
+    idle (1.8 of the CPU default's 15 s). Each runs on a one-rank group of its own rank, where
+    a check sees rank 0 of world size 1 as on rank 0; which process computes it is not in its
+    bits (--fresh-processes compares them across processes)."""
+    if len(ranks) < 2:
         return {}
     single = [i for i, c in enumerate(checks) if c["params"]["world_size"] == 1 and not sizes_of(c)]
-    return {index: turn % world_size for turn, index in enumerate(single)}
+    return {index: ranks[turn % len(ranks)] for turn, index in enumerate(single)}
 
 
 def _end_of_deal(dealt: dict[int, int], index: int) -> None:
