@@ -20,6 +20,7 @@ class RankContext:
     # world size -> the context of ranks 0..w-1 (None on a rank outside it), for every size
     # up to this one that the launch made: what a layout-size property runs on
     subgroups: dict = field(default_factory=dict, repr=False)
+    _gathers: int = field(default=0, repr=False)  # gather_on_rank0's calls in this group so far
 
     def layout(self, size: int) -> "RankContext | None":
         """The context of the subgroup of ranks 0..size-1 (None on a rank outside it)."""
@@ -47,11 +48,30 @@ class RankContext:
 
     def gather_on_rank0(self, obj) -> list | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere): what rank 0 alone
-        measures travels once, and only rank 0 unpickles it."""
+        measures travels once, and only rank 0 unpickles it. Each other rank leaves its
+        pickle in the process group's store under a key of this call (the group's name and
+        how many gathers it has made, the same count on every rank), and rank 0 takes and
+        deletes them: on 4 gloo ranks sharing 2 cores, 1 ms and 0.8 CPU-ms where
+        gather_object's all_gather of sizes and gather took 5 ms and 7 CPU-ms (a check's
+        fixed cost). Rank 0's own `obj` is not copied."""
+        if self.world_size == 1:
+            return [obj]
+        import pickle
+
         import torch.distributed as dist
 
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self._first_global_rank(), group=self.group)
+        from ep_harness.launch.protocol import gather_key
+
+        self._gathers += 1
+        store = dist.distributed_c10d._get_default_store()
+        if self.rank != 0:
+            store.set(gather_key(self.group.group_name, self._gathers, self.rank), pickle.dumps(obj))
+            return None
+        out = [obj]
+        for r in range(1, self.world_size):
+            key = gather_key(self.group.group_name, self._gathers, r)
+            out.append(pickle.loads(store.get(key)))  # waits for it, as long as a collective would
+            store.delete_key(key)
         return out
 
     def _first_global_rank(self) -> int:

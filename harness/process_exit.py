@@ -7,6 +7,7 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 from typing import NoReturn
 
 
@@ -23,9 +24,24 @@ def exit_now(code) -> NoReturn:
         code = 1
     try:
         threading._shutdown()
+        _keep_operator_registrations()
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
     finally:
         os._exit(code & 0xFF)
+
+
+def _keep_operator_registrations() -> None:
+    """torch.library's exit finalizers (_del_library) undo this process's operator
+    registrations, which nothing outside it can see. In a forked process (a forked agent, a
+    command forked from the tests' server) each undo rewrites dispatcher tables shared
+    copy-on-write with the parent: 0.1 CPU-s a process. They are left undone; every other
+    finalizer (a temporary directory's removal, ...) still runs."""
+    library = sys.modules.get("torch.library")
+    if library is None:
+        return
+    for finalizer, info in list(weakref.finalize._registry.items()):  # CPython's registry of live finalizers
+        if info.func is library._del_library:
+            finalizer.atexit = False

@@ -56,7 +56,7 @@ def test_every_order_and_grouping_of_a_call_gives_the_expected_bits():
     expectation fits every correct combine. Positive control: terms outside that construction
     (2^24, 1, -2^24) make the order and the grouping show."""
     p = DispatchParams(world_size=4, hidden=256, num_experts=16, topk=8)
-    x, idx, w = family.call_tokens(p, 64, 3, 1, 4)
+    x, idx, w = family.call_inputs(p, 64, 3, 4)[1]
     want = family._expected_combined(x, idx, w).view(torch.int16)
     for t in range(x.shape[0]):
         y = torch.stack([(x[t].float() * family.call_expert_scale(int(e))).to(torch.bfloat16) for e in idx[t]])

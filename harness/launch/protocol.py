@@ -100,6 +100,12 @@ def record_key(index: int) -> str:
     return f"record/{index}"
 
 
+def gather_key(group: str, call: int, rank: int) -> str:
+    """A rank's part of a process group's call-th gather to its rank 0 (ep_harness.context), in
+    the group's own store (torch.distributed's, outside the run's namespaces)."""
+    return f"{ROOT}/gather/{group}/{call}/{rank}"
+
+
 class Malformed(HarnessError):
     """A value in the run's store that is not the message its key holds."""
 

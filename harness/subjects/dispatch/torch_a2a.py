@@ -4,10 +4,13 @@ Dispatch sends every (token, slot) row to the rank that owns the slot's expert (
 lives on rank e // experts_per_rank), BF16 or FP8 + scales on the wire. Rows arrive in
 (source rank, token, slot) order and are grouped per local expert in that order, so the
 received layout does not depend on timing. Combine sends expert outputs back and forms
-the top-k weighted sum in slot order in float32, rounding once.
+the top-k weighted sum in slot order in float32, rounding once. The handle keeps how many
+rows this rank sent each rank, which is what the combine receives back from each: the combine
+exchanges no counts (on CPU ranks an all-to-all is milliseconds of wake-ups).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -18,10 +21,14 @@ from ep_harness.subject import register
 from ep_harness.subjects.dispatch.common import quantize_wire
 
 
+def _send_counts(dest: torch.Tensor, world: int) -> list[int]:
+    """How many rows this rank sends to each rank (`dest`: every row's destination, sorted)."""
+    return torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
+
+
 def _exchange_counts(dest: torch.Tensor, world: int, device, group) -> tuple[list[int], list[int]]:
-    """How many rows this rank sends to each rank (`dest`: every row's destination, sorted)
-    and how many it receives from each."""
-    send_counts = torch.bincount(dest, minlength=world).tolist() if dest.numel() else [0] * world
+    """How many rows this rank sends to each rank and how many it receives from each."""
+    send_counts = _send_counts(dest, world)
     recv_counts = torch.empty(world, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_counts, torch.tensor(send_counts, dtype=torch.int64, device=device), group=group)
     return send_counts, recv_counts.tolist()
@@ -50,6 +57,16 @@ def _exchange_rows(parts: list[torch.Tensor], send_counts: list[int], recv_count
         out.append(arrived[:, column:column + width].contiguous().view(p.dtype).reshape(-1, *p.shape[1:]))
         column += width
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Handle:
+    """Received.native of this dispatcher: the rows this rank sent each rank (the combine's
+    receive counts) and, for a combine whose order reads them, the source's top-k choices
+    and experts per rank."""
+
+    sent: list[int]
+    choices: tuple | None = None
 
 
 @register
@@ -82,8 +99,10 @@ class TorchAllToAllDispatcher:
             meta, rows = _exchange_rows([meta, rows], send_counts, recv_counts, group)
         local = meta[:, 3] - rank * per_rank
         order = torch.sort(local, stable=True).indices  # group per expert, keep arrival order
-        return self._layout(cfg, per_rank, rows[order], None if scale is None else scale[order],
-                            meta[order], local[order])
+        received = self._layout(cfg, per_rank, rows[order], None if scale is None else scale[order],
+                                meta[order], local[order])
+        received.native = _Handle(sent=send_counts)
+        return received
 
     def _layout(self, cfg, per_rank, rows, scale, meta, local) -> Received:
         counts = [int((local == e).sum()) for e in range(per_rank)]
@@ -125,7 +144,10 @@ class TorchAllToAllDispatcher:
         back = torch.sort(handle.src_rank[valid], stable=True).indices
         valid = valid[back]
         dest = handle.src_rank[valid]
-        send_counts, recv_counts = _exchange_counts(dest, world, flat.device, group)
+        if isinstance(handle.native, _Handle):  # each rank sends back what it received
+            send_counts, recv_counts = _send_counts(dest, world), handle.native.sent
+        else:  # a handle this dispatch did not make
+            send_counts, recv_counts = _exchange_counts(dest, world, flat.device, group)
         sources = torch.stack([handle.src_token[valid], handle.src_slot[valid]], dim=1)
         meta, rows = _exchange_rows([sources, flat[valid]], send_counts, recv_counts, group)
         tokens, k = topk_weights.shape
@@ -148,11 +170,12 @@ class _KeepsChoices(TorchAllToAllDispatcher):
 
     def dispatch(self, x, topk_idx, topk_weights, cfg, group) -> Received:
         received = super().dispatch(x, topk_idx, topk_weights, cfg, group)
-        received.native = (topk_idx, cfg.num_experts // dist.get_world_size(group))
+        received.native = dataclasses.replace(received.native,
+                                              choices=(topk_idx, cfg.num_experts // dist.get_world_size(group)))
         return received
 
     def combine(self, expert_out, handle: Received, topk_weights, group) -> torch.Tensor:
-        self._choices = handle.native
+        self._choices = handle.native.choices
         try:
             return super().combine(expert_out, handle, topk_weights, group)
         finally:
