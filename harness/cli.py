@@ -346,7 +346,6 @@ def _list(args, out: Console) -> int:
     from ep_harness import subject as registry
     from ep_harness.cases import known_suites, load_suite, resolve_suite_path
     from ep_harness.environment import detect
-    from ep_harness.run.plan import expand
 
     if args.suite is None:
         out.line("# suites (--suite NAME, or a path to a TOML file):")
@@ -356,7 +355,9 @@ def _list(args, out: Console) -> int:
         for name, subject in sorted(registry.load_all(args.plugin).items()):
             out.line(f"  {name:30}  {subject.family:10}  {subject.summary}")
         return 0
-    suite = load_suite(resolve_suite_path(args.suite))
+    suite = load_suite(resolve_suite_path(args.suite))  # a missing or malformed suite fails before torch loads
+    from ep_harness.run.plan import expand
+
     registry.load_all([*suite.plugins, *args.plugin])
     for c in expand(suite, detect(args.gpus, args.cpu_ranks, args.emulate)):
         out.line(c.id + (f"  [skip: {c.skip_reason}]" if c.skip_reason else ""))

@@ -260,6 +260,22 @@ def test_unknown_suites_subjects_and_properties_get_a_suggestion(tmp_path):
     assert "did you mean" not in str(err.value) and "smoke" in str(err.value)
 
 
+def test_list_names_a_bad_suite_before_torch_loads(tmp_path):
+    """`list --suite` with a misspelled or malformed suite: one line and exit 2, in a tenth of
+    a second (without torch, which the subjects need). Control: a good suite, listed next in
+    the same process, loads it."""
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[case]\n")
+    code = ("import sys; from ep_harness.cli import main\n"
+            "for suite in sys.argv[1:]: print(main(['list', '--suite', suite]), 'torch' in sys.modules, flush=True)")
+    proc = subprocess.run([sys.executable, "-c", code, "smok", str(broken), "smoke"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    results = [w for w in map(str.split, proc.stdout.splitlines()) if w and w[-1] in ("True", "False")]
+    assert results == [["2", "False"], ["2", "False"], ["0", "True"]], proc.stdout[-2000:] + proc.stderr
+    assert "(did you mean 'smoke'?)" in proc.stderr and "malformed TOML" in proc.stderr, proc.stderr
+    assert "rs-native/" in proc.stdout
+
+
 def test_check_takes_a_case_name_or_an_id_prefix():
     from ep_harness.cases import load_suite
     from ep_harness.run.plan import expand, literal
