@@ -141,10 +141,10 @@ class World:
     def __init__(self, world_size: int, backend: str | None = None, timeout_s: float = 300.0, node=None):
         import torch
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self.backend = backend or ("nccl" if gpus else "gloo")
-        if self.backend == "nccl" and gpus < world_size:
-            pytest.skip(f"needs {world_size} GPUs for {world_size} NCCL ranks, found {gpus}")
+        self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.backend = backend or ("nccl" if self.gpus else "gloo")
+        if self.backend == "nccl" and self.gpus < world_size:
+            pytest.skip(f"needs {world_size} GPUs for {world_size} NCCL ranks, found {self.gpus}")
         self.world_size, self.timeout_s, self.node = world_size, timeout_s, node
 
     def run(self, fn, *args) -> list:
@@ -157,9 +157,15 @@ class World:
         _by_reference(fn)
         if self.node is not None:
             self.node.user_properties.append(("ep_world", f"{self.backend} x{self.world_size}"))
-        # Ranks are forked from a fork server that imported torch once (a fresh, single-threaded
-        # process that never touches CUDA), not each started as a new interpreter.
+        # Ranks are forked from a fork server that imported torch once (single-threaded, never
+        # touching CUDA), not each started as a new interpreter: a fork of this session, which
+        # has imported torch, where the machine has no GPU and the session one thread (a
+        # session with numpy's BLAS pool has two), else started anew.
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        if self.gpus == 0:
+            from ep_harness.launch import fork_server
+
+            fork_server.start_forked()
         with tempfile.TemporaryDirectory() as tmp:
             ctx = mp.start_processes(_rank_main, nprocs=self.world_size, join=False, start_method="forkserver",
                                      args=(self.world_size, self.backend, fn, args, tmp, self.timeout_s,

@@ -81,19 +81,21 @@ def scratch_registry(monkeypatch):
     scratch = {name: s for name, s in subject._REGISTRY.items() if name != "my_reduce_scatter"}
     monkeypatch.setattr(subject, "_REGISTRY", scratch)
     return scratch
-def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None):
-    """Run the installed console script the way a user would: forked from this test process's
-    interpreter that has imported torch and the harness already (tests/forked_cli.py; 1.5-2 s of
-    CPU less a command, ranks and agents still their own processes), or, where the environment
-    differs in what is read at start-up, as a process of its own. `env`: the command's whole
-    environment (this process's, with PYTHONUNBUFFERED=1, unless given)."""
+def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool = False):
+    """Run the installed console script the way a user would (`module`: `python -m ep_harness`):
+    forked from this test process's interpreter that has imported torch and the harness already
+    (tests/forked_cli.py; 1.5-2 s of CPU less a command, ranks and agents still their own
+    processes), or, where the environment differs in what is read at start-up, as a process of
+    its own. `env`: the command's whole environment (this process's, with PYTHONUNBUFFERED=1,
+    unless given)."""
     from tests.forked_cli import shared_server
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
-        return server(*args, cwd=cwd, env=env, timeout=timeout)
-    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
-    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+        return server(*args, cwd=cwd, env=env, timeout=timeout, module=module)
+    exe = [sys.executable, "-m", "ep_harness"] if module else \
+        [shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"]
+    return subprocess.run([*exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def shared_dir(tmp_path_factory) -> Path:

@@ -5,6 +5,10 @@ and it ends as the console script does (`sys.exit(main())`, then the interpreter
 a command can observe, without the teardown of every object: ep_harness.process_exit).
 Tests of what a fresh interpreter does (its locale, its signals, its start-up) start one of
 their own; conftest.run_cli starts one where the environment differs in what is read at start-up.
+Two start-up differences are reproduced in the fork instead: directories in front of the
+server's PYTHONPATH, put where the interpreter puts them unless one holds a module the server
+has imported (a fresh interpreter would import that one), and `python -m ep_harness` (the
+working directory first on the path, the package's __main__ run as the interpreter runs it).
 
 `shared_server`: conftest.run_cli's server, one per test process. `cli_fork`: a fixture, the
 same server whatever the environment. `cli_batch`: many command lines forked from one
@@ -58,7 +62,7 @@ import gc
 gc.freeze()
 threads = len(os.listdir("/proc/self/task"))
 reply = os.fdopen(int(sys.argv[1]), "w")
-reply.write(json.dumps({"threads": threads}) + "\n")
+reply.write(json.dumps({"threads": threads, "modules": sorted({m.partition(".")[0] for m in sys.modules})}) + "\n")
 reply.flush()
 
 
@@ -77,10 +81,16 @@ def child(req):
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=enc)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=enc,
                                                    errors="backslashreplace", line_buffering=True)
+    sys.path[1:1] = req["path"]  # PYTHONPATH's entries the server started without: after the script's place
     if kind == "pytest":  # as `python -m pytest`, to the end (pytest/__main__.py)
         sys.argv = [pytest.__main__.__file__, *req["argv"]]
         sys.path.insert(0, os.getcwd())
         run = pytest.console_main
+    elif req["module"]:  # as `python -m ep_harness`: the working directory in the script's place
+        import runpy
+        sys.path[0] = os.getcwd()
+        sys.argv = ["-m", *req["argv"]]
+        run = lambda: runpy.run_module("ep_harness", run_name="__main__", alter_sys=True)
     else:  # as the console script: `sys.exit(main())`, main reading sys.argv (and ending the process itself)
         sys.argv = ["ep-harness", *req["argv"]]
         run = ep_harness.cli.main
@@ -134,12 +144,29 @@ class ForkedCli:
             raise
         # A fork of a process with threads may hang in the child: the preloaded imports start none.
         assert hello["threads"] == 1, hello
+        self.modules = set(hello["modules"])  # top-level names the preloads imported
 
     def serves(self, env: dict) -> bool:
-        """Whether a command in `env` behaves here as in a fresh interpreter: what is read as
-        the interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
-        thread-count and library variables) is the same as this server's."""
-        return self.proc.poll() is None and at_import(env) == at_import(self.env)
+        """Whether a command in `env` behaves here as in a fresh interpreter (path_ahead)."""
+        return self.path_ahead(env) is not None
+
+    def path_ahead(self, env: dict) -> list[str] | None:
+        """The directories `env`'s PYTHONPATH puts in front of this server's, or None where a
+        command in `env` would not behave here as in a fresh interpreter: what is read as the
+        interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
+        thread-count and library variables) differs from this server's in more than those
+        directories, or one of them holds a module (file, package or extension) by the name
+        of one the server has imported."""
+        if self.proc.poll() is not None:
+            return None
+        theirs, mine = at_import(env), at_import(self.env)
+        ahead, rest = _split_path(theirs.pop("PYTHONPATH", ""), mine.pop("PYTHONPATH", ""))
+        if theirs != mine or rest is None:
+            return None
+        for folder in ahead:
+            if not os.path.isdir(folder) or {e.partition(".")[0] for e in os.listdir(folder)} & self.modules:
+                return None
+        return ahead
 
     def _line(self, timeout: float) -> str:
         """The server's next answer. Read from the descriptor itself, unbuffered by Python: a
@@ -157,23 +184,28 @@ class ForkedCli:
         line, _, self._pending = self._pending.partition(b"\n")
         return line.decode()
 
-    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600):
-        out, err = self.send(args, cwd, env)
+    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600, module: bool = False):
+        """`ep-harness ARGS` (`module`: `python -m ep_harness ARGS`) in CWD, as subprocess.run
+        (capture_output=True, text=True) returns it."""
+        out, err = self.send(args, cwd, env, module)
         code = self.status(timeout)
 
         def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
             return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
-        argv = ["ep-harness"] if self.kind == "ep-harness" else [sys.executable, "-m", "pytest"]
+        argv = ([sys.executable, "-m", "ep_harness"] if module else ["ep-harness"]) if self.kind == "ep-harness" \
+            else [sys.executable, "-m", "pytest"]
         return subprocess.CompletedProcess([*argv, *args], code, read(out), read(err))
 
-    def send(self, args, cwd=REPO, env: dict | None = None) -> tuple[Path, Path]:
-        """Ask for one command (see __call__); the files its stdout and stderr go to."""
+    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False) -> tuple[Path, Path]:
+        """Ask for one command (see __call__); the files its stdout and stderr go to. An
+        environment this server does not serve (path_ahead) runs with the server's path."""
         out, err = self.folder / "stdout", self.folder / "stderr"
         out.write_bytes(b"")
         err.write_bytes(b"")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
+                                          "path": self.path_ahead(env) or [], "module": module,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding}) + "\n")
         self.proc.stdin.flush()
         return out, err
@@ -218,6 +250,15 @@ def at_import(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
 
 
+def _split_path(theirs: str, mine: str) -> tuple[list[str], list[str] | None]:
+    """(the entries in front, the rest) of the path `theirs` where it ends with `mine`; the
+    rest None where it does not, or where an entry in front is empty (the working directory)."""
+    t, m = theirs.split(os.pathsep) if theirs else [], mine.split(os.pathsep) if mine else []
+    if len(t) < len(m) or t[len(t) - len(m):] != m or "" in t[:len(t) - len(m)]:
+        return [], None
+    return t[:len(t) - len(m)], m
+
+
 def _server(env: dict, kind: str = "ep-harness") -> ForkedCli:
     """This test process's server of `kind` for `env`'s start-up variables (started on first
     use, ended as the process ends)."""
@@ -242,8 +283,11 @@ def shared_server(env: dict) -> ForkedCli | None:
     from tests.conftest import REPO_ON_PYTHONPATH
 
     for start in (_SESSION_ENV, {**_SESSION_ENV, **REPO_ON_PYTHONPATH}):
-        if at_import(env) == at_import(start):
-            return _server(start)
+        if at_import({**env, "PYTHONPATH": ""}) == at_import({**start, "PYTHONPATH": ""}) and \
+                _split_path(env.get("PYTHONPATH", ""), start.get("PYTHONPATH", ""))[1] is not None:
+            server = _server(start)
+            if server.serves(env):
+                return server
     return None
 
 

@@ -11,20 +11,54 @@ import pytest
 
 from ep_harness import subject as registry
 from ep_harness.errors import HarnessError
-from tests.conftest import REPO, completed, once_per_session, shared_dir
+from tests.conftest import REPO, completed, once_per_session, run_cli, shared_dir
 from tests.forked_cli import cli_fork  # noqa: F401  (a fixture)
 
 PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
 def harness(*args, cwd=REPO, extra_path=(), env=None, timeout=600):
-    """`python -m ep_harness ARGS` with the checkout (and `extra_path`) importable."""
+    """`python -m ep_harness ARGS` with the checkout (and `extra_path`) importable (forked where
+    it can be: conftest.run_cli)."""
     path = os.pathsep.join([*map(str, extra_path), str(REPO)])
-    return subprocess.run([sys.executable, "-m", "ep_harness", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    return run_cli(*args, cwd=cwd, timeout=timeout, module=True,
+                   env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})})
 
 
 # --- version --------------------------------------------------------------------------
+
+
+PATH_PROBE = 'import json, sys\nprint("PROBE", json.dumps([sys.path[:3], sys.argv[0], __import__("__main__").__spec__ and __import__("__main__").__spec__.name]))\n'
+
+
+def test_a_forked_command_starts_with_the_path_a_new_interpreter_would(tmp_path):
+    """tests/forked_cli.py reproduces two start-up differences in the fork: directories in
+    front of its server's PYTHONPATH, and `python -m ep_harness`. What the command sees (the
+    head of sys.path, argv[0], __main__) is what a new interpreter shows, or the console
+    script's (its folder first); a directory holding a module the server has imported is not
+    reproduced (a new interpreter would import that one instead)."""
+    from tests.forked_cli import shared_server
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "path_probe.py").write_text(PATH_PROBE)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+    def seen(proc):
+        [line] = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+        return json.loads(line.removeprefix("PROBE "))
+
+    args = ("list", "--plugin", "path_probe")
+    assert shared_server(env) is not None  # forked, not a new interpreter
+    fresh = subprocess.run([sys.executable, "-m", "ep_harness", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    forked = run_cli(*args, cwd=tmp_path, env=env, module=True)
+    assert seen(forked) == seen(fresh) == [[str(tmp_path), str(site), str(REPO)], str(REPO / "harness" / "__main__.py"),
+                                           "ep_harness.__main__"], (forked.stderr, fresh.stderr)
+    script = run_cli(*args, cwd=tmp_path, env=env)
+    assert seen(script)[0][:2] == [os.path.dirname(sys.executable), str(site)]  # the console script's folder first
+    (site / "json.py").write_text("")  # json: imported by the server
+    assert shared_server(env) is None
 
 
 def test_a_forked_command_that_ends_at_once_is_read_to_its_status(cli_fork):

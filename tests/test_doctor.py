@@ -1,14 +1,13 @@
 """`ep-harness doctor` on this (CPU) machine, and with components planted or broken on the path."""
 import os
 import subprocess
-import sys
 import tomllib
 import types
 
 import pytest
 
 from ep_harness import doctor
-from tests.conftest import REPO, completed, once_per_session
+from tests.conftest import REPO, completed, once_per_session, run_cli
 
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 PINNED_DEEPGEMM = " ".join(f"'{r}'" for r in EXTRAS["deepgemm"])  # the extra's pins, each quoted for the shell
@@ -23,8 +22,8 @@ def run_doctor(tmp_path, env=None, planted=None):
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(source)
     path = os.pathsep.join([str(site), str(REPO)])
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "doctor"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    proc = run_cli("doctor", cwd=tmp_path, timeout=300, module=True,  # forked where it can be (conftest.run_cli)
+                   env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})})
     lines = proc.stdout.strip().splitlines()
     by_component = {line.split()[1]: line for line in lines[1:-1]}
     return proc, lines, by_component

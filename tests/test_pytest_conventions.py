@@ -60,6 +60,41 @@ def test_a_failed_ep_world_test_keeps_a_pasteable_node_id(tmp_path):
     assert again.returncode == 1 and "1 failed in" in again.stdout, again.stdout[-2000:]
 
 
+FORK_SERVER_TESTS = """
+import os
+
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def fork_server_cmdline(rank, world_size):
+    return cmdline(os.getppid())  # a rank's parent: the fork server
+
+
+def test_fork_server(ep_world):
+    first, second = ep_world(2).run(fork_server_cmdline)
+    assert first == second
+    print("FORK SERVER", "the session's" if first == cmdline(os.getpid()) else first.split(b"\\0")[:4])
+"""
+
+
+def test_ep_world_forks_its_ranks_fork_server_from_a_one_thread_session(tmp_path):
+    """A session with one thread starts its ranks' fork server as a fork of itself (its command
+    line is the session's), not as a new interpreter that imports torch again; a session with
+    a second thread (here a conftest's) starts it anew, as multiprocessing does."""
+    (tmp_path / "test_fork_server.py").write_text(FORK_SERVER_TESTS)
+    forked = pytest_in(tmp_path, "-s", "-q", "test_fork_server.py")
+    (tmp_path / "conftest.py").write_text("import threading\n"
+                                          "threading.Thread(target=threading.Event().wait, daemon=True).start()\n")
+    anew = pytest_in(tmp_path, "-s", "-q", "test_fork_server.py")
+    seen = [[line for line in proc.stdout.splitlines() if line.startswith("FORK SERVER ")] for proc in (forked, anew)]
+    assert forked.returncode == anew.returncode == 0 and all(len(s) == 1 for s in seen), forked.stdout + anew.stdout
+    assert seen[0] == ["FORK SERVER the session's"], seen
+    assert "multiprocessing.forkserver import main" in seen[1][0], seen  # `python -B -c "from multi..."`
+
+
 @pytest.mark.slow
 def test_ep_suite_items_have_the_suite_as_junit_classname(plugin_items_session):
     proc, xml = plugin_items_session  # tests/test_gate.py's session: -k "fold or split-k", split-k fails

@@ -143,12 +143,8 @@ def test_a_failing_run_under_q_annotates_its_case_and_report_agrees(tmp_path):
     suite = tmp_path / "planted.toml"
     suite.write_text((REPO / "docs/screenshot/planted.toml").read_text())
     env_ci = {**os.environ, "GITHUB_ACTIONS": "true"}
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "-q", "--suite", str(suite), "--gpus", "0",
-                           "--plugin", "tests.planted", "--out", str(tmp_path / "runs")], cwd=REPO, env=env_ci,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_cli("verify", "-q", "--suite", str(suite), "--gpus", "0", "--plugin", "tests.planted", "--out",
+                   str(tmp_path / "runs"), cwd=REPO, env={**env_ci, "PYTHONUNBUFFERED": "1"}, module=True)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"::error file={suite},line=4,title=ep-harness gemm-planted-split-k/batch-invariance" in proc.stdout
     again = run_cli("report", str(tmp_path / "runs" / "latest"), "--against", str(tmp_path / "runs" / "latest"))

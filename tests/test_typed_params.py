@@ -3,7 +3,6 @@ dataclass by attribute, so a renamed or mistyped field fails when the suite is p
 when this test reads the source), never on one rank in the middle of a run."""
 import ast
 import os
-import subprocess
 import sys
 import textwrap
 from dataclasses import fields, replace
@@ -21,7 +20,7 @@ from ep_harness.families.collective import CollectiveParams
 from ep_harness.families.moe_scenario import TokenParams
 from ep_harness.run.plan import expand
 from ep_harness.subject import Platform
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 CPU4 = Platform(backend="gloo", device="cpu", ranks=4)
 PARAM_NAMES = {"p", "params", "cfg"}  # what families, scenarios and subjects call their parameters
@@ -188,9 +187,9 @@ def test_a_subject_reading_a_missing_field_fails_when_planned_naming_it(plugin_p
 
 def test_the_cli_stops_with_one_line_naming_the_field_before_anything_is_written(tmp_path):
     suite = _suite(tmp_path, "hiden")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.run([sys.executable, "-m", "ep_harness", "verify", "--suite", str(suite), "--out",
-                           str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = run_cli("verify", "--suite", str(suite), "--out", str(tmp_path / "out"), cwd=REPO, env=env, timeout=300,
+                   module=True)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "reads CollectiveParams.hiden, which is not a field; did you mean 'hidden'?" in proc.stderr

@@ -28,14 +28,11 @@ import importlib
 import importlib.util
 import logging
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.util
 import os
 import sys
-import threading
-import traceback
 
 from ep_harness import console
+from ep_harness.launch import fork_server
 
 
 def _set_omp_threads_as_torchrun(argv: list[str]) -> None:
@@ -121,57 +118,13 @@ def _rendezvous_names_without_source() -> None:
         dynamic_rendezvous.get_method_name = _method_name
 
 
-FORKED = ("forkserver", "resource_tracker")  # the -c commands of multiprocessing that run as forks of the agent
-
-
 def _start_fork_server() -> None:
-    """Start multiprocessing's fork server as a fork of this process, which has imported
-    torch and the rank module, rather than as a new interpreter that imports them again
-    (1.1 s of CPU a launch). Only while this process has one thread, native ones included:
-    otherwise, or where the fork server is not started as a `-c` command through
-    multiprocessing.util.spawnv_passfds, it is started anew as usual. Its resource tracker,
-    which it starts first, is a fork too."""
-    spawn_anew = multiprocessing.util.spawnv_passfds
-    threads = len(os.listdir("/proc/self/task"))
-    if threads != 1:
-        console.current().err(f"ep_harness.launch.agent: {threads} threads after importing torch; the fork server is "
+    """The ranks' fork server, a fork of this agent, which has imported torch and the rank
+    module (ep_harness.launch.fork_server); started anew where the agent has threads."""
+    count = fork_server.threads()
+    if not fork_server.start_forked():
+        console.current().err(f"ep_harness.launch.agent: {count} threads after importing torch; the fork server is "
                               f"started anew (it imports torch again)")
-        multiprocessing.forkserver.ensure_running()
-        return
-
-    def fork_instead(path, args, passfds):
-        # The fork server, and the resource tracker that it starts first (a new interpreter
-        # that imports multiprocessing: 0.03 CPU-s a launch); anything else is started anew.
-        if args[-2:-1] != ["-c"] or not any(f"multiprocessing.{m}" in args[-1] for m in FORKED):
-            return spawn_anew(path, args, passfds)
-        pid = os.fork()
-        if pid:
-            return pid
-        code = 1
-        try:  # the new interpreter, less its imports: the same fds, then the same command
-            kept = sorted({0, 1, 2, *passfds})
-            for low, high in zip(kept, [*kept[1:], os.sysconf("SC_OPEN_MAX")]):
-                os.closerange(low + 1, high)
-            # ensure_running forked inside its lock; the fork server's own copy must be free
-            # (a private attribute: where it is not, there is nothing to free).
-            server = getattr(multiprocessing.forkserver, "_forkserver", None)
-            if hasattr(server, "_lock"):
-                server._lock = threading.Lock()
-            exec(args[-1], {"__name__": "__mp_forkserver__"})  # main(...): serves until the agent ends
-            code = 0
-        except SystemExit as exc:
-            code = 0 if exc.code is None else exc.code
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-
-    console.Console.flush()  # nothing buffered for a fork to write a second time
-    multiprocessing.util.spawnv_passfds = fork_instead
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        multiprocessing.util.spawnv_passfds = spawn_anew
 
 
 def _rank_entry(module: str, *args):
