@@ -156,15 +156,18 @@ class ForkedCli:
         interpreter starts or as the harness's modules import (PYTHON*, EP_HARNESS_*, the
         thread-count and library variables) differs from this server's in more than those
         directories, or one of them holds a module (file, package or extension) by the name
-        of one the server has imported."""
+        of one the server has imported, or is a file."""
         if self.proc.poll() is not None:
             return None
         theirs, mine = at_import(env), at_import(self.env)
         ahead, rest = _split_path(theirs.pop("PYTHONPATH", ""), mine.pop("PYTHONPATH", ""))
         if theirs != mine or rest is None:
             return None
-        for folder in ahead:
-            if not os.path.isdir(folder) or {e.partition(".")[0] for e in os.listdir(folder)} & self.modules:
+        for folder in ahead:  # one that does not exist holds nothing; a file (a zip) is not reproduced
+            if os.path.isdir(folder):
+                if {e.partition(".")[0] for e in os.listdir(folder)} & self.modules:
+                    return None
+            elif os.path.exists(folder):
                 return None
         return ahead
 
