@@ -282,7 +282,8 @@ def shared_server(env: dict) -> ForkedCli | None:
     """The server for a command in `env`, or None where `env` needs a fresh interpreter: one in
     the session's environment, or in the session's with the checkout on PYTHONPATH (the commands
     whose ranks import the tests' plugins, conftest.REPO_ON_PYTHONPATH), where `env` reads the
-    same as one of those at start-up (ForkedCli.serves)."""
+    same as one of those at start-up but for directories in front of its PYTHONPATH
+    (ForkedCli.path_ahead)."""
     from tests.conftest import REPO_ON_PYTHONPATH
 
     for start in (_SESSION_ENV, {**_SESSION_ENV, **REPO_ON_PYTHONPATH}):

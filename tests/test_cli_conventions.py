@@ -28,7 +28,10 @@ def harness(*args, cwd=REPO, extra_path=(), env=None, timeout=600):
 # --- version --------------------------------------------------------------------------
 
 
-PATH_PROBE = 'import json, sys\nprint("PROBE", json.dumps([sys.path[:3], sys.argv[0], __import__("__main__").__spec__ and __import__("__main__").__spec__.name]))\n'
+# A plugin module that prints what the command it loads into sees of its start.
+PATH_PROBE = ('import json, sys\n'
+              'main = sys.modules["__main__"].__spec__\n'
+              'print("PROBE", json.dumps([sys.path[:3], sys.argv[0], main and main.name]))\n')
 
 
 def test_a_forked_command_starts_with_the_path_a_new_interpreter_would(tmp_path):
