@@ -157,13 +157,8 @@ class ForkedCli:
         thread-count and library variables) differs from this server's in more than those
         directories, or one of them holds a module (file, package or extension) by the name
         of one the server has imported, or is a file."""
-        if self.proc.poll() is not None:
-            return None
-        theirs, mine = at_import(env), at_import(self.env)
-        ahead, rest = _split_path(theirs.pop("PYTHONPATH", ""), mine.pop("PYTHONPATH", ""))
-        if theirs != mine or rest is None:
-            return None
-        for folder in ahead:  # one that does not exist holds nothing; a file (a zip) is not reproduced
+        ahead = _path_ahead(env, self.env) if self.proc.poll() is None else None
+        for folder in ahead or ():  # one that does not exist holds nothing; a file (a zip) is not reproduced
             if os.path.isdir(folder):
                 if {e.partition(".")[0] for e in os.listdir(folder)} & self.modules:
                     return None
@@ -253,13 +248,16 @@ def at_import(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONUNBUFFERED"}
 
 
-def _split_path(theirs: str, mine: str) -> tuple[list[str], list[str] | None]:
-    """(the entries in front, the rest) of the path `theirs` where it ends with `mine`; the
-    rest None where it does not, or where an entry in front is empty (the working directory)."""
-    t, m = theirs.split(os.pathsep) if theirs else [], mine.split(os.pathsep) if mine else []
-    if len(t) < len(m) or t[len(t) - len(m):] != m or "" in t[:len(t) - len(m)]:
-        return [], None
-    return t[:len(t) - len(m)], m
+def _path_ahead(env: dict, start: dict) -> list[str] | None:
+    """The entries `env`'s PYTHONPATH puts in front of `start`'s, or None where `env` differs
+    from `start` in what is read at start-up other than those, its PYTHONPATH does not end
+    with `start`'s, or an entry in front is empty (the working directory)."""
+    theirs, mine = at_import(env), at_import(start)
+    t, m = [p.split(os.pathsep) if p else [] for p in (theirs.pop("PYTHONPATH", ""), mine.pop("PYTHONPATH", ""))]
+    ahead = t[:len(t) - len(m)]
+    if theirs != mine or len(t) < len(m) or t[len(t) - len(m):] != m or "" in ahead:
+        return None
+    return ahead
 
 
 def _server(env: dict, kind: str = "ep-harness") -> ForkedCli:
@@ -287,8 +285,7 @@ def shared_server(env: dict) -> ForkedCli | None:
     from tests.conftest import REPO_ON_PYTHONPATH
 
     for start in (_SESSION_ENV, {**_SESSION_ENV, **REPO_ON_PYTHONPATH}):
-        if at_import({**env, "PYTHONPATH": ""}) == at_import({**start, "PYTHONPATH": ""}) and \
-                _split_path(env.get("PYTHONPATH", ""), start.get("PYTHONPATH", ""))[1] is not None:
+        if _path_ahead(env, start) is not None:  # before a server is started for it
             server = _server(start)
             if server.serves(env):
                 return server

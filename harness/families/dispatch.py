@@ -295,8 +295,9 @@ CALL_MAGNITUDE = 7  # |x| <= 7, and every 128-wide group holds a +-7: its FP8 sc
 BF16_INTEGERS = 256  # bf16 holds every integer up to 2^8 exactly
 
 
-def call_expert_scale(e: int) -> float:
-    """corruption-rate's experts: +-1, alternating (every product exact)."""
+def call_expert_scale(e):
+    """corruption-rate's experts: +-1, alternating (every product exact); an expert number or
+    a tensor of them (elementwise)."""
     return (-1.0) ** e
 
 
@@ -333,7 +334,7 @@ def call_inputs(p: DispatchParams, tokens: int, call: int, world: int) -> list[t
 def _expected_combined(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The exact combined rows: sum_j w_j * c_{e_j} * x, float64 (exact), one bf16 rounding.
     A zero is +0.0: every combine's sum starts at +0.0, and an exact cancellation rounds to +0.0."""
-    c = torch.where(idx % 2 == 1, -1.0, 1.0).to(torch.float64)  # call_expert_scale, elementwise
+    c = call_expert_scale(idx).to(torch.float64)
     return (x.double() * (w.double() * c).sum(1, keepdim=True) + 0.0).to(torch.bfloat16)
 
 

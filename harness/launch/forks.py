@@ -47,6 +47,7 @@ import types
 from contextlib import contextmanager
 
 from ep_harness.cases import FORCED_ENV
+from ep_harness.launch import fork_server
 from ep_harness.launch.channel import SECRET_ENV
 from ep_harness.launch.processes import _die_with_parent
 from ep_harness.process_exit import exit_now
@@ -68,10 +69,6 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # what ends a run
 RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                  signal.SIGCHLD)
 SWITCH = "EP_HARNESS_AGENT_FORKS"
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 class ForkedAgent:
@@ -245,7 +242,8 @@ def start() -> AgentServer | None:
         return None
     import torch
 
-    if torch.version.cuda is not None or torch.version.hip is not None or _threads() != 1 or _interpreter_options():
+    if torch.version.cuda is not None or torch.version.hip is not None or fork_server.threads() != 1 \
+            or _interpreter_options():
         return None
     from ep_harness.console import Console
 
