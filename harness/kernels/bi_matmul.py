@@ -382,7 +382,7 @@ if triton is not None:
     def _bi_matmul_tma_split_kernel(a, b_desc, c, partial_ptr, arrivals_ptr, M, N, num_programs, stride_am, stride_cm,
                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                    K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
+                                    K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr, EPILOGUE_M: tl.constexpr):
         # Work item = (tile, segment). Each writes its segment's float32 sum to the workspace
         # [K_SPLITS, tiles, BLOCK_M x BLOCK_N], then arrives at the tile's counter; the last to
         # arrive adds the K_SPLITS sums in segment order (whichever program that is, the order
@@ -404,11 +404,15 @@ if triton is not None:
             arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived % K_SPLITS == K_SPLITS - 1:
                 tl.debug_barrier()
-                total = tl.load(tile_base + inside, cache_modifier=".cg")
-                for s in tl.static_range(1, K_SPLITS):
-                    total += tl.load(tile_base + s * segment_stride + inside, cache_modifier=".cg")
-                _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, total, M, N, stride_cm, BLOCK_M, BLOCK_N,
-                            MASKED_ROWS)
+                # EPILOGUE_M rows at a time, so that a 128 x 256 tile's sum does not hold two
+                # whole float32 tiles in registers (it would spill); C through its pointer.
+                for r in tl.static_range(0, BLOCK_M, EPILOGUE_M):
+                    rows = (r + tl.arange(0, EPILOGUE_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                    total = tl.load(tile_base + rows, cache_modifier=".cg")
+                    for s in tl.static_range(1, K_SPLITS):
+                        total += tl.load(tile_base + s * segment_stride + rows, cache_modifier=".cg")
+                    _store_tile(c, tile_m * BLOCK_M + r, tile_n * BLOCK_N, total, M, N, stride_cm, EPILOGUE_M,
+                                BLOCK_N, True)
             item += num_programs
 
 
@@ -517,9 +521,10 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         if cfg.split_parallel:
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
-            return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
+            return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, out, partial,
                                                             _arrivals(a.device, cfg.k_splits, tiles),
-                                                            m, n, programs, *strides, **shape)
+                                                            m, n, programs, *strides, **shape,
+                                                            EPILOGUE_M=min(cfg.block_m, 32))
         if cfg.schedule:
             return _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides,
                                                                 **shape, FLATTEN=cfg.schedule == "flatten",
