@@ -15,7 +15,7 @@ the same way, as controls that the comparison sees another order.
 
 The split count is chosen per (N, K), never per M: the unsplit walk first; where it misses a
 target at some M <= 256 (`target`, `misses_where_splits_help`), split counts 2 and 4 as well
-(small M: one program per segment; larger M: that, or the segments side by side in one program), and the
+(small M: one program per segment; larger M: the segments side by side in one program), and the
 count whose worst M is nearest its target (`score`) wins for every M of that shape.
 
 Then each shape and M: the bit-identical candidates, cuBLAS, DeepGEMM's BF16 dense GEMM and
@@ -86,19 +86,16 @@ def target(m: int) -> float:
 
 def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileConfig]]:
     """CANDIDATES walking K in k_splits segments: the small tiles one program per segment (few
-    tiles at small M: the segments fill the SMs), the mid and large both ways (one program per
-    tile with as many stages as fit, its segments loading side by side, holds an accumulator
-    per segment and so only smaller tiles; a program per segment holds one, at the cost of its
-    partial sum's round trip through the workspace); only those that fit two stages and whose K
-    depth cuts K into whole segments."""
+    tiles at small M: the segments fill the SMs), the large one program per tile with as many
+    stages as fit (its segments load side by side), the mid both ways; only those that fit two
+    stages and whose K depth cuts K into whole segments."""
     if k_splits == 1:
         return {group: {name_of(c): c for c in configs} for group, configs in CANDIDATES.items()}
     out = {}
     for group, configs in CANDIDATES.items():
         configs = configs + SPLIT_LARGE if group == "large" else configs
         split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
-                 for parallel in {"small": (True,), "mid": (True, False), "large": (False, True)}[group]
-                 if not (parallel and c.schedule)]  # the per-segment kernel has one schedule
+                 for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
         split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
         out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.tile_problem(c, k)}
     return out

@@ -382,7 +382,7 @@ if triton is not None:
     def _bi_matmul_tma_split_kernel(a, b_desc, c, partial_ptr, arrivals_ptr, M, N, num_programs, stride_am, stride_cm,
                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                    K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr, EPILOGUE_M: tl.constexpr):
+                                    K_SPLITS: tl.constexpr, MASKED_ROWS: tl.constexpr):
         # Work item = (tile, segment). Each writes its segment's float32 sum to the workspace
         # [K_SPLITS, tiles, BLOCK_M x BLOCK_N], then arrives at the tile's counter; the last to
         # arrive adds the K_SPLITS sums in segment order (whichever program that is, the order
@@ -404,14 +404,11 @@ if triton is not None:
             arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived % K_SPLITS == K_SPLITS - 1:
                 tl.debug_barrier()
-                # EPILOGUE_M rows at a time (epilogue_rows); C through its pointer.
-                for r in tl.static_range(0, BLOCK_M, EPILOGUE_M):
-                    rows = (r + tl.arange(0, EPILOGUE_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                    total = tl.load(tile_base + rows, cache_modifier=".cg")
-                    for s in tl.static_range(1, K_SPLITS):
-                        total += tl.load(tile_base + s * segment_stride + rows, cache_modifier=".cg")
-                    _store_tile(c, tile_m * BLOCK_M + r, tile_n * BLOCK_N, total, M, N, stride_cm, EPILOGUE_M,
-                                BLOCK_N, True)
+                total = tl.load(tile_base + inside, cache_modifier=".cg")
+                for s in tl.static_range(1, K_SPLITS):
+                    total += tl.load(tile_base + s * segment_stride + inside, cache_modifier=".cg")
+                _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, total, M, N, stride_cm, BLOCK_M, BLOCK_N,
+                            MASKED_ROWS)
             item += num_programs
 
 
@@ -473,13 +470,6 @@ def compiled_resources(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> dic
             "shared_bytes": getattr(getattr(compiled, "metadata", None), "shared", None)}
 
 
-def epilogue_rows(block_m: int) -> int:
-    """Rows of a tile the split kernel's last arrival adds up at a time: at most 32 (a 128 x 256
-    tile's float32 sum, held whole beside the segment it loads, would spill), and never the whole
-    tile, so that the interpreter's tests walk the chunks too."""
-    return max(1, min(32, block_m // 2))
-
-
 _ARRIVALS: dict[tuple, torch.Tensor] = {}
 
 
@@ -527,10 +517,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         if cfg.split_parallel:
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
-            return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, out, partial,
+            return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
                                                             _arrivals(a.device, cfg.k_splits, tiles),
-                                                            m, n, programs, *strides, **shape,
-                                                            EPILOGUE_M=epilogue_rows(cfg.block_m))
+                                                            m, n, programs, *strides, **shape)
         if cfg.schedule:
             return _bi_matmul_tma_scheduled_kernel[(programs,)](a_arg, b_desc, c_arg, m, n, programs, *strides,
                                                                 **shape, FLATTEN=cfg.schedule == "flatten",
