@@ -284,9 +284,10 @@ def patch_the_language_once_a_launch() -> None:
     """Triton's interpreter (3.x) patches triton.language anew at every call of a nested
     @triton.jit function (`_patch_lang`: inspect.getmembers over tl, tl.core, tl.math and the
     tensor classes, to replace what is already replaced), a third of this child's CPU (9.4 ->
-    6.6 CPU-s, the same output bit for bit). Within one launch, a function whose module's
-    language the launch has patched is not patched again; what the launch patched is undone
-    when it ends, as before. Where those internals are missing (another triton), nothing changes."""
+    6.4 CPU-s, the same output bit for bit). Within one launch, a function whose module's
+    language the launch has patched is not patched again; the launch's own patch is undone when
+    it ends, and a nested one is left, as Triton leaves it. Where those internals are missing
+    (another triton), nothing changes."""
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang", None)
