@@ -237,9 +237,12 @@ def _command(args, argv: list[str], out: Console) -> int:
             nodes = Nodes(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, args.node_rank,
                           args.launcher, args.run_secret).validate()
             if nodes.node_rank > 0:  # not the head: run this node's ranks for the head's launches
-                from ep_harness.launch.follower import follow
+                from ep_harness.launch import forks
 
-                return follow(nodes, args.out, plugins=args.plugin)
+                with _launching_imports():
+                    from ep_harness.launch.follower import follow
+                with forks.serving():  # before the store's threads: agents forked where the head's are
+                    return follow(nodes, args.out, plugins=args.plugin)
             if args.fresh_processes < 1:
                 raise HarnessError(f"--fresh-processes {args.fresh_processes}: give 1 or more launches")
             threads = None if args.threads is None else parse_threads(args.threads, "--threads")

@@ -190,14 +190,12 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
         time.sleep(0.2)
     assert results is not None, head.communicate(timeout=60)[0][-2000:]
     run_id = results.parent.name
-    launched = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")
-    # Per node the namespace is in the agent's environment (its launcher's is without it) and
-    # so in its fork server's, its resource tracker's and its 2 ranks' (forks of the fork server).
-    states = {pid: process_state(pid) for pid in launched}
-    parent = {pid: state.parent for pid, state in states.items() if state is not None}  # None: gone meanwhile
-    agents = [pid for pid in parent if parent[pid] not in parent]
-    assert [b"\0-m\0ep_harness.launch.agent\0" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in agents] == [True] * 2
-    assert len([pid for pid in parent if parent.get(parent[pid]) in agents]) == 2 * 2, parent
+    # Each node's command forks an agent server, which forks the launch's agent (the follower as
+    # the head: harness/launch/forks.py), whose fork server forks its 2 ranks: 2 processes 4
+    # generations below each command (a fork's environment is its command's, without the run's).
+    trees = [descendants(proc.pid) for proc in (head, other)]
+    for tree in trees:
+        assert sorted(depth for depth, _ in tree.values()).count(4) == 2, tree
     os.killpg(other.pid, signal.SIGKILL)  # node 1's launcher; its agent and ranks must follow
     out, _ = head.communicate(timeout=120)
     other.wait(timeout=10)
@@ -209,15 +207,43 @@ def test_killing_one_agent_ends_the_run_and_names_the_node(tmp_path, node):
     assert "ranks [2, 3] ended with it" in hung["reason"]
     assert after["status"] == "error" and after["reason"].startswith("not run: node 1")  # nothing ran after
     # The head has returned; what it ended may still be exiting: wait for that, never for a fixed time.
-    assert left_after(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/") == []  # no rank of either node
-    assert left_after(f"127.0.0.1:{port}") == []  # nor any agent
+    assert left_after(lambda: [p for tree in trees for p, (_, started) in tree.items() if _started(p) == started]) == []
+    # nor any process either node's launches started anew (those carry the run's namespace)
+    assert left_after(lambda: processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_id}/")) == []
 
 
-def left_after(fragment: str, limit_s: float = 60) -> list[int]:
-    """The processes with `fragment` in their environment still there after `limit_s`, or none
-    as soon as none is."""
+def _started(pid: int) -> int | None:
+    """The start time of process `pid` (clock ticks after boot; a later process given the same pid
+    starts later), or None once it has ended (a zombie included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def descendants(root: int) -> dict[int, tuple[int, int]]:
+    """pid -> (generations below `root`, start time) of every live descendant of `root`."""
+    children: dict[int, list[int]] = {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        state = process_state(pid)
+        if state is not None:
+            children.setdefault(state.parent, []).append(pid)
+    found, todo = {}, [(root, 0)]
+    while todo:
+        pid, depth = todo.pop()
+        for child in children.get(pid, ()):
+            started = _started(child)
+            if started is not None:
+                found[child] = (depth + 1, started)
+                todo.append((child, depth + 1))
+    return found
+
+
+def left_after(find, limit_s: float = 60) -> list[int]:
+    """What `find()` returns (processes) after `limit_s`, or nothing as soon as it returns none."""
     deadline = time.monotonic() + limit_s
-    while (left := processes_with_env(fragment)) and time.monotonic() < deadline:
+    while (left := find()) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 

@@ -27,7 +27,8 @@ def samples(seed: int) -> list[protocol.Message]:
     measured = Measurement(comparison="bitwise", mismatched=rng.randint(0, 9), total=64, held=False).to_json()
     return [
         protocol.Launch(namespace=word(), nproc=rng.randint(1, 8), rdzv_id=word(), job=word(),
-                        env={word(): word() for _ in range(3)}, node_local=[word()], identity={"version": word()}),
+                        env={word(): word() for _ in range(3)}, node_local=[word()], identity={"version": word()},
+                        forked_agents=rng.choice([True, False])),
         protocol.RunOver(),
         protocol.Job(backend=rng.choice(["gloo", "nccl"]), plugins=[word(), word()],
                      checks=[{"id": word(), "params": {"world_size": rng.randint(1, 8)}}], start=rng.randint(0, 5),
@@ -85,6 +86,8 @@ def test_optional_fields_at_their_default_stay_off_the_wire():
     assert progress.to_wire() == {"index": 0, "since": 1.5, "pid": 7, "node": "0", "host": "h"}
     assert protocol.RunOver().to_wire() == {"done": True} and protocol.RunOver.announced_by({"done": True})
     assert not protocol.RunOver.announced_by({"done": False}) and not protocol.RunOver.announced_by(["done"])
+    launch = dataclasses.replace(samples(0)[0], forked_agents=False)  # a head whose agents are new interpreters
+    assert "forked_agents" not in launch.to_wire() and protocol.Launch.from_wire(launch.to_wire()) == launch
 
 
 GOOD_PROGRESS = {"index": 3, "since": 1.5, "pid": 7, "node": "0", "host": "h"}
@@ -100,6 +103,7 @@ GOOD_PROGRESS = {"index": 3, "since": 1.5, "pid": 7, "node": "0", "host": "h"}
     (protocol.Progress, {**GOOD_PROGRESS, "extra": 1}, "unknown field(s) extra"),
     (protocol.Job, {**dataclasses.asdict(samples(0)[2]), "plugins": ["a", 1]}, "'plugins' is ['a', 1]"),
     (protocol.Launch, {**samples(0)[0].to_wire(), "env": {"A": 1}}, "'env' is {'A': 1}"),
+    (protocol.Launch, {**samples(0)[0].to_wire(), "forked_agents": "yes"}, "'forked_agents' is 'yes', not bool"),
     (protocol.RankError, {**samples(0)[5].to_wire(), "terminated": "yes"}, "'terminated' is 'yes', not bool"),
     (protocol.Record, {**samples(0)[8].to_wire(), "measured": {"comparison": "bitwise"}}, "measurement does not parse"),
     (protocol.Stack, {"text": "a stack"}, "is not str"),
@@ -164,6 +168,34 @@ def test_a_node_whose_heartbeat_is_malformed_is_lost_with_that_line():
     follower.put(protocol.node_key(1), protocol.NodeBeat(time=time.time(), host="h1", pid=1).to_wire())
     assert head.silent_nodes() == {2: head.lost[2]}  # node 1 beat just now: alive
 
+
+def test_a_follower_forks_its_agents_only_where_the_heads_launch_says_the_heads_are_forks(monkeypatch, tmp_path):
+    """protocol.Launch.forked_agents: the head's agents are forks of its command where it serves
+    them (harness/launch/forks.py; on several nodes too, never under --fresh-processes), and a
+    follower asked for a new interpreter starts one although its own server would fork it."""
+    import sys
+
+    from ep_harness.launch import forks, processes
+    from ep_harness.launch.launcher import Head
+    from ep_harness.launch.nodes import Nodes
+    from ep_harness.run.verify import RunOptions, _forks_agents
+
+    two = Nodes(nnodes=2, nproc_per_node=1, endpoint="127.0.0.1:0")
+    assert _forks_agents(two, RunOptions("smoke")) and not _forks_agents(two, RunOptions("smoke", fresh_processes=2))
+    head = Head(two, "20261201-120000-abcd")
+    job = dataclasses.replace(samples(0)[2], plugins=[])
+    for server, forked in ((None, False), (object(), True)):
+        monkeypatch.setattr(forks, "_current", server)
+        head.publish(job, {}, 1, "job")
+        assert head.channel.read(protocol.launch_key(head.launches - 1), protocol.Launch).forked_agents is forked
+
+    class ForksEverything:
+        def spawn(self, *args):
+            raise AssertionError("forked where the head's launch asked for a new interpreter")
+
+    monkeypatch.setattr(forks, "_current", ForksEverything())
+    proc = processes.spawn([sys.executable, "-c", "pass"], dict(os.environ), tmp_path / "agent.log", fork=False)
+    assert type(proc).__name__ == "Popen" and proc.wait(30) == 0
 
 SUITE = """
 [suite]

@@ -126,7 +126,7 @@ def follow(nodes: Nodes, out_dir: Path, quiet: bool = False, plugins=()) -> int:
                 ns = channel.sub(protocol.launch_namespace(k))
                 proc = spawn(agent_command(nodes, launch.nproc, launch.rdzv_id, nodes.endpoint, job_dir),
                              child_env(launch.env, nodes.endpoint, ns.namespace, job_dir, nodes, nodes.run_secret),
-                             job_dir / f"torchrun-launch{k}.log")
+                             job_dir / f"torchrun-launch{k}.log", fork=launch.forked_agents)
                 try:
                     while proc.poll() is None:
                         time.sleep(POLL_S)

@@ -9,9 +9,6 @@ what every agent imports and forks one agent per launch. A forked agent is set u
 interpreter `python -m ep_harness.launch.agent ...` would be: its own session, its log as
 stdout and stderr, the launch's environment, the import path a fresh agent computes (the
 launch's PYTHONPATH first, the command's script folder or working directory never), a console,
-signal handlers and exit handlers of its own; it dies with the server, which dies with the
-command (PR_SET_PDEATHSIG).
-
 signal handlers and exit handlers of its own, numpy's random state drawn anew; it dies with the
 server, which dies with the command (PR_SET_PDEATHSIG), and it is the child subreaper of its
 launch: a process that leaves the launch is re-parented to it, so that kill_launch finds it as
@@ -20,8 +17,11 @@ EP_HARNESS_CHANNEL, which kill_launch also looks for).
 
 Where the launch's environment differs from the command's in any variable but those the
 launcher sets for every launch (PER_LAUNCH), the agent is a new interpreter as before; so it is
-on GPUs (a fork must never follow a CUDA initialisation), on several nodes, where the command
-has a thread by then or was started with interpreter options (-O, -W, -X ...). The launch pins
+on GPUs (a fork must never follow a CUDA initialisation), under --fresh-processes or an emulated
+topology, where the command has a thread by then or was started with interpreter options (-O,
+-W, -X ...). On several nodes each follower (harness/launch/follower.py) forks its server
+before it joins the head's store, and forks an agent only where the head's launch says the
+head's are forks (protocol.Launch.forked_agents): every node's ranks start alike. The launch pins
 PYTHONHASHSEED=0, which a forked process cannot change: a command started with it (`make
 verify`, the tests) forks its agents, any other starts them anew. EP_HARNESS_AGENT_FORKS=0
 turns the server off. A signal that ends the run waits while an agent is being forked, so
@@ -237,7 +237,7 @@ class AgentServer:
 
 
 def start() -> AgentServer | None:
-    """The agent server for a single-node CPU run, or None (see the module's docstring)."""
+    """The agent server for a CPU run, or None (see the module's docstring)."""
     if os.environ.get(SWITCH, "1") == "0" or not sys.platform.startswith("linux") or "torch" not in sys.modules:
         return None
     import torch

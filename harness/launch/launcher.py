@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ep_harness import console
 
-from ep_harness.launch import protocol
+from ep_harness.launch import forks, protocol
 from ep_harness.launch.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
@@ -152,7 +152,8 @@ class Head:
         self.channel.put(protocol.launch_key(k), protocol.Launch(
             namespace=launch.namespace, nproc=nproc, rdzv_id=protocol.rdzv_id(self.run_id, k), job=job_name,
             env={n: v for n, v in env.items() if n not in NODE_LOCAL},
-            node_local=sorted(n for n in env if n in NODE_LOCAL), identity=self.identities[plugins]).to_wire())
+            node_local=sorted(n for n in env if n in NODE_LOCAL), identity=self.identities[plugins],
+            forked_agents=forks.current() is not None).to_wire())
         return launch
 
     def follower_exits(self, k: int, timeout_s: float = 30.0) -> None:

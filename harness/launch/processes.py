@@ -75,12 +75,13 @@ def child_env(env: dict[str, str], store: str, namespace: str, job_dir: Path, no
             "EP_HARNESS_STORE": store, "EP_HARNESS_CHANNEL": namespace, "EP_HARNESS_JOB_DIR": str(job_dir), **signing}
 
 
-def spawn(cmd: list[str], env: dict, log_path: Path):
+def spawn(cmd: list[str], env: dict, log_path: Path, fork: bool = True):
     """torchrun's agent (or srun) in a session of its own, its output in `log_path`: forked by
-    the command's agent server where one serves it (harness/launch/forks.py), else a new process."""
+    the command's agent server where one serves it and `fork` allows it (harness/launch/forks.py),
+    else a new process."""
     from ep_harness.launch import forks
 
-    server = forks.current()
+    server = forks.current() if fork else None
     forked = server.spawn(cmd, env, log_path) if server is not None else None
     if forked is not None:
         return forked

@@ -365,10 +365,10 @@ def verify(options: RunOptions) -> tuple[int, Path]:
 
 
 def _forks_agents(nodes: Nodes, options: RunOptions) -> bool:
-    """Whether the agents may be forks of the command (harness/launch/forks.py): one node run by
+    """Whether the agents may be forks of the command (harness/launch/forks.py): run by
     torchrun, no emulated topology, and not --fresh-processes, whose every launch must be a new
     interpreter (its own hash seed and address layout)."""
-    return not nodes.multi and nodes.launcher == "torchrun" and options.emulate is None and options.fresh_processes == 1
+    return nodes.launcher == "torchrun" and options.emulate is None and options.fresh_processes == 1
 
 
 def _verify(options: RunOptions, nodes, plugins: list[str]) -> tuple[int, Path]:
