@@ -21,8 +21,7 @@ cpu_build = pytest.mark.skipif(torch.version.cuda is not None or torch.version.h
                                reason="agents are forked only where torch is a CPU build (harness/launch/forks.py)")
 
 # A command's side, in a new interpreter that imports torch as `ep-harness verify` does (its
-# _launching_imports: BLAS without a thread pool, the imports out of the collector's reach); its
-# arguments: the launch's folder, the agent command and its environment (JSON), then its own.
+# _launching_imports: BLAS without a thread pool, the imports out of the collector's reach).
 _PREAMBLE = r"""
 import contextlib, json, os, sys, time
 from pathlib import Path
@@ -31,16 +30,24 @@ with _launching_imports():
     import torch
 from ep_harness.launch import forks
 from ep_harness.launch.processes import interruptible, kill_launch, spawn
-out, cmd, env = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 """
-# Start the agent server, launch the probe's ranks once through it (or anew where it declines),
-# under the launcher's signal handlers or not, and wait.
+# Its launches in turn (JSON: each one's folder, agent command and environment, whether the
+# launcher's signal handlers are on, whether the agent server is): each starts the agent server
+# (or not: EP_HARNESS_AGENT_FORKS=0), launches the probe's ranks once through it (or anew where
+# it declines) and waits. The later launches fork from a command that has made the earlier ones,
+# as `verify` does.
 _COMMAND = _PREAMBLE + textwrap.dedent(r"""
-    handled = sys.argv[4] == "1"
-    with forks.serving() as server, interruptible() if handled else contextlib.nullcontext():
-        proc = spawn(cmd, env, Path(out) / "agent.log")
-        code = proc.wait(120)
-    print(json.dumps({"server": server is not None, "forked": type(proc).__name__ == "ForkedAgent", "code": code}))
+    how = []
+    for launch in json.loads(sys.argv[1]):
+        if launch["serve"]:
+            os.environ.pop(forks.SWITCH, None)
+        else:
+            os.environ[forks.SWITCH] = "0"
+        with forks.serving() as server, interruptible() if launch["handled"] else contextlib.nullcontext():
+            proc = spawn(launch["cmd"], launch["env"], Path(launch["out"]) / "agent.log")
+            code = proc.wait(120)
+        how.append({"server": server is not None, "forked": type(proc).__name__ == "ForkedAgent", "code": code})
+    print(json.dumps(how))
 """)
 
 
@@ -56,19 +63,28 @@ def _probe_launch(name: str, out, args: tuple, launch_env: dict | None = None) -
     return cmd, env
 
 
-def _launch(tmp_path, name: str, command_env: dict, launch_env: dict | None = None, handled: bool = True,
-            options=()) -> dict:
-    out = tmp_path / name
-    out.mkdir()
-    cmd, env = _probe_launch(name, out, (str(out),), launch_env)
-    argv = [sys.executable, *options, "-c", _COMMAND, str(out), json.dumps(cmd), json.dumps(env), str(int(handled))]
+def _launches(tmp_path, command_env: dict, launches: dict[str, dict], options=()) -> dict[str, dict]:
+    """One command (`command_env`, interpreter `options`) making `launches` in turn: name ->
+    {"launch_env": ..., "handled": True, "serve": True} where not the default. Returns name ->
+    how it was started, its ranks' reports and its agent's log."""
+    plan = []
+    for name, how in launches.items():
+        out = tmp_path / name
+        out.mkdir()
+        cmd, env = _probe_launch(name, out, (str(out),), how.get("launch_env"))
+        plan.append({"out": str(out), "cmd": cmd, "env": env, "handled": how.get("handled", True),
+                     "serve": how.get("serve", True)})
+    argv = [sys.executable, *options, "-c", _COMMAND, json.dumps(plan)]
     proc = subprocess.run(argv, cwd=tmp_path, env=command_env, capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    how = json.loads(proc.stdout.splitlines()[-1])
-    assert how["code"] == 0, (out / "agent.log").read_text()[-3000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {"how": how, "ranks": ranks, "log": (out / "agent.log").read_text()}
+    runs = {}
+    for name, how in zip(launches, json.loads(proc.stdout.splitlines()[-1])):
+        out = tmp_path / name
+        assert how["code"] == 0, (out / "agent.log").read_text()[-3000:]
+        runs[name] = {"how": how, "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)],
+                      "log": (out / "agent.log").read_text()}
+    return runs
 
 
 def _command_env(**extra) -> dict:
@@ -77,48 +93,55 @@ def _command_env(**extra) -> dict:
 
 
 @cpu_build
-@pytest.mark.parametrize("handled", [True, False], ids=["launch-handles-signals", "sigint-ignored"])
-def test_a_forked_agent_starts_its_ranks_as_a_new_agent_would(tmp_path, handled):
+def test_a_forked_agent_starts_its_ranks_as_a_new_agent_would(tmp_path):
     """The command starts with SIGINT ignored (as under nohup); the launcher handles it while
     launches run (processes.interruptible), or not: a new agent has Python's handler, or keeps
-    it ignored, and so must a forked one."""
-    forked = _launch(tmp_path, "forked", _command_env(PYTHONHASHSEED="0"), handled=handled)
-    fresh = _launch(tmp_path, "fresh", _command_env(PYTHONHASHSEED="0", EP_HARNESS_AGENT_FORKS="0"), handled=handled)
-    assert forked["how"] == {"server": True, "forked": True, "code": 0}
-    assert fresh["how"] == {"server": False, "forked": False, "code": 0}
-    # the control: the two agents really were different processes (the fork's command line is the command's)
-    assert fresh["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"]
-    assert forked["ranks"][0]["agent_cmdline"][1:3] == ["-c", _COMMAND]
-    for a, b in zip(forked["ranks"], fresh["ranks"]):
-        a, b = dict(a), dict(b)
-        del a["agent_cmdline"], b["agent_cmdline"]
-        a["env"].pop("TORCHELASTIC_RUN_ID"), b["env"].pop("TORCHELASTIC_RUN_ID")
-        a["path"] = [p.replace("/forked", "/fresh") for p in a["path"]]
-        a["env"]["PYTHONPATH"] = a["env"]["PYTHONPATH"].replace("/forked", "/fresh")
-        assert a == b
-    assert forked["ranks"][0]["main"] == "ep_harness.launch.agent.__main__"
-    assert forked["ranks"][0]["hash_randomization"] == 0 and forked["ranks"][1]["threads"] == 1
-    assert forked["ranks"][0]["signals"]["SIGINT"] == ("<built-in function default_int_handler>" if handled else "1")
-    for run in (forked, fresh):
-        assert "probe rank 0 on stdout" in run["log"] and "probe rank 1 on stdout" in run["log"]
+    it ignored, and so must a forked one. Each pair of launches, forked and new (the server off),
+    comes from one command."""
+    runs = _launches(tmp_path, _command_env(PYTHONHASHSEED="0"),
+                     {f"{kind}{int(handled)}": {"handled": handled, "serve": kind == "forked"}
+                      for handled in (True, False) for kind in ("forked", "fresh")})
+    for handled in (True, False):
+        forked, fresh = runs[f"forked{int(handled)}"], runs[f"fresh{int(handled)}"]
+        assert forked["how"] == {"server": True, "forked": True, "code": 0}
+        assert fresh["how"] == {"server": False, "forked": False, "code": 0}
+        # the control: the two agents really were different processes (the fork's command line is the command's)
+        assert fresh["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"]
+        assert forked["ranks"][0]["agent_cmdline"][1:3] == ["-c", _COMMAND]
+        for a, b in zip(forked["ranks"], fresh["ranks"]):
+            a, b = dict(a), dict(b)
+            del a["agent_cmdline"], b["agent_cmdline"]
+            a["env"].pop("TORCHELASTIC_RUN_ID"), b["env"].pop("TORCHELASTIC_RUN_ID")
+            a["path"] = [p.replace(f"/forked{int(handled)}", f"/fresh{int(handled)}") for p in a["path"]]
+            a["env"]["PYTHONPATH"] = a["env"]["PYTHONPATH"].replace(f"/forked{int(handled)}", f"/fresh{int(handled)}")
+            assert a == b
+        assert forked["ranks"][0]["main"] == "ep_harness.launch.agent.__main__"
+        assert forked["ranks"][0]["hash_randomization"] == 0 and forked["ranks"][1]["threads"] == 1
+        assert forked["ranks"][0]["signals"]["SIGINT"] == ("<built-in function default_int_handler>" if handled else "1")
+        for run in (forked, fresh):
+            assert "probe rank 0 on stdout" in run["log"] and "probe rank 1 on stdout" in run["log"]
 
 
-@pytest.mark.parametrize("command_extra, launch_extra, options, why", [
-    ({}, {}, [], "the command's hash seed is not the launch's 0"),
-    ({"PYTHONHASHSEED": "0"}, {"MKL_NUM_THREADS": "3"}, [], "the launch sets a variable read as torch loads"),
-    ({"PYTHONHASHSEED": "0"}, {"PYTORCH_JIT": "0"}, [], "the launch sets a variable the launcher does not own"),
-    ({"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "2"}, {}, [], "numpy's BLAS started threads in the command"),
-    ({"PYTHONHASHSEED": "0"}, {}, ["-O"], "the command runs with an interpreter option a new agent lacks"),
-])
-def test_an_agent_that_a_fork_would_not_reproduce_is_a_new_interpreter(tmp_path, command_extra, launch_extra, options,
-                                                                        why):
-    run = _launch(tmp_path, "run", _command_env(**command_extra), launch_extra, options=options)
-    assert run["how"]["forked"] is False, why
-    assert run["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"], why
+@pytest.mark.parametrize("command_extra, options, launch_extras", [
+    ({}, [], {"the command's hash seed is not the launch's 0": {}}),
+    ({"PYTHONHASHSEED": "0"}, [], {"the launch sets a variable read as torch loads": {"MKL_NUM_THREADS": "3"},
+                                   "the launch sets a variable the launcher does not own": {"PYTORCH_JIT": "0"}}),
+    ({"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "2"}, [], {"numpy's BLAS started threads in the command": {}}),
+    ({"PYTHONHASHSEED": "0"}, ["-O"], {"the command runs with an interpreter option a new agent lacks": {}}),
+], ids=["hash-seed", "launch-variables", "blas-threads", "interpreter-option"])
+def test_an_agent_that_a_fork_would_not_reproduce_is_a_new_interpreter(tmp_path, command_extra, options,
+                                                                        launch_extras):
+    names = {f"run{i}": why for i, why in enumerate(launch_extras)}
+    runs = _launches(tmp_path, _command_env(**command_extra),
+                     {name: {"launch_env": launch_extras[why]} for name, why in names.items()}, options=options)
+    for name, why in names.items():
+        assert runs[name]["how"]["forked"] is False, why
+        assert runs[name]["ranks"][0]["agent_cmdline"][1:3] == ["-m", "ep_harness.launch.agent"], why
 
 
 # Launch ranks that sleep, wait until they (and rank 0's daemon) run, then end the launch.
 _KILLED = _PREAMBLE + textwrap.dedent(r"""
+    out, cmd, env = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     with forks.serving() as server:
         proc = spawn(cmd, env, Path(out) / "agent.log")
         while not all((Path(out) / name).exists() for name in ("rank0.json", "rank1.json", "daemon.pid")):
