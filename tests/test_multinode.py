@@ -254,10 +254,9 @@ def test_slurm_launcher_starts_every_node_through_srun(tmp_path, single_agent):
     srun here is tests/fake_slurm/srun, which starts one task per node on this machine."""
     patterns = COLLECTIVES[:1] + COLLECTIVES[-1:]  # rs-native and two-ranks: world sizes 2, 3 and 4
     env = {**os.environ, "PATH": f"{REPO / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run([EXE, "verify", "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "2",
-                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--gpus", "0", "--suite", "smoke",
-                           "--no-report", "--out", str(tmp_path), *selection(patterns)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli("verify", "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "2",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--gpus", "0", "--suite", "smoke",
+                   "--no-report", "--out", str(tmp_path), *selection(patterns), cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert counts(tmp_path / "latest") == matching(single_agent, patterns)
     env = json.loads((tmp_path / "latest" / "environment.json").read_text())
