@@ -15,7 +15,6 @@ descriptor of their own.
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import queue
@@ -148,19 +147,22 @@ def main() -> None:
     os.dup2(2, 1)  # whatever else is printed goes to the log
     sys.stdout = sys.stderr
     device, plugins = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("cuda", [])
-    from ep_harness import families
-    from ep_harness import subject as registry
+    from ep_harness.launch.agent import _imports_without_gc
 
-    broken, unready = None, {}
-    try:  # every call fails with the reason (the run's own loading reports it)
-        registry.load_all(plugins)
-    except Exception as exc:
-        broken = f"the subjects cannot be loaded here: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
-    if not broken:
-        unready = unready_jits()  # each call of theirs fails with the reason (its checks are skipped for it)
-    # What torch and the subjects made as they loaded lives until the worker ends: moved out of
-    # the collector's reach, so that neither a collection nor the exit's walks it (0.3 CPU-s).
-    gc.freeze()
+    # What torch and the subjects make as they load lives until the worker ends: no collection
+    # while they load, then out of the collector's reach, so that neither a later collection nor
+    # the exit's walks it (0.3 CPU-s).
+    with _imports_without_gc():
+        from ep_harness import families
+        from ep_harness import subject as registry
+
+        broken, unready = None, {}
+        try:  # every call fails with the reason (the run's own loading reports it)
+            registry.load_all(plugins)
+        except Exception as exc:
+            broken = f"the subjects cannot be loaded here: {(str(exc).splitlines() or [type(exc).__name__])[0]}"
+        if not broken:
+            unready = unready_jits()  # each call of theirs fails with the reason (its checks are skipped for it)
     answers.write(json.dumps({"ready": True}) + "\n")  # the pool's limit on a call starts now
     for line in sys.stdin:
         sent, call = json.loads(line), None
