@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -5,6 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The collection imports torch and every test module (about 3 CPU-s a process): the cyclic
+# collector, which would walk all they make again and again and find almost nothing, is off
+# until the collection ends (pytest_collection_finish turns it on again).
+gc.disable()
 
 REPO = Path(__file__).resolve().parent.parent
 # Every process the tests start runs with the hash seed the harness pins for its ranks, so a
@@ -54,10 +60,9 @@ def pytest_collection_finish(session):
     the process ends: moved out of the cyclic collector's reach (gc.freeze), so that neither a
     full collection during the tests nor pytest's last one (its unraisable-exception check)
     walks it again (0.3 CPU-s each in a process that imported torch). What the tests make is
-    collected as before."""
-    import gc
-
+    collected as before: the collector is on again (it was off during the collection, above)."""
     gc.freeze()
+    gc.enable()
 
 
 @pytest.fixture(scope="session", autouse=True)

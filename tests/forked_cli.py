@@ -46,6 +46,8 @@ sys.path[:] = [os.path.dirname(sys.executable)] * (kind == "ep-harness") + [p fo
 # (as ep_harness.launch.agent does before its fork server): a fork needs one thread.
 blas = os.environ.get("OPENBLAS_NUM_THREADS")
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
+import gc
+gc.disable()  # while the preloads import (the collector would walk all they make, finding nothing)
 import torch  # what every command that plans checks imports, and the sessions' ranks and tests
 if kind == "ep-harness":
     import ep_harness.cli
@@ -57,9 +59,10 @@ else:  # pytest alone: a plugin imported before pytest loads it could not have i
 if blas is None:
     del os.environ["OPENBLAS_NUM_THREADS"]
 # What the preloads made lives as long as each child: out of the collector's reach, as the
-# harness's agent does (a child's exit would otherwise walk all torch made: 0.3 CPU-s).
-import gc
+# harness's agent does (a child's exit would otherwise walk all torch made: 0.3 CPU-s). A
+# child collects as a new interpreter does.
 gc.freeze()
+gc.enable()
 threads = len(os.listdir("/proc/self/task"))
 reply = os.fdopen(int(sys.argv[1]), "w")
 reply.write(json.dumps({"threads": threads, "modules": sorted({m.partition(".")[0] for m in sys.modules})}) + "\n")
