@@ -220,7 +220,7 @@ class Launch(Message):
     node_local: list[str]  # pinned variables each node fills in itself (launch.NODE_LOCAL)
     identity: dict  # the head's harness and plugins (ep_harness.launch.nodes.identity)
     # The head's agents are forks of its command (harness/launch/forks.py): a follower forks its
-    # own only then, so that every node's ranks start alike (never under --fresh-processes).
+    # own only then, never where the head starts each anew (--fresh-processes, emulation).
     forked_agents: bool = False
 
 
