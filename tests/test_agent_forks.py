@@ -117,7 +117,8 @@ def test_a_forked_agent_starts_its_ranks_as_a_new_agent_would(tmp_path):
             assert a == b
         assert forked["ranks"][0]["main"] == "ep_harness.launch.agent.__main__"
         assert forked["ranks"][0]["hash_randomization"] == 0 and forked["ranks"][1]["threads"] == 1
-        assert forked["ranks"][0]["signals"]["SIGINT"] == ("<built-in function default_int_handler>" if handled else "1")
+        python_handler = "<built-in function default_int_handler>"
+        assert forked["ranks"][0]["signals"]["SIGINT"] == (python_handler if handled else "1")
         for run in (forked, fresh):
             assert "probe rank 0 on stdout" in run["log"] and "probe rank 1 on stdout" in run["log"]
 

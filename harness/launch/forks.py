@@ -21,9 +21,9 @@ on GPUs (a fork must never follow a CUDA initialisation), under --fresh-processe
 topology, where the command has a thread by then or was started with interpreter options (-O,
 -W, -X ...). On several nodes each follower (harness/launch/follower.py) forks its server
 before it joins the head's store, and forks an agent only where the head's launch says the
-head's are forks (protocol.Launch.forked_agents): never where the head starts each anew. The launch pins
-PYTHONHASHSEED=0, which a forked process cannot change: a command started with it (`make
-verify`, the tests) forks its agents, any other starts them anew. EP_HARNESS_AGENT_FORKS=0
+head's are forks (protocol.Launch.forked_agents): never where the head starts each anew. The
+launch pins PYTHONHASHSEED=0, which a forked process cannot change: a command started with it
+(`make verify`, the tests) forks its agents, any other starts them anew. EP_HARNESS_AGENT_FORKS=0
 turns the server off. A signal that ends the run waits while an agent is being forked, so
 that no agent runs untracked.
 """
