@@ -7,11 +7,6 @@ from pathlib import Path
 
 import pytest
 
-# The collection imports torch and every test module (about 3 CPU-s a process): the cyclic
-# collector, which would walk all they make again and again and find almost nothing, is off
-# until the collection ends (pytest_collection_finish turns it on again).
-gc.disable()
-
 REPO = Path(__file__).resolve().parent.parent
 # Every process the tests start runs with the hash seed the harness pins for its ranks, so a
 # command forks its torchrun agents instead of starting them anew (harness/launch/forks.py);
@@ -55,14 +50,21 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ordered + light
 
 
-def pytest_collection_finish(session):
-    """What the imports and the collection made (torch's objects, the test modules) lives until
-    the process ends: moved out of the cyclic collector's reach (gc.freeze), so that neither a
-    full collection during the tests nor pytest's last one (its unraisable-exception check)
-    walks it again (0.3 CPU-s each in a process that imported torch). What the tests make is
-    collected as before: the collector is on again (it was off during the collection, above)."""
-    gc.freeze()
-    gc.enable()
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The collection imports torch and every test module (about 3 CPU-s a process): the cyclic
+    collector is off meanwhile (it would walk all they make again and again, finding almost
+    nothing). What they made lives until the process ends: moved out of the collector's reach
+    (gc.freeze), so that neither a full collection during the tests nor pytest's last one (its
+    unraisable-exception check) walks it again (0.3 CPU-s each in a process that imported
+    torch). What the tests make is collected as before. (The xdist controller collects nothing:
+    only its own modules are frozen.)"""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 @pytest.fixture(scope="session", autouse=True)
