@@ -197,6 +197,7 @@ def test_a_follower_forks_its_agents_only_where_the_heads_launch_says_the_heads_
     proc = processes.spawn([sys.executable, "-c", "pass"], dict(os.environ), tmp_path / "agent.log", fork=False)
     assert type(proc).__name__ == "Popen" and proc.wait(30) == 0
 
+
 SUITE = """
 [suite]
 name = "protocol"
