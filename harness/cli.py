@@ -267,10 +267,12 @@ def _command(args, argv: list[str], out: Console) -> int:
             # 1 for a run that failed, as for the verify that made it, and for a regression --against
             return render_run(args.run_dir, against=args.against, out=args.out, show_skipped=args.show_skipped,
                               failed_run_fails=True)
-        if args.command in ("list", "doctor"):  # torch and the subjects load, and little else happens
+        # list and doctor load torch and the subjects, and do little else
+        if args.command == "list":
             with _imports_without_gc():
-                if args.command == "list":
-                    return _list(args, out)
+                return _list(args, out)
+        if args.command == "doctor":
+            with _imports_without_gc():
                 from ep_harness.doctor import doctor
 
                 return doctor()

@@ -1,4 +1,3 @@
-import gc
 import os
 import shutil
 import subprocess
@@ -58,13 +57,11 @@ def pytest_collection(session):
     (gc.freeze), so that neither a full collection during the tests nor pytest's last one (its
     unraisable-exception check) walks it again (0.3 CPU-s each in a process that imported
     torch). What the tests make is collected as before. (The xdist controller collects nothing:
-    only its own modules are frozen.)"""
-    gc.disable()
-    try:
+    only its own modules are frozen.) The harness's agent imports torch the same way."""
+    from ep_harness.launch.agent import _imports_without_gc
+
+    with _imports_without_gc():
         return (yield)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 @pytest.fixture(scope="session", autouse=True)

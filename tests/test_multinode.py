@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ep_harness.run_environment import node_differences
-from ep_harness.launch.processes import process_state
+from ep_harness.launch.processes import _live
 from tests.conftest import REPO, REPO_ON_PYTHONPATH, once_per_session, processes_with_env, run_cli
 
 EXE = str(Path(sys.executable).parent / "ep-harness")
@@ -225,10 +225,8 @@ def _started(pid: int) -> int | None:
 def descendants(root: int) -> dict[int, tuple[int, int]]:
     """pid -> (generations below `root`, start time) of every live descendant of `root`."""
     children: dict[int, list[int]] = {}
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        state = process_state(pid)
-        if state is not None:
-            children.setdefault(state.parent, []).append(pid)
+    for pid, state in _live().items():
+        children.setdefault(state.parent, []).append(pid)
     found, todo = {}, [(root, 0)]
     while todo:
         pid, depth = todo.pop()
