@@ -41,6 +41,7 @@ from ep_harness.run_environment import rank_environment
 from ep_harness.families import execute, sizes_of, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels, set_up, tear_down
+from ep_harness.cores import pin_rank
 from ep_harness.threads import THREADS_VAR, apply_in_rank
 
 registry.import_built_in()  # the built-in subjects, imported before the ranks fork
@@ -164,6 +165,8 @@ def rank_main() -> None:
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         device = torch.device("cpu")
+        # before the process group starts its threads, which then inherit the cores (harness/cores.py)
+        pin_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), threads)
         dist.init_process_group(job.backend, timeout=timeout)
     ctx = RankContext(rank=rank, world_size=world_size, backend=job.backend, device=device,
                       group=dist.group.WORLD, nccl_algo=os.environ.get("NCCL_ALGO"))

@@ -1,0 +1,108 @@
+"""Each CPU rank runs on the cores harness/cores.py's policy gives it: blocks of cores that hold
+its threads, ranks in blocks where there are more ranks than cores, the scheduler's choice
+where a block cannot hold the threads. The records say where every rank's threads ran; the
+positive controls are a run whose ranks the policy leaves unplaced (4 ranks of 2 threads on a
+machine of fewer than 8 cores) and EP_HARNESS_PIN_RANKS=0."""
+import json
+import os
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ep_harness.cores import SWITCH, pin_rank, rank_cores, thread_cores
+from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
+
+ALLOWED = sorted(os.sched_getaffinity(0))  # what the commands the tests start may use too
+
+
+def test_the_policy_places_ranks_in_blocks_that_hold_their_threads():
+    two, eight = {0, 1}, set(range(8))
+    assert [rank_cores(r, 4, 1, two) for r in range(4)] == [[0], [0], [1], [1]]  # the CPU default
+    assert [rank_cores(r, 3, 1, two) for r in range(3)] == [[0], [0], [1]]
+    assert [rank_cores(r, 2, 1, two) for r in range(2)] == [[0], [1]]
+    assert rank_cores(0, 1, 1, two) == [0, 1]  # one rank: every core
+    assert [rank_cores(r, 4, 2, eight) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [rank_cores(r, 3, 2, eight) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [rank_cores(r, 2, 1, {3, 9, 12, 40}) for r in range(2)] == [[3, 9], [12, 40]]  # the cores allowed
+    # where a block cannot hold a rank's threads, the scheduler places it
+    assert {rank_cores(r, 4, 2, two) for r in range(4)} == {None}
+    assert rank_cores(0, 3, 4, eight) is None
+    assert rank_cores(0, 1, 1, set()) is None and rank_cores(4, 4, 1, two) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(0, 255), min_size=1, max_size=64), st.integers(1, 130), st.integers(1, 8))
+def test_placements_are_the_allowed_cores_shared_evenly(allowed, ranks, threads):
+    placed = [rank_cores(r, ranks, threads, allowed) for r in range(ranks)]
+    cores = len(allowed)
+    if ranks <= cores and cores // ranks >= threads:  # disjoint blocks of one width, each holding its threads
+        assert all(p is not None and set(p) <= allowed and len(p) == cores // ranks >= threads for p in placed)
+        assert len(set().union(*map(set, placed))) == ranks * (cores // ranks)
+        assert all(max(a) < min(b) for a, b in zip(placed, placed[1:]))  # in rank order
+    elif ranks > cores and threads == 1:  # a core each, every core used, ranks in blocks
+        assert all(p is not None and len(p) == 1 and p[0] in allowed for p in placed)
+        per_core = [sum(p == [c] for p in placed) for c in sorted(allowed)]
+        assert min(per_core) >= 1 and max(per_core) - min(per_core) <= 1
+        assert [p[0] for p in placed] == sorted(p[0] for p in placed)
+    else:
+        assert placed == [None] * ranks
+
+
+def _in_a_fork(switch: str | None, local_rank: int, local_ranks: int) -> list[int]:
+    """thread_cores() of a forked child that started a second thread and then called pin_rank
+    (with SWITCH set to `switch`, or unset)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own threads, pinned, and nothing of the parent's changed
+        code = 1
+        try:
+            os.environ.pop(SWITCH, None) if switch is None else os.environ.__setitem__(SWITCH, switch)
+            waiting = threading.Event()
+            threading.Thread(target=waiting.wait, daemon=True).start()  # started before the pin
+            pin_rank(local_rank, local_ranks, 1)
+            threading.Thread(target=waiting.wait, daemon=True).start()  # started after it
+            os.write(write, json.dumps(thread_cores()).encode())
+            waiting.set()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        got = answer.read()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return json.loads(got)
+
+
+def test_a_rank_pins_every_thread_and_the_switch_leaves_it_to_the_scheduler():
+    ranks = len(ALLOWED)  # one core each where there is more than one
+    pinned = _in_a_fork(None, ranks - 1, ranks)
+    assert pinned == rank_cores(ranks - 1, ranks, 1, ALLOWED) == [ALLOWED[-1]]
+    assert _in_a_fork("1", 0, ranks) == [ALLOWED[0]]
+    assert _in_a_fork("0", ranks - 1, ranks) == ALLOWED  # the control: left where it was
+    assert pinned != ALLOWED or len(ALLOWED) == 1
+    assert thread_cores() == ALLOWED  # the test process itself was never pinned
+
+
+def recorded_cores(run_dir) -> list[tuple[list[int], list[int]]]:
+    """(recorded, expected) cores of every rank of every launch of a run: each rank on its
+    rank_cores for its launch's ranks and the threads it reported, or where the policy leaves it
+    to the scheduler, on every core."""
+    environment = json.loads((run_dir / "environment.json").read_text())
+    pairs = []
+    for ranks in environment["ranks"].values():
+        for local_rank, rank in enumerate(ranks):
+            placed = rank_cores(local_rank, len(ranks), rank["threads"], ALLOWED)
+            pairs.append((rank["cpus"], placed or ALLOWED))
+    assert pairs
+    return pairs
+
+
+def test_each_rank_records_the_cores_the_policy_gives_it(smoke_run, pass_run):
+    smoke = recorded_cores(smoke_run[1])
+    assert all(recorded == expected for recorded, expected in smoke)
+    _, pass_dir, _ = pass_run  # --threads 2: unplaced below 8 cores
+    two_threads = recorded_cores(pass_dir)
+    assert all(recorded == expected for recorded, expected in two_threads)
+    if 1 < len(ALLOWED) < 8:  # the two runs' placements differ: the records are not a constant
+        assert {tuple(r) for r, _ in smoke} != {tuple(r) for r, _ in two_threads}
