@@ -50,14 +50,16 @@ def test_placements_are_the_allowed_cores_shared_evenly(allowed, ranks, threads)
 
 
 def _in_a_fork(switch: str | None, local_rank: int, local_ranks: int) -> list[int]:
-    """thread_cores() of a forked child that started a second thread and then called pin_rank
-    (with SWITCH set to `switch`, or unset)."""
+    """thread_cores() of a forked child that calls pin_rank (SWITCH set to `switch`, or unset)
+    between starting one thread and another."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its own threads, pinned, and nothing of the parent's changed
         code = 1
         try:
-            os.environ.pop(SWITCH, None) if switch is None else os.environ.__setitem__(SWITCH, switch)
+            os.environ.pop(SWITCH, None)
+            if switch is not None:
+                os.environ[SWITCH] = switch
             waiting = threading.Event()
             threading.Thread(target=waiting.wait, daemon=True).start()  # started before the pin
             pin_rank(local_rank, local_ranks, 1)
