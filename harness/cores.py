@@ -13,7 +13,8 @@ The policy (`rank_cores`), over the cores the launch may use (the command's affi
 - otherwise (more threads than a block holds) the scheduler places the ranks.
 NCCL ranks are not placed (their CPU side belongs near their GPU). EP_HARNESS_PIN_RANKS=0 leaves
 every rank to the scheduler (e.g. beside other work that holds some of the cores). Each rank
-records the cores its threads may use (environment.json, `ranks.<launch>[i].cpus`).
+records the cores its threads may use (environment.json, `ranks.<launch>[i].cpus`, as a
+list like Linux's: "0-3,8").
 """
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def rank_cores(local_rank: int, local_ranks: int, threads: int, allowed) -> list
         width = len(cores) // local_ranks
         return cores[local_rank * width:(local_rank + 1) * width] if width >= threads else None
     return [cores[local_rank * len(cores) // local_ranks]] if threads == 1 else None
+
+
+def cpu_list(cores) -> str:
+    """Cores as Linux writes them (/proc/PID/status, Cpus_allowed_list): "0-3,8,10-11"."""
+    spans: list[list[int]] = []
+    for core in sorted(cores):
+        if spans and core == spans[-1][1] + 1:
+            spans[-1][1] = core
+        else:
+            spans.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _threads() -> list[int]:

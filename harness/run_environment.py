@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ep_harness.cores import thread_cores
+from ep_harness.cores import cpu_list, thread_cores
 from ep_harness.environment import git_commit, recorded_env, redacted, redacted_command
 from ep_harness.nccl import library as nccl_library
 from ep_harness.nccl.statement import tp_reduction_statement
@@ -57,6 +57,7 @@ def rank_environment() -> dict:
 
     from ep_harness.launch.channel import local_node
 
+    cores = thread_cores()
     info = {
         "host": socket.gethostname(),
         "node": local_node(),
@@ -65,7 +66,7 @@ def rank_environment() -> dict:
         "cuda": torch.version.cuda,
         "env": recorded_env(),
         "threads": torch.get_num_threads(),  # intra-op threads, as pinned (harness/threads.py)
-        "cpus": thread_cores(),  # the cores its threads may run on (harness/cores.py)
+        "cpus": None if cores is None else cpu_list(cores),  # where its threads may run (harness/cores.py)
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     if torch.cuda.is_available():

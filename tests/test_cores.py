@@ -10,7 +10,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_harness.cores import SWITCH, pin_rank, rank_cores, thread_cores
+from ep_harness.cores import SWITCH, cpu_list, pin_rank, rank_cores, thread_cores
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
 ALLOWED = sorted(os.sched_getaffinity(0))  # what the commands the tests start may use too
@@ -86,7 +86,15 @@ def test_a_rank_pins_every_thread_and_the_switch_leaves_it_to_the_scheduler():
     assert thread_cores() == ALLOWED  # the test process itself was never pinned
 
 
-def recorded_cores(run_dir) -> list[tuple[list[int], list[int]]]:
+def test_cores_are_written_as_linux_writes_them():
+    assert cpu_list([0]) == "0" and cpu_list([1, 0]) == "0-1" and cpu_list([]) == ""
+    assert cpu_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    with open("/proc/self/status") as status:  # this process's own, as the kernel writes it
+        kernel = next(line.split(":")[1].strip() for line in status if line.startswith("Cpus_allowed_list"))
+    assert cpu_list(os.sched_getaffinity(0)) == kernel
+
+
+def recorded_cores(run_dir) -> list[tuple[str, str]]:
     """(recorded, expected) cores of every rank of every launch of a run: each rank on its
     rank_cores for its launch's ranks and the threads it reported, or where the policy leaves it
     to the scheduler, on every core."""
@@ -95,7 +103,7 @@ def recorded_cores(run_dir) -> list[tuple[list[int], list[int]]]:
     for ranks in environment["ranks"].values():
         for local_rank, rank in enumerate(ranks):
             placed = rank_cores(local_rank, len(ranks), rank["threads"], ALLOWED)
-            pairs.append((rank["cpus"], placed or ALLOWED))
+            pairs.append((rank["cpus"], cpu_list(placed or ALLOWED)))
     assert pairs
     return pairs
 
@@ -107,4 +115,4 @@ def test_each_rank_records_the_cores_the_policy_gives_it(smoke_run, pass_run):
     two_threads = recorded_cores(pass_dir)
     assert all(recorded == expected for recorded, expected in two_threads)
     if 1 < len(ALLOWED) < 8:  # the two runs' placements differ: the records are not a constant
-        assert {tuple(r) for r, _ in smoke} != {tuple(r) for r, _ in two_threads}
+        assert {r for r, _ in smoke} != {r for r, _ in two_threads}
