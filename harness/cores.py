@@ -79,6 +79,6 @@ def pin_rank(local_rank: int, local_ranks: int, threads: int) -> list[int] | Non
     for task in _threads():
         try:
             os.sched_setaffinity(task, cores)
-        except OSError:  # a thread that ended meanwhile
+        except OSError:  # a thread that ended meanwhile, or a sandbox that forbids it (the record says)
             pass
     return cores
