@@ -5,12 +5,13 @@ positive controls are a run whose ranks the policy leaves unplaced (4 ranks of 2
 machine of fewer than 8 cores) and EP_HARNESS_PIN_RANKS=0."""
 import json
 import os
-import threading
+import subprocess
+import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_harness.cores import SWITCH, cpu_list, pin_rank, rank_cores, thread_cores
+from ep_harness.cores import SWITCH, cpu_list, rank_cores, thread_cores
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
 ALLOWED = sorted(os.sched_getaffinity(0))  # what the commands the tests start may use too
@@ -49,39 +50,35 @@ def test_placements_are_the_allowed_cores_shared_evenly(allowed, ranks, threads)
         assert placed == [None] * ranks
 
 
-def _in_a_fork(switch: str | None, local_rank: int, local_ranks: int) -> list[int]:
-    """thread_cores() of a forked child that calls pin_rank (SWITCH set to `switch`, or unset)
-    between starting one thread and another."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its own threads, pinned, and nothing of the parent's changed
-        code = 1
-        try:
-            os.environ.pop(SWITCH, None)
-            if switch is not None:
-                os.environ[SWITCH] = switch
-            waiting = threading.Event()
-            threading.Thread(target=waiting.wait, daemon=True).start()  # started before the pin
-            pin_rank(local_rank, local_ranks, 1)
-            threading.Thread(target=waiting.wait, daemon=True).start()  # started after it
-            os.write(write, json.dumps(thread_cores()).encode())
-            waiting.set()
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as answer:
-        got = answer.read()
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    return json.loads(got)
+# A process of its own (not a fork of this multi-threaded one): one thread started before the
+# pin and one after, then where all of them may run.
+_CHILD = """
+import json, sys, threading
+from ep_harness.cores import pin_rank, thread_cores
+waiting = threading.Event()
+threading.Thread(target=waiting.wait, daemon=True).start()
+pin_rank(int(sys.argv[1]), int(sys.argv[2]), 1)
+threading.Thread(target=waiting.wait, daemon=True).start()
+print(json.dumps(thread_cores()))
+"""
+
+
+def _child_cores(switch: str | None, local_rank: int, local_ranks: int) -> list[int]:
+    """thread_cores() of a child that calls pin_rank (SWITCH set to `switch`, or unset) between
+    starting one thread and another."""
+    env = {k: v for k, v in os.environ.items() if k != SWITCH} | ({SWITCH: switch} if switch is not None else {})
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(local_rank), str(local_ranks)], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout)
 
 
 def test_a_rank_pins_every_thread_and_the_switch_leaves_it_to_the_scheduler():
     ranks = len(ALLOWED)  # one core each where there is more than one
-    pinned = _in_a_fork(None, ranks - 1, ranks)
+    pinned = _child_cores(None, ranks - 1, ranks)
     assert pinned == rank_cores(ranks - 1, ranks, 1, ALLOWED) == [ALLOWED[-1]]
-    assert _in_a_fork("1", 0, ranks) == [ALLOWED[0]]
-    assert _in_a_fork("0", ranks - 1, ranks) == ALLOWED  # the control: left where it was
+    assert _child_cores("1", 0, ranks) == [ALLOWED[0]]
+    assert _child_cores("0", ranks - 1, ranks) == ALLOWED  # the control: left where it was
     assert pinned != ALLOWED or len(ALLOWED) == 1
     assert thread_cores() == ALLOWED  # the test process itself was never pinned
 
