@@ -102,6 +102,21 @@ def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool 
     return subprocess.run([*exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def start_cli(*args, cwd=REPO, env: dict | None = None):
+    """`ep-harness ARGS` started and not waited for, as subprocess.Popen(stdout=PIPE,
+    stderr=STDOUT, text=True, start_new_session=True) starts the console script (a test that
+    signals a run): forked as run_cli's are (tests/forked_cli.py ForkedRun), or a process of its
+    own where `env` differs in what is read at start-up."""
+    from tests.forked_cli import shared_server
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
+    if (server := shared_server(env)) is not None:
+        return server.start(*args, cwd=cwd, env=env)
+    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
+    return subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
 def shared_dir(tmp_path_factory) -> Path:
     """The temporary directory every xdist worker of this session shares (this session's own
     where there are no workers)."""

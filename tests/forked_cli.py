@@ -10,7 +10,8 @@ server's PYTHONPATH, put where the interpreter puts them unless one holds a modu
 has imported (a fresh interpreter would import that one), and `python -m ep_harness` (the
 working directory first on the path, the package's __main__ run as the interpreter runs it).
 
-`shared_server`: conftest.run_cli's server, one per test process. `cli_fork`: a fixture, the
+`shared_server`: conftest.run_cli's server (and conftest.start_cli's, whose command is
+started and not waited for: ForkedRun), one per test process. `cli_fork`: a fixture, the
 same server whatever the environment. `cli_batch`: many command lines forked from one
 interpreter (inside once_per_session's makers).
 """
@@ -70,11 +71,16 @@ reply.flush()
 
 
 def child(req):
+    if req["new_session"]:  # as Popen's start_new_session
+        os.setsid()
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
                             (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
+        if fd == 2 and path == req["stdout"]:  # stderr=STDOUT: one file, one offset
+            os.dup2(1, 2)
+            continue
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
@@ -148,6 +154,7 @@ class ForkedCli:
         # A fork of a process with threads may hang in the child: the preloaded imports start none.
         assert hello["threads"] == 1, hello
         self.modules = set(hello["modules"])  # top-level names the preloads imported
+        self._running: ForkedRun | None = None  # start()'s command until its status is read
 
     def serves(self, env: dict) -> bool:
         """Whether a command in `env` behaves here as in a fresh interpreter (path_ahead)."""
@@ -190,24 +197,37 @@ class ForkedCli:
         (capture_output=True, text=True) returns it."""
         out, err = self.send(args, cwd, env, module)
         code = self.status(timeout)
-
-        def read(path):  # as subprocess.run(text=True) reads a pipe: the locale's encoding, universal newlines
-            return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
-
         argv = ([sys.executable, "-m", "ep_harness"] if module else ["ep-harness"]) if self.kind == "ep-harness" \
             else [sys.executable, "-m", "pytest"]
-        return subprocess.CompletedProcess([*argv, *args], code, read(out), read(err))
+        return subprocess.CompletedProcess([*argv, *args], code, self.read(out), self.read(err))
 
-    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False) -> tuple[Path, Path]:
+    def start(self, *args: str, cwd=REPO, env: dict | None = None) -> "ForkedRun":
+        """`ep-harness ARGS` in CWD, not waited for: as subprocess.Popen(stdout=PIPE,
+        stderr=STDOUT, text=True, start_new_session=True) starts it (ForkedRun). The server
+        makes nothing else until it has ended (the next command ends it first)."""
+        out, _ = self.send(args, cwd, env, stderr_to_stdout=True, new_session=True)
+        self._running = ForkedRun(self, json.loads(self._line(60))["pid"], out)
+        return self._running
+
+    def read(self, path: Path) -> str:
+        """A command's output as subprocess.run(text=True) reads a pipe: the locale's encoding,
+        universal newlines."""
+        return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
+
+    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False, stderr_to_stdout: bool = False,
+             new_session: bool = False) -> tuple[Path, Path]:
         """Ask for one command (see __call__); the files its stdout and stderr go to. An
         environment this server does not serve (path_ahead) runs with the server's path."""
-        out, err = self.folder / "stdout", self.folder / "stderr"
+        if self._running is not None:  # a started command its test left running (it failed before waiting)
+            self._running.end()
+        out, err = self.folder / "stdout", self.folder / ("stdout" if stderr_to_stdout else "stderr")
         out.write_bytes(b"")
         err.write_bytes(b"")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
                                           "path": self.path_ahead(env) or [], "module": module,
-                                          "stdout": str(out), "stderr": str(err), "encoding": self.encoding}) + "\n")
+                                          "stdout": str(out), "stderr": str(err), "encoding": self.encoding,
+                                          "new_session": new_session}) + "\n")
         self.proc.stdin.flush()
         return out, err
 
@@ -224,6 +244,8 @@ class ForkedCli:
             raise
 
     def close(self):
+        if self._running is not None and self.proc.poll() is None:
+            self._running.end()
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -235,6 +257,42 @@ class ForkedCli:
             os.close(self.reply)
             self.reply = None
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ForkedRun:
+    """What a test uses of subprocess.Popen for a command ForkedCli.start started: its pid,
+    poll, wait, send_signal, communicate (its output: stdout and stderr in one) and returncode."""
+
+    def __init__(self, server: ForkedCli, pid: int, output: Path):
+        self.server, self.pid, self.output, self.returncode = server, pid, output, None
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None and self._ended(0) else self.returncode
+
+    def _ended(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.server.reply], [], [], timeout)
+        return bool(ready) or b"\n" in self.server._pending
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not self._ended(timeout):
+                raise subprocess.TimeoutExpired(f"ep-harness (forked, pid {self.pid})", timeout)
+            self.returncode = json.loads(self.server._line(60))["returncode"]
+            self.server._running = None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.server.read(self.output), None
+
+    def end(self) -> None:
+        """Killed, as a test's Popen is when the test failed and its process is collected."""
+        self.send_signal(signal.SIGKILL)
+        self.wait(60)
 
 
 # Variables a process reads as it starts or as torch and the harness's modules import (nodes.py

@@ -79,6 +79,20 @@ def test_a_forked_command_that_ends_at_once_is_read_to_its_status(cli_fork):
     assert server("--version").returncode == 0  # and the server goes on serving
 
 
+def test_a_started_forked_command_is_waited_for_or_ended_before_the_next(cli_fork):
+    """ForkedCli.start (conftest.start_cli): the command's stderr in its output, its status
+    once it has ended, and a command its test left unwaited is ended before the server makes
+    the next (whose answers would otherwise be read as the first's)."""
+    server = cli_fork
+    run = server.start("verify", "--threads", "two")
+    output, _ = run.communicate(timeout=60)
+    assert run.returncode == run.poll() == 2 and "--threads 'two' is not a thread count" in output
+    left = server.start("verify", "--threads", "three")
+    assert left.returncode is None
+    version = server("--version")
+    assert left.returncode in (2, -9) and version.returncode == 0 and version.stdout.startswith("ep-harness ")
+
+
 def test_version_names_the_pyproject_version_and_the_commit():
     proc = harness("--version")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()

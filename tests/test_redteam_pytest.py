@@ -4,8 +4,6 @@ the session's private directory, and only when stamped with the session's nonce.
 import json
 import os
 import secrets
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import pytest
 
 from ep_harness.pytest_plugin import ForeignResults, suite_records
 from tests.conftest import REPO
+from tests.forked_cli import forked_pytest
 from tests.test_reports import record
 
 CHECKS = ["fold/rank-invariance/world_size=3", "fold/rank-invariance/world_size=16",
@@ -34,10 +33,9 @@ def test_a_forged_results_file_at_the_old_location_is_not_used(tmp_path):
     old.mkdir()
     try:
         forge(old)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                               "--testrunuid", uid, "--ep-suite", "tests/cases/plugin_items.toml", "--ep-gpus", "0",
-                               "-rfs", "tests/test_gate.py", "-k", "fold or split-k"], cwd=REPO, capture_output=True,
-                              text=True, timeout=600, env={**os.environ, "PYTEST_XDIST_TESTRUNUID": uid})
+        proc = forked_pytest("-q", "-p", "no:cacheprovider", "-n", "2", "--testrunuid", uid, "--ep-suite",
+                             "tests/cases/plugin_items.toml", "--ep-gpus", "0", "-rfs", "tests/test_gate.py", "-k",
+                             "fold or split-k", cwd=REPO, env={**os.environ, "PYTEST_XDIST_TESTRUNUID": uid})
     finally:
         import shutil
 

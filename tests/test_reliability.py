@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ep_harness.environment import recorded_env
-from tests.conftest import REPO, gone, processes_with_env, run_cli
+from tests.conftest import REPO, gone, processes_with_env, run_cli, start_cli
 from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
@@ -66,11 +66,8 @@ def test_bad_input_never_writes_a_partial_run(tmp_path):
 def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, code):
     children = tmp_path / "children"
     children.mkdir()
-    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
-    proc = subprocess.Popen([exe, "verify", "--suite", str(REPO / "tests" / "cases" / "interrupt.toml"), "--gpus", "0",
-                             "--out", str(tmp_path / "out")], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "EP_TEST_CHILD_PIDS": str(children)})
+    proc = start_cli("verify", "--suite", str(REPO / "tests" / "cases" / "interrupt.toml"), "--gpus", "0",
+                     "--out", str(tmp_path / "out"), env={**os.environ, "EP_TEST_CHILD_PIDS": str(children)})
     deadline = time.time() + 180
     while len(list(children.iterdir())) < 3 and time.time() < deadline:  # every rank is inside the hang
         time.sleep(0.2)
@@ -149,10 +146,8 @@ def test_a_run_in_which_nothing_ran_is_not_ok(tmp_path, cli_fork):
 
 @pytest.mark.slow
 def test_an_interrupted_exploration_leaves_no_process(tmp_path):
-    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
-    proc = subprocess.Popen([exe, "explore", "all_gather_fold", "--world-size", "3", "--budget", "120",
-                             "--store", str(tmp_path / "store.jsonl")], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_cli("explore", "all_gather_fold", "--world-size", "3", "--budget", "120",
+                     "--store", str(tmp_path / "store.jsonl"), cwd=tmp_path, env=dict(os.environ))
     deadline = time.time() + 120
     while len(list(tmp_path.glob("explore/*/pid-rank*"))) < 3 and time.time() < deadline:
         time.sleep(0.2)

@@ -4,7 +4,6 @@ nothing was measured is named; reason texts count what they say they count."""
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from ep_harness.regress.gate import gate, read_baseline, update_baseline
 from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
-from tests.conftest import REPO, gone
+from tests.conftest import REPO, gone, start_cli
 from tests.forked_cli import cli_fork, forked_pytest  # noqa: F401 (cli_fork: a fixture)
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 from tests.test_gate import baseline_records, run_with
@@ -295,11 +294,8 @@ def test_pytest_ep_suite_of_only_skipped_checks_exits_1_as_verify_does(tmp_path,
 def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relaunch(tmp_path, cli_fork):
     pids = tmp_path / "pids"
     pids.mkdir()
-    exe = str(REPO / ".venv" / "bin" / "ep-harness") if (REPO / ".venv").exists() else "ep-harness"
-    proc = subprocess.Popen([exe, "verify", "--suite", "tests/cases/interrupt_fresh.toml", "--gpus", "0",
-                             "--fresh-processes", "2", "--out", str(tmp_path / "out")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "EP_TEST_CHILD_PIDS": str(pids)})
+    proc = start_cli("verify", "--suite", "tests/cases/interrupt_fresh.toml", "--gpus", "0", "--fresh-processes", "2",
+                     "--out", str(tmp_path / "out"), env={**os.environ, "EP_TEST_CHILD_PIDS": str(pids)})
     deadline = time.time() + 300
     while len(list(pids.iterdir())) < 3 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
