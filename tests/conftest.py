@@ -85,8 +85,11 @@ def scratch_registry(monkeypatch):
     scratch = {name: s for name, s in subject._REGISTRY.items() if name != "my_reduce_scatter"}
     monkeypatch.setattr(subject, "_REGISTRY", scratch)
     return scratch
-def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool = False):
-    """Run the installed console script the way a user would (`module`: `python -m ep_harness`):
+
+
+def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool = False, code: str | None = None):
+    """Run the installed console script the way a user would (`module`: `python -m ep_harness`;
+    `code`: `python -c CODE ARGS`, a script of the test's that calls the harness's functions):
     forked from this test process's interpreter that has imported torch and the harness already
     (tests/forked_cli.py; 1.5-2 s of CPU less a command, ranks and agents still their own
     processes), or, where the environment differs in what is read at start-up, as a process of
@@ -96,25 +99,29 @@ def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool 
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
-        return server(*args, cwd=cwd, env=env, timeout=timeout, module=module)
-    exe = [sys.executable, "-m", "ep_harness"] if module else \
+        return server(*args, cwd=cwd, env=env, timeout=timeout, module=module, code=code)
+    return subprocess.run([*_command(module, code), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def _command(module: bool = False, code: str | None = None) -> list[str]:
+    """What starts run_cli's and start_cli's commands as processes of their own."""
+    return [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", "ep_harness"] if module else \
         [shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"]
-    return subprocess.run([*exe, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def start_cli(*args, cwd=REPO, env: dict | None = None):
-    """`ep-harness ARGS` started and not waited for, as subprocess.Popen(stdout=PIPE,
-    stderr=STDOUT, text=True, start_new_session=True) starts the console script (a test that
-    signals a run): forked as run_cli's are (tests/forked_cli.py ForkedRun), or a process of its
-    own where `env` differs in what is read at start-up."""
+def start_cli(*args, cwd=REPO, env: dict | None = None, code: str | None = None):
+    """`ep-harness ARGS` (`code`: `python -c CODE ARGS`) started and not waited for, as
+    subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True) starts it
+    (a test that signals a run): forked as run_cli's are (tests/forked_cli.py ForkedRun), or a
+    process of its own where `env` differs in what is read at start-up."""
     from tests.forked_cli import shared_server
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
-        return server.start(*args, cwd=cwd, env=env)
-    exe = shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"
-    return subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
+        return server.start(*args, cwd=cwd, env=env, code=code)
+    return subprocess.Popen([*_command(code=code), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
 
 
 def shared_dir(tmp_path_factory) -> Path:

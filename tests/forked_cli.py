@@ -95,6 +95,10 @@ def child(req):
         sys.argv = [pytest.__main__.__file__, *req["argv"]]
         sys.path.insert(0, os.getcwd())
         run = pytest.console_main
+    elif req["code"] is not None:  # as `python -c CODE`: the working directory ('') in the script's place
+        sys.path[0] = ""
+        sys.argv = ["-c", *req["argv"]]
+        run = lambda: exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
     elif req["module"]:  # as `python -m ep_harness`: the working directory in the script's place
         import runpy
         sys.path[0] = os.getcwd()
@@ -192,20 +196,22 @@ class ForkedCli:
         line, _, self._pending = self._pending.partition(b"\n")
         return line.decode()
 
-    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600, module: bool = False):
-        """`ep-harness ARGS` (`module`: `python -m ep_harness ARGS`) in CWD, as subprocess.run
-        (capture_output=True, text=True) returns it."""
-        out, err = self.send(args, cwd, env, module)
-        code = self.status(timeout)
-        argv = ([sys.executable, "-m", "ep_harness"] if module else ["ep-harness"]) if self.kind == "ep-harness" \
-            else [sys.executable, "-m", "pytest"]
-        return subprocess.CompletedProcess([*argv, *args], code, self.read(out), self.read(err))
+    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600, module: bool = False,
+                 code: str | None = None):
+        """`ep-harness ARGS` (`module`: `python -m ep_harness ARGS`; `code`: `python -c CODE
+        ARGS`) in CWD, as subprocess.run (capture_output=True, text=True) returns it."""
+        out, err = self.send(args, cwd, env, module, code)
+        status = self.status(timeout)
+        argv = [sys.executable, "-m", "pytest"] if self.kind == "pytest" else [sys.executable, "-c", code] \
+            if code is not None else [sys.executable, "-m", "ep_harness"] if module else ["ep-harness"]
+        return subprocess.CompletedProcess([*argv, *args], status, self.read(out), self.read(err))
 
-    def start(self, *args: str, cwd=REPO, env: dict | None = None) -> "ForkedRun":
-        """`ep-harness ARGS` in CWD, not waited for: as subprocess.Popen(stdout=PIPE,
-        stderr=STDOUT, text=True, start_new_session=True) starts it (ForkedRun). The server
-        makes nothing else until it has ended (the next command ends it first)."""
-        out, _ = self.send(args, cwd, env, stderr_to_stdout=True, new_session=True)
+    def start(self, *args: str, cwd=REPO, env: dict | None = None, code: str | None = None) -> "ForkedRun":
+        """`ep-harness ARGS` (`code`: `python -c CODE ARGS`) in CWD, not waited for: as
+        subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True) starts
+        it (ForkedRun). The server makes nothing else until it has ended (the next command ends
+        it first)."""
+        out, _ = self.send(args, cwd, env, code=code, stderr_to_stdout=True, new_session=True)
         self._running = ForkedRun(self, json.loads(self._line(60))["pid"], out)
         return self._running
 
@@ -214,8 +220,8 @@ class ForkedCli:
         universal newlines."""
         return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
-    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False, stderr_to_stdout: bool = False,
-             new_session: bool = False) -> tuple[Path, Path]:
+    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False, code: str | None = None,
+             stderr_to_stdout: bool = False, new_session: bool = False) -> tuple[Path, Path]:
         """Ask for one command (see __call__); the files its stdout and stderr go to. An
         environment this server does not serve (path_ahead) runs with the server's path."""
         if self._running is not None:  # a started command its test left running (it failed before waiting)
@@ -225,7 +231,7 @@ class ForkedCli:
         err.write_bytes(b"")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                                          "path": self.path_ahead(env) or [], "module": module,
+                                          "path": self.path_ahead(env) or [], "module": module, "code": code,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding,
                                           "new_session": new_session}) + "\n")
         self.proc.stdin.flush()
@@ -285,13 +291,16 @@ class ForkedRun:
         if self.returncode is None:
             os.kill(self.pid, sig)
 
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         self.wait(timeout)
         return self.server.read(self.output), None
 
     def end(self) -> None:
-        """Killed, as a test's Popen is when the test failed and its process is collected."""
-        self.send_signal(signal.SIGKILL)
+        """Killed and waited for (a command its test left running)."""
+        self.kill()
         self.wait(60)
 
 

@@ -221,10 +221,8 @@ def compiled_run(tmp_path, **env):
     """The toy family's two checks (one kernel between them) through verify; the kernel
     events and the ranks' pids."""
     import os
-    import subprocess
-    import sys
 
-    from tests.conftest import rank_pids
+    from tests.conftest import rank_pids, run_cli
 
     (tmp_path / "toy_jit.py").write_text(TOY_KERNELS)
     (tmp_path / "cache").mkdir()
@@ -232,11 +230,9 @@ def compiled_run(tmp_path, **env):
     suite.write_text('[suite]\nname = "jit"\nplugins = ["toy_jit"]\n\n' + "\n".join(
         case(name, "toy_jit_sums", "batch-invariance", "holds", batch_sizes=sizes)
         for name, sizes in (("small", [1, 3]), ("large", [2, 8]))))
-    proc = subprocess.run([sys.executable, "-c", COMPILED_RUN, str(suite), str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]),
-                               "TOY_KERNEL_CACHE": str(tmp_path / "cache"), "DG_JIT_CACHE_DIR": str(tmp_path / "dg"),
-                               **env})
+    proc = run_cli(str(suite), str(tmp_path / "out"), code=COMPILED_RUN,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]),
+                        "TOY_KERNEL_CACHE": str(tmp_path / "cache"), "DG_JIT_CACHE_DIR": str(tmp_path / "dg"), **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / "cache" / "events.jsonl").read_text().splitlines()]
     return events, set(rank_pids((tmp_path / "out" / "latest").resolve()))

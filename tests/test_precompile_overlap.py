@@ -17,18 +17,17 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ep_harness.run import precompile
 from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
-from tests.conftest import REPO, gone, processes_with_env
+from tests.conftest import REPO, gone, start_cli
 from tests.test_precompile import (  # noqa: F401  (fake_deep_gemm, ends_its_workers: fixtures)
     H200, compile_now, ends_its_workers, fake_deep_gemm, leftover_workers, small_h200_checks, worker_env, within)
 
@@ -268,16 +267,15 @@ def test_a_signal_during_the_overlap_ends_workers_and_ranks_and_keeps_finished_c
     with 143, no compile worker (nor what it started) and no rank is left, the checks that
     finished are kept and the waiting one is marked interrupted."""
     env = worker_env(tmp_path, FAKE_DEEP_GEMM_COMPILE_S="3600")
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_RUN, str(SUITE), str(tmp_path / "out")], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = start_cli(str(SUITE), str(tmp_path / "out"), env=env, code=INTERRUPTED_RUN)
     try:
         until(lambda: (tmp_path / "out").exists() and any(p.name != "latest" for p in (tmp_path / "out").iterdir()))
         [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
         until(lambda: len(streamed(run_dir)) >= 2)  # the others are done: the ranks now wait
-        ranks = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_dir.name}/")  # and their agent
-        # The run's processes all carry the worker environment: the compile workers are the others.
-        workers = [pid for pid in leftover_workers(tmp_path) if pid not in ranks and pid != proc.pid]
+        # The compile workers carry the worker environment (a forked command, agent and its ranks
+        # show the fork server's in /proc): the command's other descendants are the launch's.
+        workers = [pid for pid in leftover_workers(tmp_path) if pid != proc.pid]
+        ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.pid not in workers]
         assert len(workers) == 2 and len(ranks) >= 2, (workers, ranks)
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
