@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ep_harness.launch import processes
-from tests.conftest import REPO, REPO_ON_PYTHONPATH
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, run_cli
 
 
 def _through_two_frames(name_of):
@@ -103,8 +103,7 @@ def test_the_comparison_kernel_defined_on_first_use_still_counts_under_the_inter
             "a = torch.randn(20000, generator=torch.Generator().manual_seed(0)).bfloat16(); b = a.clone(); "
             "int_view(b)[[5, 1234, 19999]] += 3; int_view(b)[777] -= 1; "
             "print(bc.bitwise_stats(a, b, use_triton=True), bc.bitwise_stats(a, b, use_triton=False))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"})
+    proc = run_cli(code=code, timeout=300, env={**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     fused, plain = proc.stdout.strip().split(") (")
     assert fused + ")" == "(4, 3, 5)" and "(" + plain == "(4, 3, 5)"

@@ -13,7 +13,6 @@ import inspect
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 from ep_harness.kernels import bi_matmul as kernel
 from ep_harness.families.gemm import GemmParams
 from ep_harness.subject import Platform, load_all
-from tests.conftest import REPO, REPO_ON_PYTHONPATH, completed, once_per_session
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, completed, once_per_session, run_cli
 
 CPU = Platform("gloo", "cpu", 1)
 H200 = Platform("nccl", "cuda", 1, "NVIDIA H200", (9, 0), gpus=1)
@@ -237,9 +236,9 @@ def split_checks(g) -> dict:
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed here (pip install triton: ~190 MB wheel)")
     env = {**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"}
+    as_module = "import runpy; runpy.run_module('tests.test_triton_matmul', run_name='__main__', alter_sys=True)"
     proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "triton-interpreted", lambda _: completed(
-        subprocess.run([sys.executable, "-m", "tests.test_triton_matmul"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300))))
+        run_cli(cwd=REPO, env=env, timeout=300, code=as_module))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
