@@ -9,7 +9,7 @@ import pytest
 
 from ep_harness.launch.processes import agent_command
 from ep_harness.launch.nodes import Nodes
-from tests.conftest import REPO, REPO_ON_PYTHONPATH
+from tests.conftest import REPO, REPO_ON_PYTHONPATH, run_cli
 
 WITH_REPO_ON_PATH = {**os.environ, **REPO_ON_PYTHONPATH}
 
@@ -87,8 +87,8 @@ def test_one_rank_without_omp_num_threads_is_still_forked_from_the_agent(tmp_pat
 
 @pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])
 def test_the_agent_names_a_missing_entry_module_in_one_line(entry):
-    proc = subprocess.run([sys.executable, "-m", "ep_harness.launch.agent", "--nproc-per-node", "2", *entry],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    as_module = "import runpy; runpy.run_module('ep_harness.launch.agent', run_name='__main__', alter_sys=True)"
+    proc = run_cli("--nproc-per-node", "2", *entry, code=as_module, timeout=60)  # python -m ep_harness.launch.agent
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"ep_harness.launch.agent: no importable entry module ({entry[1] if entry else None!r}); "
