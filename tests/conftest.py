@@ -205,6 +205,17 @@ def gone(pid: int) -> bool:
     return found is None or found.state in ENDED_STATES
 
 
+def process_tree(pid: int) -> list[int]:
+    """Every live descendant of `pid`: a run's agents, fork servers, ranks and compile workers,
+    whether forked or new interpreters (a fork's /proc/PID/environ is its forker's)."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def rank_pids(run_dir: Path) -> list[int]:
     """Every rank of a finished run, from the fingerprints each launch's ranks reported."""
     import json

@@ -85,20 +85,24 @@ def child(req):
         os.dup2(opened, fd)
         os.close(opened)
     reply.close()
-    enc = req["encoding"]
+    enc, unbuffered = req["encoding"], bool(req["env"].get("PYTHONUNBUFFERED"))  # as the interpreter opens them
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=enc)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=enc)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=enc,
+                                                   write_through=unbuffered)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=enc,
-                                                   errors="backslashreplace", line_buffering=True)
+                                                   errors="backslashreplace", line_buffering=True,
+                                                   write_through=unbuffered)
     sys.path[1:1] = req["path"]  # PYTHONPATH's entries the server started without: after the script's place
     if kind == "pytest":  # as `python -m pytest`, to the end (pytest/__main__.py)
         sys.argv = [pytest.__main__.__file__, *req["argv"]]
         sys.path.insert(0, os.getcwd())
         run = pytest.console_main
     elif req["code"] is not None:  # as `python -c CODE`: the working directory ('') in the script's place
+        import types
         sys.path[0] = ""
         sys.argv = ["-c", *req["argv"]]
-        run = lambda: exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+        main = sys.modules["__main__"] = types.ModuleType("__main__")  # what it defines pickles by name
+        run = lambda: exec(compile(req["code"], "<string>", "exec"), main.__dict__)
     elif req["module"]:  # as `python -m ep_harness`: the working directory in the script's place
         import runpy
         sys.path[0] = os.getcwd()
@@ -159,6 +163,7 @@ class ForkedCli:
         assert hello["threads"] == 1, hello
         self.modules = set(hello["modules"])  # top-level names the preloads imported
         self._running: ForkedRun | None = None  # start()'s command until its status is read
+        self.started = 0
 
     def serves(self, env: dict) -> bool:
         """Whether a command in `env` behaves here as in a fresh interpreter (path_ahead)."""
@@ -211,7 +216,8 @@ class ForkedCli:
         subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True, start_new_session=True) starts
         it (ForkedRun). The server makes nothing else until it has ended (the next command ends
         it first)."""
-        out, _ = self.send(args, cwd, env, code=code, stderr_to_stdout=True, new_session=True)
+        self.started += 1  # its output a file of its own, read when the test asks (after later commands too)
+        out, _ = self.send(args, cwd, env, code=code, output=f"started-{self.started}", new_session=True)
         self._running = ForkedRun(self, json.loads(self._line(60))["pid"], out)
         return self._running
 
@@ -221,12 +227,13 @@ class ForkedCli:
         return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
     def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False, code: str | None = None,
-             stderr_to_stdout: bool = False, new_session: bool = False) -> tuple[Path, Path]:
-        """Ask for one command (see __call__); the files its stdout and stderr go to. An
-        environment this server does not serve (path_ahead) runs with the server's path."""
-        if self._running is not None:  # a started command its test left running (it failed before waiting)
+             output: str | None = None, new_session: bool = False) -> tuple[Path, Path]:
+        """Ask for one command (see __call__); the files its stdout and stderr go to (`output`:
+        both to that one). An environment this server does not serve (path_ahead) runs with the
+        server's path."""
+        if self._running is not None:  # a started command its test did not wait for (it failed first)
             self._running.end()
-        out, err = self.folder / "stdout", self.folder / ("stdout" if stderr_to_stdout else "stderr")
+        out, err = (self.folder / output,) * 2 if output else (self.folder / "stdout", self.folder / "stderr")
         out.write_bytes(b"")
         err.write_bytes(b"")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
@@ -288,8 +295,11 @@ class ForkedRun:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
+        if self.poll() is None:  # not yet reaped by the server (as Popen, which ignores one gone meanwhile)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -299,7 +309,7 @@ class ForkedRun:
         return self.server.read(self.output), None
 
     def end(self) -> None:
-        """Killed and waited for (a command its test left running)."""
+        """Killed if still running, and waited for (a command its test did not wait for)."""
         self.kill()
         self.wait(60)
 

@@ -81,16 +81,21 @@ def test_a_forked_command_that_ends_at_once_is_read_to_its_status(cli_fork):
 
 def test_a_started_forked_command_is_waited_for_or_ended_before_the_next(cli_fork):
     """ForkedCli.start (conftest.start_cli): the command's stderr in its output, its status
-    once it has ended, and a command its test left unwaited is ended before the server makes
-    the next (whose answers would otherwise be read as the first's)."""
+    once it has ended, and a command its test did not wait for (running, or ended and reaped by
+    the server) is settled before the server makes the next, whose answers would otherwise be
+    read as the first's."""
+    import time
+
     server = cli_fork
     run = server.start("verify", "--threads", "two")
     output, _ = run.communicate(timeout=60)
     assert run.returncode == run.poll() == 2 and "--threads 'two' is not a thread count" in output
-    left = server.start("verify", "--threads", "three")
-    assert left.returncode is None
-    version = server("--version")
-    assert left.returncode in (2, -9) and version.returncode == 0 and version.stdout.startswith("ep-harness ")
+    for pause in (0.0, 1.0):  # the next command at once, and after this one has ended
+        left = server.start("verify", "--threads", "three")
+        time.sleep(pause)
+        version = server("--version")
+        assert left.returncode in (2, -9) and version.returncode == 0 and version.stdout.startswith("ep-harness ")
+    assert "--threads 'two'" in run.communicate()[0]  # each started command's output is its own
 
 
 def test_version_names_the_pyproject_version_and_the_commit():

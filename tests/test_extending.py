@@ -231,7 +231,7 @@ def compiled_run(tmp_path, **env):
         case(name, "toy_jit_sums", "batch-invariance", "holds", batch_sizes=sizes)
         for name, sizes in (("small", [1, 3]), ("large", [2, 8]))))
     proc = run_cli(str(suite), str(tmp_path / "out"), code=COMPILED_RUN,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]),
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
                         "TOY_KERNEL_CACHE": str(tmp_path / "cache"), "DG_JIT_CACHE_DIR": str(tmp_path / "dg"), **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / "cache" / "events.jsonl").read_text().splitlines()]

@@ -27,7 +27,7 @@ import pytest
 from ep_harness.run import precompile
 from ep_harness.check import single_check
 from ep_harness.subject import get, load_all
-from tests.conftest import REPO, gone, start_cli
+from tests.conftest import REPO, gone, process_tree, start_cli
 from tests.test_precompile import (  # noqa: F401  (fake_deep_gemm, ends_its_workers: fixtures)
     H200, compile_now, ends_its_workers, fake_deep_gemm, leftover_workers, small_h200_checks, worker_env, within)
 
@@ -262,6 +262,13 @@ sys.exit(code)
 """
 
 
+def command_line(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # ended meanwhile
+        return ""
+
+
 def test_a_signal_during_the_overlap_ends_workers_and_ranks_and_keeps_finished_checks(tmp_path, ends_its_workers):
     """SIGTERM while the ranks wait for a compile that would take an hour: the run ends at once
     with 143, no compile worker (nor what it started) and no rank is left, the checks that
@@ -272,11 +279,12 @@ def test_a_signal_during_the_overlap_ends_workers_and_ranks_and_keeps_finished_c
         until(lambda: (tmp_path / "out").exists() and any(p.name != "latest" for p in (tmp_path / "out").iterdir()))
         [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
         until(lambda: len(streamed(run_dir)) >= 2)  # the others are done: the ranks now wait
-        # The compile workers carry the worker environment (a forked command, agent and its ranks
-        # show the fork server's in /proc): the command's other descendants are the launch's.
-        workers = [pid for pid in leftover_workers(tmp_path) if pid != proc.pid]
-        ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.pid not in workers]
-        assert len(workers) == 2 and len(ranks) >= 2, (workers, ranks)
+        # The command's descendants: its 2 compile workers, and the launch (the agent, the
+        # ranks' fork server and the 2 ranks, which wait for the compile now).
+        tree = process_tree(proc.pid)
+        workers = [pid for pid in tree if "ep_harness.run.precompile_worker" in command_line(pid)]
+        ranks = [pid for pid in tree if pid not in workers]
+        assert len(workers) == 2 and len(ranks) >= 4, (workers, ranks)
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ep_harness.environment import recorded_env
-from tests.conftest import REPO, gone, processes_with_env, run_cli, start_cli
+from tests.conftest import REPO, gone, process_tree, run_cli, start_cli
 from tests.forked_cli import cli_fork  # noqa: F401 (a fixture)
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 
@@ -72,10 +72,10 @@ def test_a_signal_keeps_finished_results_and_leaves_no_process(tmp_path, sig, co
     while len(list(children.iterdir())) < 3 and time.time() < deadline:  # every rank is inside the hang
         time.sleep(0.2)
     spawned = [int(p.read_text()) for p in children.iterdir()]
-    assert len(spawned) == 3, proc.stdout.read() if proc.poll() is not None else "ranks never reached the hang"
+    assert len(spawned) == 3, proc.communicate()[0] if proc.poll() is not None else "ranks never reached the hang"
     [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
-    workers = processes_with_env(f"EP_HARNESS_CHANNEL=ep-harness/{run_dir.name}/")
-    assert len(workers) >= 3
+    workers = process_tree(proc.pid)  # the launch: its agent, the ranks' fork server, the 3 ranks, their children
+    assert len(workers) >= 5
     # Streamed: the finished check reaches results.jsonl (within the launcher's next polls) before the run ends.
     streamed = run_dir / "results.jsonl"
     deadline = time.time() + 10
@@ -153,10 +153,11 @@ def test_an_interrupted_exploration_leaves_no_process(tmp_path):
         time.sleep(0.2)
     ranks = [int(p.read_text()) for p in tmp_path.glob("explore/*/pid-rank*")]
     assert len(ranks) == 3, proc.communicate(timeout=60)[0][-2000:]
+    launch = process_tree(proc.pid)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "exploration interrupted by SIGTERM" in output
-    assert all(gone(pid) for pid in ranks)
+    assert all(gone(pid) for pid in ranks + launch), [p for p in ranks + launch if not gone(p)]
 
 
 def test_a_latin1_terminal_renders_any_record(tmp_path):

@@ -18,7 +18,7 @@ from ep_harness.regress.gate import gate, read_baseline, update_baseline
 from ep_harness.run.plan import MAX_CHECKS, expand
 from ep_harness.run.verify import base_record
 from ep_harness.subject import Platform
-from tests.conftest import REPO, gone, start_cli
+from tests.conftest import REPO, gone, process_tree, start_cli
 from tests.forked_cli import cli_fork, forked_pytest  # noqa: F401 (cli_fork: a fixture)
 from tests.shared_runs import pass_run  # noqa: F401 (a fixture)
 from tests.test_gate import baseline_records, run_with
@@ -301,10 +301,11 @@ def test_a_signal_during_fresh_process_relaunches_leaves_no_ok_without_its_relau
         time.sleep(0.2)
     ranks = [int(p.read_text()) for p in pids.iterdir()]
     assert len(ranks) == 3, proc.communicate()[0][-3000:] if proc.poll() is not None else "the relaunch never hung"
+    launch = process_tree(proc.pid)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output[-3000:]
-    assert all(gone(pid) for pid in ranks)
+    assert all(gone(pid) for pid in ranks + launch), [p for p in ranks + launch if not gone(p)]
     [run_dir] = [p for p in (tmp_path / "out").iterdir() if p.name != "latest"]
     records = {r["case"]: r for r in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
     steady, hung = records["steady"], records["hangs-in-relaunch"]
