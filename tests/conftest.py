@@ -87,9 +87,11 @@ def scratch_registry(monkeypatch):
     return scratch
 
 
-def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool = False, code: str | None = None):
-    """Run the installed console script the way a user would (`module`: `python -m ep_harness`;
-    `code`: `python -c CODE ARGS`, a script of the test's that calls the harness's functions):
+def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool | str = False,
+            code: str | None = None):
+    """Run the installed console script the way a user would (`module`: `python -m ep_harness`,
+    or `python -m MODULE` given its name; `code`: `python -c CODE ARGS`, a script of the test's
+    that calls the harness's functions):
     forked from this test process's interpreter that has imported torch and the harness already
     (tests/forked_cli.py; 1.5-2 s of CPU less a command, ranks and agents still their own
     processes), or, where the environment differs in what is read at start-up, as a process of
@@ -100,14 +102,19 @@ def run_cli(*args, cwd=REPO, timeout=600, env: dict | None = None, module: bool 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
         return server(*args, cwd=cwd, env=env, timeout=timeout, module=module, code=code)
-    return subprocess.run([*_command(module, code), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([*command(module, code), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=env)
 
 
-def _command(module: bool = False, code: str | None = None) -> list[str]:
-    """What starts run_cli's and start_cli's commands as processes of their own."""
-    return [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", "ep_harness"] if module else \
-        [shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"]
+def module_name(module: bool | str) -> str | None:
+    """run_cli's `module`: True is the harness's."""
+    return "ep_harness" if module is True else module or None
+
+
+def command(module: bool | str = False, code: str | None = None) -> list[str]:
+    """The command line of run_cli's and start_cli's commands (as processes of their own)."""
+    return [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module_name(module)] \
+        if module else [shutil.which("ep-harness", path=str(Path(sys.executable).parent)) or "ep-harness"]
 
 
 def start_cli(*args, cwd=REPO, env: dict | None = None, code: str | None = None):
@@ -120,7 +127,7 @@ def start_cli(*args, cwd=REPO, env: dict | None = None, code: str | None = None)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if (server := shared_server(env)) is not None:
         return server.start(*args, cwd=cwd, env=env, code=code)
-    return subprocess.Popen([*_command(code=code), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen([*command(code=code), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, completed
+from tests.conftest import REPO, command, completed, module_name
 
 # The fork server: reads one JSON request a line on stdin, forks a child per request that runs
 # the console script's `sys.exit(main(argv))` (kind "ep-harness") or `python -m pytest ARGV`
@@ -103,11 +103,12 @@ def child(req):
         sys.argv = ["-c", *req["argv"]]
         main = sys.modules["__main__"] = types.ModuleType("__main__")  # what it defines pickles by name
         run = lambda: exec(compile(req["code"], "<string>", "exec"), main.__dict__)
-    elif req["module"]:  # as `python -m ep_harness`: the working directory in the script's place
+    elif req["module"]:  # as `python -m MODULE`: the working directory in the script's place
         import runpy
         sys.path[0] = os.getcwd()
         sys.argv = ["-m", *req["argv"]]
-        run = lambda: runpy.run_module("ep_harness", run_name="__main__", alter_sys=True)
+        def run():  # a module that returns (not sys.exit) ends with status 0, not its globals
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     else:  # as the console script: `sys.exit(main())`, main reading sys.argv (and ending the process itself)
         sys.argv = ["ep-harness", *req["argv"]]
         run = ep_harness.cli.main
@@ -201,14 +202,13 @@ class ForkedCli:
         line, _, self._pending = self._pending.partition(b"\n")
         return line.decode()
 
-    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600, module: bool = False,
-                 code: str | None = None):
-        """`ep-harness ARGS` (`module`: `python -m ep_harness ARGS`; `code`: `python -c CODE
-        ARGS`) in CWD, as subprocess.run (capture_output=True, text=True) returns it."""
+    def __call__(self, *args: str, cwd=REPO, env: dict | None = None, timeout: float = 600,
+                 module: bool | str = False, code: str | None = None):
+        """`ep-harness ARGS` (`module`: `python -m ep_harness ARGS`, or that MODULE; `code`:
+        `python -c CODE ARGS`) in CWD, as subprocess.run (capture_output=True, text=True) returns it."""
         out, err = self.send(args, cwd, env, module, code)
         status = self.status(timeout)
-        argv = [sys.executable, "-m", "pytest"] if self.kind == "pytest" else [sys.executable, "-c", code] \
-            if code is not None else [sys.executable, "-m", "ep_harness"] if module else ["ep-harness"]
+        argv = [sys.executable, "-m", "pytest"] if self.kind == "pytest" else command(module, code)
         return subprocess.CompletedProcess([*argv, *args], status, self.read(out), self.read(err))
 
     def start(self, *args: str, cwd=REPO, env: dict | None = None, code: str | None = None) -> "ForkedRun":
@@ -226,7 +226,7 @@ class ForkedCli:
         universal newlines."""
         return io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding=self.encoding).read()
 
-    def send(self, args, cwd=REPO, env: dict | None = None, module: bool = False, code: str | None = None,
+    def send(self, args, cwd=REPO, env: dict | None = None, module: bool | str = False, code: str | None = None,
              output: str | None = None, new_session: bool = False) -> tuple[Path, Path]:
         """Ask for one command (see __call__); the files its stdout and stderr go to (`output`:
         both to that one). An environment this server does not serve (path_ahead) runs with the
@@ -238,7 +238,7 @@ class ForkedCli:
         err.write_bytes(b"")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
         self.proc.stdin.write(json.dumps({"argv": [str(a) for a in args], "cwd": str(cwd), "env": env,
-                                          "path": self.path_ahead(env) or [], "module": module, "code": code,
+                                          "path": self.path_ahead(env) or [], "module": module_name(module), "code": code,
                                           "stdout": str(out), "stderr": str(err), "encoding": self.encoding,
                                           "new_session": new_session}) + "\n")
         self.proc.stdin.flush()

@@ -87,8 +87,7 @@ def test_one_rank_without_omp_num_threads_is_still_forked_from_the_agent(tmp_pat
 
 @pytest.mark.parametrize("entry", [[], ["-m", "no_such_module_xyz"]])
 def test_the_agent_names_a_missing_entry_module_in_one_line(entry):
-    as_module = "import runpy; runpy.run_module('ep_harness.launch.agent', run_name='__main__', alter_sys=True)"
-    proc = run_cli("--nproc-per-node", "2", *entry, code=as_module, timeout=60)  # python -m ep_harness.launch.agent
+    proc = run_cli("--nproc-per-node", "2", *entry, module="ep_harness.launch.agent", timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"ep_harness.launch.agent: no importable entry module ({entry[1] if entry else None!r}); "

@@ -236,9 +236,8 @@ def split_checks(g) -> dict:
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed here (pip install triton: ~190 MB wheel)")
     env = {**os.environ, **REPO_ON_PYTHONPATH, "TRITON_INTERPRET": "1"}
-    as_module = "import runpy; runpy.run_module('tests.test_triton_matmul', run_name='__main__', alter_sys=True)"
     proc = subprocess.CompletedProcess(**once_per_session(tmp_path_factory, "triton-interpreted", lambda _: completed(
-        run_cli(cwd=REPO, env=env, timeout=300, code=as_module))))
+        run_cli(cwd=REPO, env=env, timeout=300, module="tests.test_triton_matmul"))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
