@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,6 +85,13 @@ def test_masked_rows_without_tma_says_so():
     with pytest.raises(ValueError, match="a TMA kernel's option"):
         kernel.bi_matmul(torch.zeros(2, 64), torch.zeros(3, 64), config=kernel.TileConfig(16, 16, 32, 2, 4, 2,
                                                                                          masked_rows=True))
+
+
+def test_a_parked_walk_of_other_than_two_segments_says_what_it_needs():
+    parked = kernel.TileConfig(128, 256, 64, 8, 8, 3, True, k_splits=2, parked=True)
+    assert kernel.tile_problem(parked, 4096) is None
+    for wrong in ({"k_splits": 4}, {"split_parallel": True}, {"block_n": 48}, {"schedule": "flatten"}):
+        assert "parked walks K in 2 segments in one program" in kernel.tile_problem(replace(parked, **wrong), 4096)
 
 
 def test_bad_operands_get_one_line_errors():
@@ -229,6 +237,16 @@ def split_checks(g) -> dict:
             "counters_whole": all(int(t.remainder(k_splits).max()) == 0
                                   for key, t in kernel._ARRIVALS.items() if key[2] == k_splits),
         }
+    # two segments one after the other, the first's sum parked in the program's slot (reused
+    # tile after tile: fewer programs than tiles), against the side-by-side walk of the same
+    # tiles (the interpreter's dot is numpy's, whose bits may follow the tile's shape)
+    wide = {**SPLIT, "block_n": 32}  # N = 40: the last tile's right half lies past N
+    parked_cfg = kernel.TileConfig(**wide, k_splits=2, parked=True)
+    serial = kernel.bi_matmul(a_all, b, config=kernel.TileConfig(**wide, k_splits=2))
+    out[2]["parked_vs_serial"] = {m: int((bits(kernel.bi_matmul(a_all[:m].contiguous(), b, config=parked_cfg))
+                                          != bits(serial[:m])).sum()) for m in M_VALUES}
+    out[2]["parked_programs"] = kernel.launch_plan(m_max, n, k, "float32", a_all.device, parked_cfg)[1]
+    out[2]["parked_tiles"] = -(-m_max // parked_cfg.block_m) * -(-n // parked_cfg.block_n)
     return out
 
 
@@ -276,6 +294,9 @@ def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(in
         # not vacuous: programs each took several (tile, segment) items, and splitting K changed the sum
         assert result["programs"] < result["items"]
         assert result["vs_unsplit"] > 0, k_splits
+    parked = interpreted["split"]["2"]
+    assert set(parked["parked_vs_serial"].values()) == {0}, parked["parked_vs_serial"]
+    assert parked["parked_programs"] < parked["parked_tiles"]  # slots were reused tile after tile
 
 
 def patch_the_language_once_a_launch() -> None:

@@ -78,6 +78,12 @@ SPLIT_LARGE = (T(128, 256, 32, 8, 16, 3, True), T(256, 128, 32, 8, 16, 3, True),
                T(128, 128, 32, 8, 8, 6, True), T(128, 128, 32, 8, 4, 6, True))
 
 
+# One-program two-segment walks with the first sum parked (kernel.TileConfig.parked): one
+# accumulator live, so the unsplit walk's large tiles fit.
+PARKED = (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(256, 128, 64, 8, 8, 3, True),
+          T(128, 128, 64, 8, 4, 4, True), T(128, 256, 128, 8, 8, 2, True))
+
+
 def target(m: int) -> float:
     """Issue 37's goal for time / cuBLAS time at M: 1.10 for decode (M <= 64), 1.15 up to M = 256
     (and, unstated there, below 1,024), 1.05 from 1,024."""
@@ -96,6 +102,8 @@ def split_candidates(k: int, k_splits: int) -> dict[str, dict[str, kernel.TileCo
         configs = configs + SPLIT_LARGE if group == "large" else configs
         split = [replace(c, k_splits=k_splits, split_parallel=parallel) for c in configs
                  for parallel in {"small": (True,), "mid": (True, False), "large": (False,)}[group]]
+        if group != "small" and k_splits == 2:
+            split += [replace(c, k_splits=2, parked=True) for c in PARKED]
         split = [replace(c, num_stages=kernel.stages_that_fit(c)) for c in split]
         out[group] = {name_of(c): c for c in split if c.num_stages >= 2 and not kernel.tile_problem(c, k)}
     return out
@@ -108,7 +116,7 @@ PLAN_TAILS = (T(128, 128, 64, 8, 4, 5, True), T(64, 128, 64, 8, 4, 6, True), T(6
 
 
 def name_of(cfg: kernel.TileConfig) -> str:
-    split = f"-k{cfg.k_splits}{'p' if cfg.split_parallel else 's'}" if cfg.k_splits != 1 else ""
+    split = f"-k{cfg.k_splits}{'p' if cfg.split_parallel else 'q' if cfg.parked else 's'}" if cfg.k_splits != 1 else ""
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-w{cfg.num_warps}-s{cfg.num_stages}"
             f"{'-tma' if cfg.tma else ''}{f'-c{cfg.ctas_per_sm}' if cfg.ctas_per_sm != 1 else ''}"
             f"{f'-g{cfg.group_m}' if cfg.group_m != 8 else ''}"

@@ -78,6 +78,11 @@ class TileConfig:
     # 2x slower (H200, results/2026-12-02-cost-parked/tune.json: 64 x 32 tiles at N x K = 2048 x 7168
     # took 29 us at M = 1, 13 us at M = 64). The same walk.
     masked_rows: bool = False
+    # Two segments one after the other in one program (`k_splits` = 2): the first's float32 sum
+    # parked in a workspace slot of the program's own through TMA while the second is walked, then
+    # read back and added, column half by column half. One accumulator in registers, so 128 x 256
+    # tiles fit; the side-by-side walk's two leave room for 128 x 128 only. The same additions.
+    parked: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def stages_that_fit(config: TileConfig, shared_bytes: int = 227 * 1024) -> int:
     """The most pipeline stages (at most config's) whose bf16 operand buffers fit in shared
     memory beside the output tile, with every segment of a one-program split walk loading side
     by side (Hopper: 227 KiB a block; fewer than 2 stages: the tiles do not pipeline there)."""
-    side_by_side = config.k_splits if not config.split_parallel else 1
+    side_by_side = config.k_splits if not (config.split_parallel or config.parked) else 1
     stage = side_by_side * (config.block_m + config.block_n) * config.block_k * 2
     room = shared_bytes - config.block_m * config.block_n * 2
     return min(config.num_stages, room // stage)
@@ -137,6 +142,10 @@ def tile_problem(config: TileConfig, k: int) -> str | None:
         return f"k_splits must be >= 1 (>= 2 with split_parallel), not {config.k_splits}"
     if config.k_splits > 1 and not config.tma:
         return "split K needs the TMA kernel (tma=True)"
+    if config.parked and (config.k_splits != 2 or config.split_parallel or config.masked_rows or config.schedule
+                          or config.block_n % 32):
+        return ("parked walks K in 2 segments in one program (k_splits=2, not split_parallel, masked_rows or a "
+                "schedule) with block_n a multiple of 32")
     if config.k_splits > 1 and k % (config.k_splits * config.block_k):
         return (f"K = {k} is not {config.k_splits} segments of whole {config.block_k}-deep K steps; "
                 f"choose k_splits and block_k with k_splits x block_k dividing K")
@@ -378,6 +387,48 @@ if triton is not None:
                              BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
             _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
 
+    @triton.jit
+    def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """acc's left and right column halves (a relabeling of the accumulator's registers)."""
+        return acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+
+    @triton.jit
+    def _parked_written(token):
+        """Wait until this thread's TMA stores have reached global memory (Triton's own wait
+        only frees their shared-memory source), then order them before TMA reads."""
+        return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;",
+                                         "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit(do_not_specialize=["M", "num_programs"])
+    def _bi_matmul_tma_parked_kernel(a, b_desc, c_half, park, M, N, num_programs, stride_am, stride_cm,
+                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                     ON_GPU: tl.constexpr):
+        # _tile_walk's two segments, one after the other: the first's sum to this program's slot of
+        # `park` (rows pid * BLOCK_M ..), the second's walked from zero, then slot + second, which
+        # is acc0 + acc1 (float32 addition is commutative), stored through C's half-tile descriptor.
+        HALF: tl.constexpr = BLOCK_N // 2
+        SEG: tl.constexpr = K // 2
+        tiles_m, tiles_n, tile = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), tl.program_id(0)
+        slot = tl.program_id(0) * BLOCK_M
+        while tile < tiles_m * tiles_n:  # persistent: this program's tiles, num_programs apart
+            tile_m, tile_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+            off_m, off_n = tile_m * BLOCK_M, tile_n * BLOCK_N
+            first = _segment(a, b_desc, off_m, off_n, 0, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K, False,
+                             DOT_PRECISION)
+            left, right = _halves(first, BLOCK_M, BLOCK_N)
+            park.store([slot, 0], left)
+            park.store([slot, HALF], right)
+            second = _segment(a, b_desc, off_m, off_n, SEG, M, stride_am, K, SEG, BLOCK_M, BLOCK_N, BLOCK_K, False,
+                              DOT_PRECISION)
+            if ON_GPU:
+                _parked_written(tile)
+            tl.debug_barrier()
+            left, right = _halves(second, BLOCK_M, BLOCK_N)
+            c_half.store([off_m, off_n], (park.load([slot, 0]) + left).to(c_half.dtype))
+            c_half.store([off_m, off_n + HALF], (park.load([slot, HALF]) + right).to(c_half.dtype))
+            tile += num_programs
+
     @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_tma_split_kernel(a, b_desc, c, partial_ptr, arrivals_ptr, M, N, num_programs, stride_am, stride_cm,
                                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -514,6 +565,13 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                      DOT_PRECISION=precision, K_SPLITS=cfg.k_splits, MASKED_ROWS=cfg.masked_rows,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         strides = (a.stride(0), out.stride(0))
+        if cfg.parked:
+            park = torch.empty(programs * cfg.block_m, cfg.block_n, dtype=torch.float32, device=a.device)
+            half = [cfg.block_m, cfg.block_n // 2]
+            del shape["K_SPLITS"], shape["MASKED_ROWS"]
+            return _bi_matmul_tma_parked_kernel[(programs,)](a_arg, b_desc, TensorDescriptor.from_tensor(out, half),
+                                                             TensorDescriptor.from_tensor(park, half), m, n, programs,
+                                                             *strides, **shape, ON_GPU=a.device.type == "cuda")
         if cfg.split_parallel:
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
