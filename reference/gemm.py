@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ep_harness.reference.orders import chain_fold
+
 
 def grouped_contiguous(a: torch.Tensor, b: torch.Tensor, grouped_layout: torch.Tensor) -> torch.Tensor:
     """a [M_sum, K], b [G, N, K], grouped_layout [M_sum] -> float64 [M_sum, N]."""
@@ -35,3 +37,19 @@ def grouped_masked(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor) -> 
 def abs_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """sum_k |a[m, k] * b[n, k]| in float64: the scale of the rounding-error bound."""
     return a.to(torch.float64).abs() @ b.to(torch.float64).abs().T
+
+
+def k_order_sensitive(row: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> int:
+    """Outputs of one row (row [K] against weight [N, K]) whose bits in out_dtype change when its
+    K float32 products, added one after the other, are added as two halves' sums instead. Both
+    are fixed sequences of elementwise float32 additions (`chain_fold`), so the count is the same
+    on every CPU and GPU; a GEMV's own blocking (AVX-512 or AVX2 lanes, a GPU's split) would
+    make it the machine's: one CPU's GEMV may already add the halves apart, and count 0."""
+    products = (weight.float().cpu() * row.float().cpu()).T.contiguous()  # [K, N]; exact for bf16 and fp8
+    k, half = products.shape[0], products.shape[0] // 2
+    if half == 0:
+        return 0  # one product: no other order
+    whole = chain_fold(products, list(range(k)))
+    split = chain_fold(products[:half], list(range(half))) + chain_fold(products[half:], list(range(k - half)))
+    int_dtype = {2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=out_dtype).element_size()]
+    return int((whole.to(out_dtype).view(int_dtype) != split.to(out_dtype).view(int_dtype)).sum())

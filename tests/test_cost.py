@@ -8,6 +8,7 @@ import torch
 
 from ep_harness.cost import bench_gemm_cost as bench
 from ep_harness.cost import timing
+from ep_harness.reference.gemm import k_order_sensitive
 
 
 class FakeEvent:
@@ -141,10 +142,10 @@ def test_cancelling_probe_makes_the_order_sensitivity_non_zero():
     bench.plant_cancellation(row, weight, k)
     # about 4 % of bf16 outputs cross a rounding boundary when the two halves are summed
     # apart (float32 errors at the +-4096 magnitude against a bf16 ULP of the O(1) result)
-    assert 0 < bench.order_sensitive(row, weight, torch.bfloat16) < n
+    assert 0 < k_order_sensitive(row, weight, torch.bfloat16) < n
     assert torch.equal(weight[:, 1], weight[:, 1 + k // 2]) and float(row[1]) == -float(row[1 + k // 2])
     # a row of zeros has no order at all
-    assert bench.order_sensitive(torch.zeros(k), weight, torch.bfloat16) == 0
+    assert k_order_sensitive(torch.zeros(k), weight, torch.bfloat16) == 0
 
 
 def test_probe_summary_counts_differences_against_the_smallest_m():

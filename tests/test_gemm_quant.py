@@ -91,6 +91,46 @@ def test_scales_are_one_correctly_rounded_division():
     assert (amax * (1 / 448.0) != correctly_rounded).float().mean() > 0.3  # what the reciprocal would give
 
 
+def test_k_order_sensitivity_is_an_exact_construction():
+    """Products 1, 0, 2^-24, 2^-24: one after the other, each 2^-24 is a tie that rounds back
+    to 1; as halves, (1 + 0) + (2^-24 + 2^-24) = 1 + 2^-23. A float32 output sees it, a bf16
+    one (8 bits) does not, and a row of equal products has no order to see."""
+    row = torch.ones(4, dtype=torch.bfloat16)
+    weight = torch.tensor([[1.0, 0.0, 2.0 ** -24, 2.0 ** -24], [1.0, 1.0, 1.0, 1.0]], dtype=torch.bfloat16)
+    assert ref_gemm.k_order_sensitive(row, weight, torch.float32) == 1
+    assert ref_gemm.k_order_sensitive(row, weight, torch.bfloat16) == 0
+    assert ref_gemm.k_order_sensitive(row[:1], weight[:, :1], torch.float32) == 0  # one product, one order
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_k_order_sensitivity_counts_what_float32_arithmetic_says(seed, k, out):
+    """Against numpy float32 scalars added one by one (IEEE single precision wherever it runs),
+    on seeded rows whose exponents lie far apart, so that order shows."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    row = (torch.randn(k, generator=g) * 2.0 ** torch.randint(-12, 13, (k,), generator=g)).bfloat16()
+    weight = torch.randn(6, k, generator=g).bfloat16()
+    products = (weight.float() * row.float()).numpy()
+
+    def added(values):
+        total = np.float32(values[0])
+        for v in values[1:]:
+            total = np.float32(total + np.float32(v))
+        return total
+
+    want = 0
+    for p in products:
+        half = k // 2
+        whole = added(p)
+        split = np.float32(added(p[:half]) + added(p[half:])) if half else whole
+        a, b = torch.tensor(float(whole)).to(out), torch.tensor(float(split)).to(out)
+        want += int(not torch.equal(a.view(torch.int16 if out == torch.bfloat16 else torch.int32),
+                                    b.view(torch.int16 if out == torch.bfloat16 else torch.int32)))
+    assert ref_gemm.k_order_sensitive(row, weight, out) == want
+
+
 def test_contiguous_layout_aligns_and_marks_padding():
     w, _ = weights(0, 3, 16, 128, "bfloat16", "randn")
     rows = {g: torch.full((c, 128), float(g + 1), dtype=torch.bfloat16) for g, c in enumerate([3, 0, 130])}

@@ -39,6 +39,7 @@ from ep_harness import console
 from ep_harness.cost import timing
 from ep_harness.families.gemm import GemmParams
 from ep_harness.families.quant import QuantParams
+from ep_harness.reference.gemm import k_order_sensitive
 
 DENSE_M = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
 INVARIANCE_M = (2, 3, 7, 8, 17, 31, 33, 100, 127, 129, 500, 777, 1000, 1025, 2047, 3000, 4095, 6000)  # bits only
@@ -105,15 +106,6 @@ def plant_cancellation(rows, weights, k: int) -> None:
 
     rows[1], rows[1 + k // 2] = CANCEL, -CANCEL
     weights[..., 1 + k // 2] = weights[..., 1]
-
-
-def order_sensitive(row, weight, out_dtype) -> int:
-    """Outputs of one row whose bits change when its K products are summed in two halves."""
-    r, w = row.float(), weight.float()
-    half = r.shape[0] // 2
-    whole = w @ r
-    split = w[:, :half] @ r[:half] + w[:, half:] @ r[half:]
-    return int((whole.to(out_dtype) != split.to(out_dtype)).sum())
 
 
 def probe_mismatches(probes: dict[int, object]) -> dict[int, int]:
@@ -278,7 +270,7 @@ class Bench:
             section["points"].append(point)
             if m == 256:
                 section["reference"] = self._reference(problem, {name: outs[name] for name in calls}, n, k)
-        sensitive = order_sensitive(a_all[0], b, torch.bfloat16)
+        sensitive = k_order_sensitive(a_all[0], b, torch.bfloat16)
         section["invariance"] = {name: summarize(name, p, 2 * sensitive) for name, p in probes.items() if p}
         torch.cuda.empty_cache()
         return section
@@ -441,14 +433,14 @@ class Bench:
             point["probe"] = self._probe_rows(probes, m)
             section["points"].append(point)
             del a, outs, problems
-        sensitive = {name: order_sensitive(tokens_all[0], w[probe_expert], torch.bfloat16) for name in bf16_ready}
+        sensitive = {name: k_order_sensitive(tokens_all[0], w[probe_expert], torch.bfloat16) for name in bf16_ready}
         if fp8_ready:  # the products the FP8 kernel sums: dequantized operands
             from ep_harness.reference.quant import dequantize_per_block, dequantize_per_token_group
 
             q, s = quantizer.quantize(tokens_all[:1], False)
             row = dequantize_per_token_group(q, s)[0]
             weight = dequantize_per_block(w_fp8[probe_expert], w_scale[probe_expert])
-            sensitive.update({name: order_sensitive(row, weight, torch.bfloat16) for name in fp8_ready})
+            sensitive.update({name: k_order_sensitive(row, weight, torch.bfloat16) for name in fp8_ready})
         section["invariance"] = {name: summarize(name, p, sensitive[name]) for name, p in probes.items() if p}
         del w, w_fp8, w_scale
         torch.cuda.empty_cache()

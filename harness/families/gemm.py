@@ -260,13 +260,7 @@ def probe_operands(p: GemmParams, w, w_scale) -> tuple[torch.Tensor, torch.Tenso
 def order_sensitive(p: GemmParams, w, w_scale) -> int:
     """Output elements of the probe whose bits depend on the K summation order."""
     row, weight = probe_operands(p, w, w_scale)
-    # float32 sums on the CPU, whatever device the problem is on: the count must not depend
-    # on a device's GEMV order
-    row32, w32, half = row.float().cpu(), weight.float().cpu(), p.k // 2
-    whole = w32 @ row32
-    split = w32[:, :half] @ row32[:half] + w32[:, half:] @ row32[half:]
-    dtype = out_dtype(p.dtype)
-    return int((whole.to(dtype) != split.to(dtype)).sum())
+    return ref.k_order_sensitive(row, weight, out_dtype(p.dtype))
 
 
 def _measure_reference(p: GemmParams, problem: GemmProblem, out: torch.Tensor) -> dict:
