@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ep_harness.bits import int_view
 from ep_harness.reference.orders import chain_fold
 
 
@@ -51,5 +52,4 @@ def k_order_sensitive(row: torch.Tensor, weight: torch.Tensor, out_dtype: torch.
         return 0  # one product: no other order
     whole = chain_fold(products, list(range(k)))
     split = chain_fold(products[:half], list(range(half))) + chain_fold(products[half:], list(range(k - half)))
-    int_dtype = {2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=out_dtype).element_size()]
-    return int((whole.to(out_dtype).view(int_dtype) != split.to(out_dtype).view(int_dtype)).sum())
+    return int((int_view(whole.to(out_dtype)) != int_view(split.to(out_dtype))).sum())
