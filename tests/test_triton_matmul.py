@@ -201,6 +201,31 @@ def interpreter_checks() -> dict:
             "bits": full.view(torch.int32).tolist(),
         }
     out["split"] = split_checks(g)
+    out["one_launch"] = one_launch_checks(g)
+    return out
+
+
+def one_launch_checks(g) -> dict:
+    """A one-launch plan (main tiles over whole waves of 132 programs' worth, the tail's rows in
+    the same launch) against the same tiles in one plain launch and in two. The tail shares
+    main's tile shape here: the interpreter's dot is numpy's, whose bits may follow the tile
+    shape, which is not the kernel's logic. N = 72 makes 5 tile columns, so that 130 main tiles
+    leave the interpreter's 4 programs uneven and every tail item starts on another program."""
+    k, n = 64, 72
+    tiles = kernel.TileConfig(16, 16, 32, 2, 4, 2, True)
+    out = {}
+    for m in (470, 480):  # the last tail tile partial, and whole
+        a = (torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-6, 7, (m, k), generator=g)).float()
+        b = torch.randn(n, k, generator=g).float()
+        plain = kernel.bi_matmul(a, b, config=tiles)
+        got = {}
+        for one in (True, False):
+            c = torch.full((m, n), float("nan"))
+            got[one] = kernel.bi_matmul(a, b, out=c, config=kernel.TilePlan(tiles, tiles, one_launch=one))
+        out[m] = {"slices": [s[:2] for s in kernel.row_slices(m, n, kernel.TilePlan(tiles, tiles), kernel.H200_SMS)],
+                  "one_vs_plain": int((got[True].view(torch.int32) != plain.view(torch.int32)).sum()),
+                  "two_vs_plain": int((got[False].view(torch.int32) != plain.view(torch.int32)).sum()),
+                  "unwritten": int(got[True].isnan().sum())}
     return out
 
 
@@ -297,6 +322,27 @@ def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(in
     parked = interpreted["split"]["2"]
     assert set(parked["parked_vs_serial"].values()) == {0}, parked["parked_vs_serial"]
     assert parked["parked_programs"] < parked["parked_tiles"]  # slots were reused tile after tile
+
+
+def test_interpreter_one_launch_plan_gives_the_plain_launchs_bits(interpreted):
+    for m, result in interpreted["one_launch"].items():
+        assert result["slices"] == [[0, 416], [416, int(m)]], result  # main and tail rows: both ran
+        assert (result["one_vs_plain"], result["two_vs_plain"], result["unwritten"]) == (0, 0, 0), (m, result)
+
+
+def test_a_one_launch_plan_says_what_it_needs():
+    main, tail = kernel.TileConfig(128, 256, 64, 8, 8, 3, True), kernel.TileConfig(128, 128, 64, 8, 8, 3, True)
+    assert kernel.plan_problem(kernel.TilePlan(main, tail, one_launch=True)) is None
+    assert kernel.plan_problem(kernel.TilePlan(main, replace(tail, num_warps=4))) is None  # two launches may differ
+    for wrong in (kernel.TilePlan(main, replace(tail, num_warps=4), one_launch=True),
+                  kernel.TilePlan(main, replace(tail, k_splits=2), one_launch=True)):
+        assert "must share warps, stages, k_splits" in kernel.plan_problem(wrong)
+    for wrong in (kernel.TilePlan(main, None, one_launch=True),
+                  kernel.TilePlan(replace(main, schedule="flatten"), tail, one_launch=True)):
+        assert "one_launch needs a tail, and TMA tiles" in kernel.plan_problem(wrong)
+    with pytest.raises(ValueError, match="must share warps"):
+        kernel.bi_matmul(torch.zeros(2, 64), torch.zeros(3, 64),
+                         config=kernel.TilePlan(main, replace(tail, num_stages=4), one_launch=True))
 
 
 def patch_the_language_once_a_launch() -> None:

@@ -61,6 +61,25 @@ def test_rows_past_the_whole_waves_go_to_the_tail_tiles():
     assert kernel.row_slices(4224, 7168, plan, 132) == [(0, 4224, big)]  # 924 tiles: 7 whole waves
 
 
+def test_one_launch_plans_are_offered_where_rows_split_and_kept_in_the_table(tmp_path):
+    names = {tune.name_of(c) for group in tune.CANDIDATES.values() for c in group}
+    plans = tune.plans_at(2048, 7168, names, 132)
+    one = {name: plan for name, plan in plans.items() if plan.one_launch}
+    assert one and len(one) < len(plans)  # beside the two-launch plans
+    assert all(kernel.plan_problem(plan) is None and "+one-launch-tail:" in name for name, plan in one.items())
+    assert tune.plans_at(1792, 7168, names, 132) == {}  # 2.97 waves: no plan splits the rows
+    # not offered where its main tiles are not bit-identical
+    main = tune.name_of(next(iter(one.values())).main)
+    assert not any(p.one_launch and tune.name_of(p.main) == main
+                   for p in tune.plans_at(2048, 7168, names - {main}, 132).values())
+    name, plan = next(iter(one.items()))
+    entries = tune.table_entries([dict(m=2048, chosen=name)], {name: plan})
+    assert entries == [{"max_m": None, "config": vars(plan.main) | {}, "tail": vars(plan.tail) | {}, "one_launch": True}]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"shapes": {"7168x7168": entries}}))
+    assert kernel.tuned_tiles(path)[(7168, 7168)] == ((None, plan),)
+
+
 def test_a_candidate_is_identical_only_with_no_mismatch_and_no_error():
     assert tune.identical({"mismatched": {1: 0, 100: 0}})
     assert not tune.identical({"mismatched": {1: 0, 100: 3}})

@@ -113,6 +113,9 @@ PLAN_MAINS = (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True), T(
               T(128, 128, 64, 8, 4, 5, True))
 PLAN_TAILS = (T(128, 128, 64, 8, 4, 5, True), T(64, 128, 64, 8, 4, 6, True), T(64, 128, 128, 8, 4, 4, True),
               T(64, 64, 128, 8, 4, 5, True))
+# The same in one launch (TilePlan.one_launch): the tail tiles take main's warps and stages.
+ONE_LAUNCH_MAINS = (T(128, 256, 64, 8, 8, 3, True), T(128, 256, 64, 8, 8, 4, True))
+ONE_LAUNCH_TAILS = (T(128, 128, 64, 8, 8, 3, True), T(64, 256, 64, 8, 8, 3, True), T(64, 128, 64, 8, 8, 3, True))
 
 
 def name_of(cfg: kernel.TileConfig) -> str:
@@ -124,19 +127,44 @@ def name_of(cfg: kernel.TileConfig) -> str:
 
 
 def plan_name(plan: kernel.TilePlan) -> str:
-    return name_of(plan.main) + (f"+tail:{name_of(plan.tail)}" if plan.tail else "")
+    return name_of(plan.main) + (f"+{'one-launch-' if plan.one_launch else ''}tail:{name_of(plan.tail)}"
+                                 if plan.tail else "")
 
 
 def plans_at(m: int, n: int, identical_names: set[str], sms: int, k_splits: int = 1) -> dict[str, kernel.TilePlan]:
-    """The two-launch plans whose tiles are all bit-identical and that split M's rows."""
-    plans = {}
-    for main in (replace(c, k_splits=k_splits) for c in PLAN_MAINS):
-        for tail in (replace(c, k_splits=k_splits) for c in PLAN_TAILS):
-            plan = kernel.TilePlan(main, tail)
-            if tail != main and {name_of(main), name_of(tail)} <= identical_names \
-                    and len(kernel.row_slices(m, n, plan, sms)) == 2:
-                plans[plan_name(plan)] = plan
-    return plans
+    """The plans that split M's rows: two launches whose tiles are all bit-identical, and one
+    launch whose main tiles are (its own bits are checked at M: `one_launch_bits`)."""
+    plans = [kernel.TilePlan(replace(main, k_splits=k_splits), replace(tail, k_splits=k_splits))
+             for main in PLAN_MAINS for tail in PLAN_TAILS
+             if tail != main and {name_of(replace(main, k_splits=k_splits)),
+                                  name_of(replace(tail, k_splits=k_splits))} <= identical_names]
+    plans += [kernel.TilePlan(replace(main, k_splits=k_splits),
+                              replace(tail, k_splits=k_splits, num_stages=main.num_stages), one_launch=True)
+              for main in ONE_LAUNCH_MAINS for tail in ONE_LAUNCH_TAILS
+              if name_of(replace(main, k_splits=k_splits)) in identical_names]
+    return {plan_name(plan): plan for plan in plans if len(kernel.row_slices(m, n, plan, sms)) == 2}
+
+
+def one_launch_bits(shape: Shape, m: int, plans: dict[str, kernel.TilePlan], reference) -> dict[str, object]:
+    """Mismatches of each one-launch plan's whole output at M against the reference tiles' (an
+    error's first line if it does not run); the other plans are left out."""
+    import torch
+
+    from ep_harness.bits import int_view
+
+    one = {name: plan for name, plan in plans.items() if plan.one_launch}
+    if not one:
+        return {}
+    a = shape.a_all[:m]
+    want = int_view(kernel.bi_matmul(a, shape.b, config=reference))
+    result = {}
+    for name, plan in one.items():
+        try:
+            result[name] = int((int_view(kernel.bi_matmul(a, shape.b, config=plan)) != want).sum())
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile that does not compile or fit: not a candidate
+            result[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return result
 
 
 def all_candidates() -> dict[str, kernel.TileConfig]:
@@ -274,7 +302,8 @@ def table_entries(points: list[dict], tiles: dict) -> list[dict]:
     for point in sorted(points, key=lambda p: p["m"]):
         chosen = tiles[point["chosen"]]
         plan = chosen if isinstance(chosen, kernel.TilePlan) else kernel.TilePlan(chosen)
-        entry = {"config": asdict(plan.main), **({"tail": asdict(plan.tail)} if plan.tail else {})}
+        entry = {"config": asdict(plan.main), **({"tail": asdict(plan.tail)} if plan.tail else {}),
+                 **({"one_launch": True} if plan.one_launch else {})}
         if entries and {k: v for k, v in entries[-1].items() if k != "max_m"} == entry:
             entries[-1]["max_m"] = point["m"]
         else:
@@ -320,6 +349,9 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
             continue
         tiles = {name: candidates[name] for name in names}
         plans = plans_at(m, shape.n, set(same), sms, k_splits)
+        checked = one_launch_bits(shape, m, plans, kernel.walk_reference(k_splits))
+        walk.setdefault("one_launch_bits", {}).update({f"{name} at M={m}": v for name, v in checked.items()})
+        plans = {name: plan for name, plan in plans.items() if checked.get(name, 0) == 0}
         tiles.update(plans)
         every.update(plans)
         point = time_point(shape, m, tiles, repeats, warmup)

@@ -89,9 +89,13 @@ class TileConfig:
 class TilePlan:
     """The tiles for one M: `main`, and `tail` for the rows past the last whole wave of main's
     tiles, in a second launch (M = 2,048 at N = 7,168 makes 3.4 waves of 128 x 256 tiles on 132
-    SMs: 3 waves of them, then the last 256 rows in smaller tiles). Same K walk, so the same bits."""
+    SMs: 3 waves of them, then the last 256 rows in smaller tiles). Same K walk, so the same bits.
+    `one_launch`: both in one persistent launch (TMA tiles of one walk, the same warps and
+    stages), each program going on to tail tiles when its main tiles are done, with no gap
+    between two launches and no second fill of the machine."""
     main: TileConfig
     tail: TileConfig | None = None
+    one_launch: bool = False
 
 
 # Measured on the H200 (bf16, 2026-12-01): TMA 128 x 128 x 64 tiles, 4 warps, 5 stages came
@@ -152,6 +156,19 @@ def tile_problem(config: TileConfig, k: int) -> str | None:
     return None
 
 
+def plan_problem(plan: TilePlan) -> str | None:
+    """Why `plan` cannot run as it says (None: it can)."""
+    if not plan.one_launch:
+        return None
+    tiles = (plan.main, plan.tail)
+    if plan.tail is None or not all(c.tma and not (c.masked_rows or c.split_parallel or c.parked or c.schedule)
+                                    for c in tiles):
+        return "one_launch needs a tail, and TMA tiles walked in one program each (no masked_rows, split_parallel, parked or schedule)"
+    if len({(c.num_warps, c.num_stages, c.k_splits, c.ctas_per_sm) for c in tiles}) != 1:
+        return "one_launch's main and tail tiles must share warps, stages, k_splits and ctas_per_sm (one launch has one of each)"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[int | None, TilePlan], ...]]:
     """(N, K) -> ((largest M, tiles), ...) from the tuner's table; refuses an entry whose K
@@ -162,10 +179,13 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
     table = {}
     for shape, entries in raw["shapes"].items():
         n, k = (int(x) for x in shape.split("x"))
-        buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]), TileConfig(**e["tail"]) if e.get("tail") else None))
+        buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]), TileConfig(**e["tail"]) if e.get("tail") else None,
+                                              e.get("one_launch", False)))
                         for e in entries)
         configs = [cfg for _, plan in buckets for cfg in (plan.main, plan.tail) if cfg is not None]
         reference = walk_reference(configs[0].k_splits)
+        for problem in filter(None, (plan_problem(plan) for _, plan in buckets)):
+            raise ValueError(f"{path}: a {shape} plan: {problem}; re-run python3 -m ep_harness.cost.tune_bi_matmul")
         for cfg in configs:
             if k_walk(cfg, k) != k_walk(reference, k) or k % cfg.block_k or tile_problem(cfg, k):
                 raise ValueError(f"{path}: the {shape} tiles {cfg} walk K differently from the reference tiles "
@@ -387,6 +407,34 @@ if triton is not None:
                              BLOCK_M, BLOCK_N, BLOCK_K, MASKED_ROWS, DOT_PRECISION)
             _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, MASKED_ROWS)
 
+    @triton.jit(do_not_specialize=["M_MAIN", "M_TAIL", "num_programs"])
+    def _bi_matmul_tma_one_launch_kernel(a, b_desc, c, a_tail, b_tail, c_tail, M_MAIN, M_TAIL, N, num_programs,
+                                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                         BLOCK_K: tl.constexpr, TAIL_M: tl.constexpr, TAIL_N: tl.constexpr,
+                                         TAIL_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                         K_SPLITS: tl.constexpr):
+        # TilePlan.one_launch: main's tiles over the first M_MAIN rows (a, c), then the tail's
+        # over the next M_TAIL (a_tail, c_tail: descriptors of those rows), each tile walked by
+        # _tile_walk as in _bi_matmul_tma_kernel. A program's items continue from main into the
+        # tail: the programs that ran out of main tiles first take the first tail tiles.
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        main_tiles = tl.cdiv(M_MAIN, BLOCK_M) * tiles_n
+        item = tl.program_id(0)
+        while item < main_tiles:
+            tile_m, tile_n = _tile_at(item, tl.cdiv(M_MAIN, BLOCK_M), tiles_n, GROUP_M)
+            acc = _tile_walk(a, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, M_MAIN, 0, K, K_SPLITS,
+                             BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION)
+            _store_tile(c, tile_m * BLOCK_M, tile_n * BLOCK_N, acc, M_MAIN, N, 0, BLOCK_M, BLOCK_N, False)
+            item += num_programs
+        item -= main_tiles  # (pid - main_tiles) mod num_programs: every tail item once
+        tail_tiles_m, tail_tiles_n = tl.cdiv(M_TAIL, TAIL_M), tl.cdiv(N, TAIL_N)
+        while item < tail_tiles_m * tail_tiles_n:
+            tile_m, tile_n = _tile_at(item, tail_tiles_m, tail_tiles_n, GROUP_M)
+            acc = _tile_walk(a_tail, b_tail, tile_m * TAIL_M, tile_n * TAIL_N, M_TAIL, 0, K, K_SPLITS,
+                             TAIL_M, TAIL_N, TAIL_K, False, DOT_PRECISION)
+            _store_tile(c_tail, tile_m * TAIL_M, tile_n * TAIL_N, acc, M_TAIL, N, 0, TAIL_M, TAIL_N, False)
+            item += num_programs
+
     @triton.jit
     def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """acc's left and right column halves (a relabeling of the accumulator's registers)."""
@@ -504,7 +552,13 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         slices = [(0, m, config)]
     else:
         plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
+        problem = plan_problem(plan)
+        if problem:
+            raise ValueError(f"bi_matmul plan {plan}: {problem}")
         slices = row_slices(m, n, plan, _device_sms(a.device))
+        if plan.one_launch and len(slices) == 2:
+            _launch_one(a, b, out, slices[1][0], plan)
+            return out
     for first, end, cfg in slices:
         rows = a if (first, end) == (0, m) else a[first:end]
         _launch(rows, b, out if (first, end) == (0, m) else out[first:end], cfg)
@@ -552,10 +606,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
     if cfg.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        for name, t in (("a", a), ("b", b), ("out", out)):
-            if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-                raise ValueError(f"bi_matmul's TMA path needs {name} with unit column stride, 16-byte aligned "
-                                 f"start and row stride; pass {name}.contiguous() (a fresh allocation)")
+        _require_tma_operands(a, b, out)
 
         # masked_rows: A and C go as pointers, rows masked (the kernels read them either way)
         a_arg = a if cfg.masked_rows else TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
@@ -589,3 +640,35 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _require_tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"bi_matmul's TMA path needs {name} with unit column stride, 16-byte aligned "
+                             f"start and row stride; pass {name}.contiguous() (a fresh allocation)")
+
+
+def _launch_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, plan: TilePlan):
+    """A one_launch plan over all of a's rows: main's tiles over rows [0, rows), the tail's over
+    the rest, in one persistent launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    main, tail = plan.main, plan.tail
+    m, k = a.shape
+    n = b.shape[0]
+    for cfg in (main, tail):
+        problem = tile_problem(cfg, k)
+        if problem:
+            raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
+    _require_tma_operands(a, b, out)
+    items = -(-rows // main.block_m) * -(-n // main.block_n) + -(-(m - rows) // tail.block_m) * -(-n // tail.block_n)
+    programs = program_count(items, a.device, main.ctas_per_sm)
+    descriptors = [TensorDescriptor.from_tensor(t, block) for cfg, lo, hi in ((main, 0, rows), (tail, rows, m))
+                   for t, block in ((a[lo:hi], [cfg.block_m, cfg.block_k]), (b, [cfg.block_n, cfg.block_k]),
+                                    (out[lo:hi], [cfg.block_m, cfg.block_n]))]
+    return _bi_matmul_tma_one_launch_kernel[(programs,)](
+        *descriptors, rows, m - rows, n, programs, K=k, BLOCK_M=main.block_m, BLOCK_N=main.block_n,
+        BLOCK_K=main.block_k, TAIL_M=tail.block_m, TAIL_N=tail.block_n, TAIL_K=tail.block_k, GROUP_M=main.group_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", K_SPLITS=main.k_splits,
+        num_warps=main.num_warps, num_stages=main.num_stages)
