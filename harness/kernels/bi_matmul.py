@@ -21,8 +21,9 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   reference tiles' on the GPU before it is used (harness/cost/tune_bi_matmul.py; the table,
   bi_matmul_tiles.json, beside this file). Small M get small tiles so that they, too, use
   every SM (and, at a thin N, one program per K segment). Where main's tiles would
-  leave a last wave part-filled, the rows past the whole waves go to a second launch in
-  smaller tiles (`TilePlan.tail`), again without changing any element's walk.
+  leave a last wave part-filled, the rows past the whole waves go to smaller tiles
+  (`TilePlan.tail`), in a second launch or in the same one (`one_launch`), again without
+  changing any element's walk.
 * The compiled kernel does not depend on M beyond its tiles: M and the program count are
   excluded from Triton's value specialization (`do_not_specialize`), which would otherwise
   compile a separate variant for M == 1 or M divisible by 16.
