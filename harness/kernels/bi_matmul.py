@@ -164,9 +164,11 @@ def plan_problem(plan: TilePlan) -> str | None:
     tiles = (plan.main, plan.tail)
     if plan.tail is None or not all(c.tma and not (c.masked_rows or c.split_parallel or c.parked or c.schedule)
                                     for c in tiles):
-        return "one_launch needs a tail, and TMA tiles walked in one program each (no masked_rows, split_parallel, parked or schedule)"
+        return ("one_launch needs a tail, and TMA tiles walked in one program each "
+                "(no masked_rows, split_parallel, parked or schedule)")
     if len({(c.num_warps, c.num_stages, c.k_splits, c.ctas_per_sm) for c in tiles}) != 1:
-        return "one_launch's main and tail tiles must share warps, stages, k_splits and ctas_per_sm (one launch has one of each)"
+        return ("one_launch's main and tail tiles must share warps, stages, k_splits and ctas_per_sm "
+                "(one launch has one of each)")
     return None
 
 
@@ -180,7 +182,8 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
     table = {}
     for shape, entries in raw["shapes"].items():
         n, k = (int(x) for x in shape.split("x"))
-        buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]), TileConfig(**e["tail"]) if e.get("tail") else None,
+        buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]),
+                                              TileConfig(**e["tail"]) if e.get("tail") else None,
                                               e.get("one_launch", False)))
                         for e in entries)
         configs = [cfg for _, plan in buckets for cfg in (plan.main, plan.tail) if cfg is not None]
