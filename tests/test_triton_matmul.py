@@ -226,6 +226,16 @@ def one_launch_checks(g) -> dict:
                   "one_vs_plain": int((got[True].view(torch.int32) != plain.view(torch.int32)).sum()),
                   "two_vs_plain": int((got[False].view(torch.int32) != plain.view(torch.int32)).sum()),
                   "unwritten": int(got[True].isnan().sum())}
+    # a tail of other tiles than main's (as on a GPU: 128 x 256, then 128 x 128), on small
+    # integers, whose sums are exact in any order: where every element lands is what differs
+    wide = kernel.TileConfig(32, 32, 32, 2, 4, 2, True)
+    a = torch.randint(-3, 4, (1590, k), generator=g).float()
+    b = torch.randint(-3, 4, (n, k), generator=g).float()
+    c = torch.full((1590, n), float("nan"))
+    kernel.bi_matmul(a, b, out=c, config=kernel.TilePlan(wide, tiles, one_launch=True))
+    out["other_tail"] = {"slices": [s[:2] for s in kernel.row_slices(1590, n, kernel.TilePlan(wide, tiles),
+                                                                     kernel.H200_SMS)],
+                         "vs_exact": int((c.double() != a.double() @ b.double().T).sum())}
     return out
 
 
@@ -325,9 +335,12 @@ def test_interpreter_split_walk_is_the_same_in_one_program_or_one_per_segment(in
 
 
 def test_interpreter_one_launch_plan_gives_the_plain_launchs_bits(interpreted):
-    for m, result in interpreted["one_launch"].items():
+    results = dict(interpreted["one_launch"])
+    other = results.pop("other_tail")
+    for m, result in results.items():
         assert result["slices"] == [[0, 416], [416, int(m)]], result  # main and tail rows: both ran
         assert (result["one_vs_plain"], result["two_vs_plain"], result["unwritten"]) == (0, 0, 0), (m, result)
+    assert other["slices"] == [[0, 1408], [1408, 1590]] and other["vs_exact"] == 0, other  # NaN (unwritten) differs
 
 
 def test_a_one_launch_plan_says_what_it_needs():
