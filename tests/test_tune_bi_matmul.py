@@ -3,7 +3,7 @@ L2-cold rotation, and the batch_invariant_ops subject's availability."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -74,7 +74,7 @@ def test_one_launch_plans_are_offered_where_rows_split_and_kept_in_the_table(tmp
                    for p in tune.plans_at(2048, 7168, names - {main}, 132).values())
     name, plan = next(iter(one.items()))
     entries = tune.table_entries([dict(m=2048, chosen=name)], {name: plan})
-    assert entries == [{"max_m": None, "config": vars(plan.main) | {}, "tail": vars(plan.tail) | {}, "one_launch": True}]
+    assert entries == [{"max_m": None, "config": asdict(plan.main), "tail": asdict(plan.tail), "one_launch": True}]
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"shapes": {"7168x7168": entries}}))
     assert kernel.tuned_tiles(path)[(7168, 7168)] == ((None, plan),)
