@@ -119,6 +119,11 @@ def k_walk(config: TileConfig, k: int) -> tuple:
     return (-(-k // config.block_k) * config.block_k, config.tma, config.k_splits)
 
 
+def tile_count(m: int, n: int, config: TileConfig) -> int:
+    """Tiles of `config` over an [m, n] output."""
+    return -(-m // config.block_m) * -(-n // config.block_n)
+
+
 def walk_reference(k_splits: int = 1) -> TileConfig:
     """The reference tiles walking K in `k_splits` segments, one program per tile: the bits every
     tuned tile shape of an (N, K) with that split count must reproduce. Split, they are
@@ -220,7 +225,7 @@ def tile_plan(m: int, n: int, k: int, dtype: str, sms: int = H200_SMS) -> TilePl
         if max_m is None or m <= max_m:
             return plan
     for cfg in _LADDER:
-        if -(-m // cfg.block_m) * -(-n // cfg.block_n) >= sms:
+        if tile_count(m, n, cfg) >= sms:
             return TilePlan(cfg)
     return TilePlan(_LADDER[-1])
 
@@ -232,7 +237,7 @@ def row_slices(m: int, n: int, plan: TilePlan, sms: int) -> list[tuple[int, int,
     main = plan.main
     tiles_n = -(-n // main.block_n)
     per_wave = sms * main.ctas_per_sm
-    tiles = -(-m // main.block_m) * tiles_n
+    tiles = tile_count(m, n, main)
     whole_waves, rest = divmod(tiles, per_wave)
     rows = (whole_waves * per_wave // tiles_n) * main.block_m
     if plan.tail is None or rows <= 0 or rows >= m or rest * 2 >= per_wave:
@@ -527,8 +532,7 @@ def launch_plan(m: int, n: int, k: int, dtype: str, device: torch.device,
     computes an element and beside which others, not the order of its additions."""
     if config is None:
         config = tile_config(m, n, k, dtype, _device_sms(device))
-    tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    items = tiles * (config.k_splits if config.split_parallel else 1)
+    items = tile_count(m, n, config) * (config.k_splits if config.split_parallel else 1)
     return config, program_count(items, device, config.ctas_per_sm)
 
 
@@ -555,10 +559,10 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if isinstance(config, TileConfig):
         slices = [(0, m, config)]
     else:
-        plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
-        problem = plan_problem(plan)
+        problem = config and plan_problem(config)  # the table's plans were checked when it loaded
         if problem:
-            raise ValueError(f"bi_matmul plan {plan}: {problem}")
+            raise ValueError(f"bi_matmul plan {config}: {problem}")
+        plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
         slices = row_slices(m, n, plan, _device_sms(a.device))
         if plan.one_launch and len(slices) == 2:
             _launch_one(a, b, out, slices[1][0], plan)
@@ -602,11 +606,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
     """One kernel launch over all of a's rows with the tiles `cfg`; Triton's compiled kernel."""
     m, k = a.shape
     n = b.shape[0]
-    problem = tile_problem(cfg, k)
-    if problem:
-        raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
+    _require_walkable(cfg, k)
     _, programs = launch_plan(m, n, k, DTYPES[a.dtype], a.device, cfg)
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    precision = _dot_precision(a.dtype)
     if cfg.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -628,7 +630,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
                                                              TensorDescriptor.from_tensor(park, half), m, n, programs,
                                                              *strides, **shape, ON_GPU=a.device.type == "cuda")
         if cfg.split_parallel:
-            tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+            tiles = tile_count(m, n, cfg)
             partial = torch.empty(cfg.k_splits * tiles * cfg.block_m * cfg.block_n, dtype=torch.float32, device=a.device)
             return _bi_matmul_tma_split_kernel[(programs,)](a_arg, b_desc, c_arg, partial,
                                                             _arrivals(a.device, cfg.k_splits, tiles),
@@ -644,6 +646,17 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, cfg: TileConfig
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _require_walkable(cfg: TileConfig, k: int) -> None:
+    problem = tile_problem(cfg, k)
+    if problem:
+        raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 as IEEE products (not TF32, which would leave the float32 bound); bf16 is exact either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _require_tma_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -662,11 +675,9 @@ def _launch_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, 
     m, k = a.shape
     n = b.shape[0]
     for cfg in (main, tail):
-        problem = tile_problem(cfg, k)
-        if problem:
-            raise ValueError(f"bi_matmul tiles {cfg}: {problem}")
+        _require_walkable(cfg, k)
     _require_tma_operands(a, b, out)
-    items = -(-rows // main.block_m) * -(-n // main.block_n) + -(-(m - rows) // tail.block_m) * -(-n // tail.block_n)
+    items = tile_count(rows, n, main) + tile_count(m - rows, n, tail)
     programs = program_count(items, a.device, main.ctas_per_sm)
     descriptors = [TensorDescriptor.from_tensor(t, block) for cfg, lo, hi in ((main, 0, rows), (tail, rows, m))
                    for t, block in ((a[lo:hi], [cfg.block_m, cfg.block_k]), (b, [cfg.block_n, cfg.block_k]),
@@ -674,5 +685,5 @@ def _launch_one(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, 
     return _bi_matmul_tma_one_launch_kernel[(programs,)](
         *descriptors, rows, m - rows, n, programs, K=k, BLOCK_M=main.block_m, BLOCK_N=main.block_n,
         BLOCK_K=main.block_k, TAIL_M=tail.block_m, TAIL_N=tail.block_n, TAIL_K=tail.block_k, GROUP_M=main.group_m,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", K_SPLITS=main.k_splits,
+        DOT_PRECISION=_dot_precision(a.dtype), K_SPLITS=main.k_splits,
         num_warps=main.num_warps, num_stages=main.num_stages)
