@@ -37,6 +37,12 @@ class FakeClock:
     def hold(self):
         self.log.append("hold")
 
+    def reached(self, event):
+        return False  # the host always queues ahead of this device
+
+    def lengthen(self):
+        return False
+
 
 def scripted(clock, name, durations):
     """A subject whose i-th call takes durations[i] ms (warm-up calls included)."""
@@ -57,6 +63,78 @@ def test_interleaved_timing_rotates_subjects_and_skips_warmup():
     # one hold per round, then both subjects; the first subject alternates round by round
     assert timed == ["hold", "a", "b", "hold", "b", "a", "hold", "a", "b", "hold", "b", "a"]
     assert clock.log[:4] == ["a", "b", "a", "b"] and clock.log[-1] == "sync"
+
+
+class QueueClock:
+    """A host and a device on one timeline: the host spends `launch_ms` preparing each call
+    before it is queued; the device runs what is queued in order, each call for `kernel_ms`
+    and the hold for `hold_ms`, and reaches an event once the work before it is done and the
+    event has been queued."""
+
+    def __init__(self, launch_ms, kernel_ms, hold_ms, max_hold_ms=64.0):
+        self.host = self.device = 0.0
+        self.launch_ms, self.kernel_ms, self.hold_ms, self.max_hold_ms, self.redone = (
+            launch_ms, kernel_ms, hold_ms, max_hold_ms, 0)
+
+    def _queue(self, busy_ms):
+        self.device = max(self.device, self.host) + busy_ms
+        return self.device
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.at = clock._queue(0.0)
+        return Event()
+
+    def call(self):
+        self.host += self.launch_ms
+        self._queue(self.kernel_ms)
+
+    def hold(self):
+        self._queue(self.hold_ms)
+
+    def reached(self, event):
+        return event.at <= self.host
+
+    def lengthen(self):
+        if self.hold_ms >= self.max_hold_ms:
+            return False
+        self.hold_ms, self.redone = 2 * self.hold_ms, self.redone + 1
+        return True
+
+    def synchronize(self):
+        self.host = max(self.host, self.device)
+
+    def elapsed_ms(self, start, end):
+        return end.at - start.at
+
+
+def test_a_round_the_hold_does_not_cover_is_timed_again_under_a_longer_hold():
+    # 40 subjects of 0.01 ms kernels, each 0.08 ms of host work to queue (a Python launcher):
+    # a round takes the host 3.2 ms to queue, longer than a 2 ms hold.
+    clock = QueueClock(launch_ms=0.08, kernel_ms=0.01, hold_ms=2.0)
+    samples = timing.time_interleaved({f"s{i}": clock.call for i in range(40)}, repeats=5, warmup=1, clock=clock)
+    assert clock.hold_ms == 4.0 and clock.redone == 1  # the first round was void, the rest ran under 4 ms
+    assert timing.hold_note(clock) == {"hold_ms": 4.0, "rounds_redone": 1}
+    assert all(s == [pytest.approx(0.01)] * 5 for s in samples.values())  # the kernels, not the launches
+    # positive control: under a hold that cannot grow, the host's time is what the events would say
+    starved = QueueClock(launch_ms=0.08, kernel_ms=0.01, hold_ms=2.0, max_hold_ms=2.0)
+    with pytest.raises(RuntimeError, match="could not queue a round of 40 calls"):
+        timing.time_interleaved({f"s{i}": starved.call for i in range(40)}, repeats=5, warmup=1, clock=starved)
+    start, end = starved.event(), starved.event()
+    starved.synchronize()
+    start.record()
+    starved.call()
+    end.record()
+    assert starved.reached(start) and starved.elapsed_ms(start, end) == pytest.approx(0.09)
+
+
+def test_long_kernels_keep_the_device_ahead_without_a_longer_hold():
+    clock = QueueClock(launch_ms=0.08, kernel_ms=1.0, hold_ms=2.0)
+    samples = timing.time_interleaved({f"s{i}": clock.call for i in range(40)}, repeats=3, warmup=0, clock=clock)
+    assert clock.redone == 0 and all(s == [pytest.approx(1.0)] * 3 for s in samples.values())
 
 
 def test_interleaved_timing_rejects_nonsense():

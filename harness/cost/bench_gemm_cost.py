@@ -234,8 +234,10 @@ class Bench:
         x = self.torch.randn(shape, generator=g, device=self.device, dtype=self.torch.bfloat16)
         return x if scale == 1.0 else (x.float() * scale).to(dtype or self.torch.bfloat16)
 
-    def time_point(self, calls: dict, hold_ms: float) -> dict:
-        return timing.time_interleaved(calls, self.repeats, self.warmup, timing.CudaClock(hold_ms))
+    def time_point(self, calls: dict, hold_ms: float) -> tuple[dict, dict]:
+        """The calls' samples (time_interleaved) and the hold they ran under (timing.hold_note)."""
+        clock = timing.CudaClock(hold_ms)
+        return timing.time_interleaved(calls, self.repeats, self.warmup, clock), timing.hold_note(clock)
 
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:
@@ -260,11 +262,11 @@ class Bench:
             point = {"m": m, "failed": failed}
             if calls:
                 flops = timing.gemm_flops(m, n, k)
-                warm = self.time_point(self._rotating(calls, [(problem, outs)]), hold_ms=2.0)
+                warm, warm_timing = self.time_point(self._rotating(calls, [(problem, outs)]), hold_ms=2.0)
                 cold_sets = self._operand_copies(problem, outs)
-                cold = self.time_point(self._rotating(calls, cold_sets), hold_ms=2.0)
+                cold, cold_timing = self.time_point(self._rotating(calls, cold_sets), hold_ms=2.0)
                 point.update(cost=self._gemm_costs(warm, flops, "bf16"), cost_cold=self._gemm_costs(cold, flops, "bf16"),
-                             cold_copies=len(cold_sets))
+                             cold_copies=len(cold_sets), timing={"warm": warm_timing, "cold": cold_timing})
                 del cold_sets
             point["probe"] = self._probe_rows(probes, m)
             section["points"].append(point)
@@ -363,9 +365,9 @@ class Bench:
                     failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                     continue
                 calls[name] = (lambda s=subject: s.quantize(x, False))
-            samples = self.time_point(calls, hold_ms=1.0)
+            samples, held = self.time_point(calls, hold_ms=1.0)
             costs = {name: timing.quant_cost(s, moved, samples["copy"]) for name, s in samples.items()}
-            section["points"].append({"m": rows, "cost": costs, "failed": failed, "bytes": moved})
+            section["points"].append({"m": rows, "cost": costs, "failed": failed, "bytes": moved, "timing": held})
         return section
 
     # grouped ------------------------------------------------------------------------------
@@ -424,10 +426,11 @@ class Bench:
                     failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
                     continue
                 calls[name] = (lambda s=subject, p=problems[name], o=outs[name]: s.run(p, o))
-            samples = self.time_point(calls, hold_ms=10.0) if calls else {}
+            samples, held = self.time_point(calls, hold_ms=10.0) if calls else ({}, None)
             flops = timing.gemm_flops(m * model.topk, n, k)
             costs = self._gemm_costs(samples, flops, lambda name: "fp8" if name in fp8_ready else "bf16")
-            point = {"m": m, "rows": m * model.topk, "padded_rows": total, "cost": costs, "failed": failed}
+            point = {"m": m, "rows": m * model.topk, "padded_rows": total, "cost": costs, "failed": failed,
+                     "timing": held}
             for name in samples:
                 probes[name][m] = outs[name][starts[probe_expert]].clone()
             point["probe"] = self._probe_rows(probes, m)

@@ -3,6 +3,9 @@
 Timing: CUDA events around each call, after warm-up calls; the subjects of one shape are
 interleaved call by call (the first subject rotates every repeat, so none always runs
 right after another's cache footprint), and each subject's median of k calls is kept.
+A spin kernel holds the GPU before each round, so the round's calls queue behind it; a round
+in which the GPU reached a call before the host had queued it timed the host and is timed
+again under a longer hold.
 Two cache states: L2-warm (operands reused between calls, as warm for one subject as for
 the other) and L2-cold (`Rotation`: every call takes the next of several copies of the
 operands, together larger than L2, as a model's layers evict each other's weights).
@@ -44,22 +47,30 @@ class Clock(Protocol):
 
     def hold(self) -> None: ...  # keep the device busy while a round of calls is queued
 
+    def reached(self, event) -> bool: ...  # has the device already passed this recorded event?
+
+    def lengthen(self) -> bool: ...  # a longer hold from now on; False when it is at its limit
+
 
 class CudaClock:
     """CUDA events. Before each round a spin kernel holds the GPU for `hold_ms`, so the
     round's launches queue behind it and each event pair times the kernel, not the host's
-    launch overhead (which for a small GEMM is longer than the GEMM itself)."""
+    launch overhead (which for a small GEMM is longer than the GEMM itself). A round the hold
+    did not cover is timed again under a hold twice as long (time_interleaved); `redone`
+    counts those rounds and `hold_ms` is the hold the last round ran under."""
+
+    MAX_HOLD_MS = 512.0
 
     def __init__(self, hold_ms: float = 2.0):
         import torch
 
         self._torch = torch
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        clock_khz = getattr(props, "clock_rate", 0) or 1_980_000  # H200 boost clock when torch lacks it
-        self._hold_cycles = int(hold_ms * clock_khz)
+        self._clock_khz = getattr(props, "clock_rate", 0) or 1_980_000  # H200 boost clock when torch lacks it
+        self.hold_ms, self.redone = hold_ms, 0
 
     def hold(self) -> None:
-        self._torch.cuda._sleep(self._hold_cycles)
+        self._torch.cuda._sleep(int(self.hold_ms * self._clock_khz))
 
     def event(self):
         return self._torch.cuda.Event(enable_timing=True)
@@ -69,6 +80,21 @@ class CudaClock:
 
     def synchronize(self) -> None:
         self._torch.cuda.synchronize()
+
+    def reached(self, event) -> bool:
+        return event.query()
+
+    def lengthen(self) -> bool:
+        if self.hold_ms >= self.MAX_HOLD_MS:
+            return False
+        self.hold_ms, self.redone = min(2 * self.hold_ms, self.MAX_HOLD_MS), self.redone + 1
+        return True
+
+
+def hold_note(clock) -> dict:
+    """What a point's record says of its timing rounds: the hold they ran under, and how many
+    were timed again because the host had not queued them before the hold ran out."""
+    return {"hold_ms": clock.hold_ms, "rounds_redone": clock.redone}
 
 
 def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, warmup: int = 3,
@@ -86,15 +112,33 @@ def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, wa
     clock.synchronize()
     marks: dict[str, list[tuple]] = {name: [] for name in names}
     for r in range(repeats):
-        clock.hold()
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start, end = clock.event(), clock.event()
-            start.record()
-            calls[name]()
-            end.record()
-            marks[name].append((start, end))
+        while (round_marks := _queued_round(calls, names[r % len(names):] + names[:r % len(names)], clock)) is None:
+            clock.synchronize()
+            if not clock.lengthen():
+                raise RuntimeError(f"the host could not queue a round of {len(names)} calls within the longest "
+                                   "hold: each pair of events would time the host's launch work, not the GPU's; "
+                                   "time fewer subjects per round")
+        for name, pair in round_marks.items():
+            marks[name].append(pair)
     clock.synchronize()
     return {name: [clock.elapsed_ms(s, e) for s, e in pairs] for name, pairs in marks.items()}
+
+
+def _queued_round(calls: dict, order: list[str], clock: Clock) -> dict[str, tuple] | None:
+    """One round behind a hold: each call between its two events. None if the device reached a
+    call's start event before the call had been queued: then the pair timed the host's work
+    (argument checks, descriptors, the launch) while the GPU waited, and the round is void."""
+    clock.hold()
+    pairs = {}
+    for name in order:
+        start, end = clock.event(), clock.event()
+        start.record()
+        calls[name]()
+        end.record()
+        if clock.reached(start):
+            return None
+        pairs[name] = (start, end)
+    return pairs
 
 
 class Rotation:
