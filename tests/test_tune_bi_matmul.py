@@ -170,7 +170,7 @@ def test_a_split_count_is_tried_where_small_m_miss_and_chosen_by_the_worst_m():
     assert [tune.target(m) for m in (1, 64, 65, 256, 512, 1024, 8192)] == [1.10, 1.10, 1.15, 1.15, 1.15, 1.05, 1.05]
 
 
-def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_table(tmp_path, monkeypatch):
+def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_table(tmp_path, monkeypatch, capsys):
     """The tuner's bookkeeping with the GPU parts replaced (bits all identical, timings made
     up): the unsplit walk misses at M = 1 on the thin shape, K in 2 segments meets every
     target there, and the table it writes loads with one split count for every M."""
@@ -193,7 +193,8 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
             return (1.4 if slow else 1.0) + cfg.block_m / 1e4  # the smallest tile wins ties
         state = {name: {"median_ms": ratio(name), "time_vs_baseline": ratio(name)} for name in tiles}
         state["torch_mm"] = {"median_ms": 1.0, "time_vs_baseline": 1.0}
-        return {"m": m, "warm": state, "cold": state}
+        redone = {"hold_ms": 8.0 if m == 1 else 2.0, "rounds_redone": 2 if m == 1 else 0}
+        return {"m": m, "warm": state, "cold": state, "timing": {"warm": redone, "cold": redone}}
 
     monkeypatch.setattr(tune, "Shape", FakeShape)
     monkeypatch.setattr(tune, "bit_check", fake_bits)
@@ -204,6 +205,10 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
     result = tune.run(tmp_path, 1, 0, 0, shapes=((2048, 7168), (4096, 4096)))
     chosen = {(s["n"], s["k"]): s["chosen_k_splits"] for s in result["shapes"]}
     assert chosen == {(2048, 7168): 2, (4096, 4096): 1}
+    said = capsys.readouterr().out.splitlines()  # a point's redone rounds are on its line, and only there
+    redone = [line for line in said if "round(s) redone" in line]
+    assert redone and all("M=    1:" in line and line.endswith("warm: 2 round(s) redone, hold 8 ms; cold: 2 round(s) "
+                                                                "redone, hold 8 ms") for line in redone), said
     assert [w["k_splits"] for w in result["shapes"][1]["walks"]] == [1]  # no miss: no split tried
     table = kernel.tuned_tiles(tmp_path / "bi_matmul_tiles.json")
     assert {plan.main.k_splits for _, plan in table[(2048, 7168)]} == {2}

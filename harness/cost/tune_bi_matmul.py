@@ -282,7 +282,7 @@ def time_point(shape: Shape, m: int, tiles: dict, repeats: int, warmup: int) -> 
         rotation = shape.operand_sets(m, cold)
         clock = timing.CudaClock(2.0)
         samples = timing.time_interleaved(shape.calls(rotation, tiles), repeats, warmup, clock)
-        point[f"{state}_timing"] = timing.hold_note(clock)
+        point.setdefault("timing", {})[state] = timing.hold_note(clock)
         base = timing.median_ms(samples["torch_mm"])
         point[state] = {name: {"median_ms": timing.median_ms(s), "time_vs_baseline": timing.median_ms(s) / base}
                         for name, s in samples.items()}
@@ -363,7 +363,7 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
             f"cold {point['cold'][best]['time_vs_baseline']:.2f}x cuBLAS "
             f"({point['warm']['torch_mm']['median_ms'] * 1e3:.1f} / {point['cold']['torch_mm']['median_ms'] * 1e3:.1f} us)"
             + "".join(f"; {state}: {t['rounds_redone']} round(s) redone, hold {t['hold_ms']:g} ms"
-                      for state in ("warm", "cold") if (t := point.get(f"{state}_timing", {})).get("rounds_redone")))
+                      for state, t in point.get("timing", {}).items() if t["rounds_redone"]))
     if walk["points"]:
         walk["score"] = score(walk["points"])
         walk["table"] = table_entries(walk["points"], every)
