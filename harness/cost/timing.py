@@ -99,7 +99,9 @@ def hold_note(clock) -> dict:
 
 def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, warmup: int = 3,
                      clock: Clock | None = None) -> dict[str, list[float]]:
-    """Milliseconds of each call, `repeats` per subject, subjects interleaved call by call."""
+    """Milliseconds of each call, `repeats` per subject, subjects interleaved call by call. A
+    round the clock's hold did not cover is void and timed again under a longer hold
+    (`clock.lengthen()`); RuntimeError once the hold can grow no more."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if not calls:
