@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ep_harness.bits import int_view
 from ep_harness.families import gemm as gemm_family
 from ep_harness.families.gemm_problem import build, weights
 from ep_harness.families.gemm import GemmParams
@@ -126,8 +127,7 @@ def test_k_order_sensitivity_counts_what_float32_arithmetic_says(seed, k, out):
         whole = added(p)
         split = np.float32(added(p[:half]) + added(p[half:])) if half else whole
         a, b = torch.tensor(float(whole)).to(out), torch.tensor(float(split)).to(out)
-        want += int(not torch.equal(a.view(torch.int16 if out == torch.bfloat16 else torch.int32),
-                                    b.view(torch.int16 if out == torch.bfloat16 else torch.int32)))
+        want += int(not torch.equal(int_view(a), int_view(b)))
     assert ref_gemm.k_order_sensitive(row, weight, out) == want
 
 

@@ -134,14 +134,14 @@ def plan_name(plan: kernel.TilePlan) -> str:
 def plans_at(m: int, n: int, identical_names: set[str], sms: int, k_splits: int = 1) -> dict[str, kernel.TilePlan]:
     """The plans that split M's rows: two launches whose tiles are all bit-identical, and one
     launch whose main tiles are (its own bits are checked at M: `one_launch_bits`)."""
-    plans = [kernel.TilePlan(replace(main, k_splits=k_splits), replace(tail, k_splits=k_splits))
-             for main in PLAN_MAINS for tail in PLAN_TAILS
-             if tail != main and {name_of(replace(main, k_splits=k_splits)),
-                                  name_of(replace(tail, k_splits=k_splits))} <= identical_names]
-    plans += [kernel.TilePlan(replace(main, k_splits=k_splits),
-                              replace(tail, k_splits=k_splits, num_stages=main.num_stages), one_launch=True)
-              for main in ONE_LAUNCH_MAINS for tail in ONE_LAUNCH_TAILS
-              if name_of(replace(main, k_splits=k_splits)) in identical_names]
+    def walking(tiles):
+        return [replace(cfg, k_splits=k_splits) for cfg in tiles]
+
+    plans = [kernel.TilePlan(main, tail) for main in walking(PLAN_MAINS) for tail in walking(PLAN_TAILS)
+             if tail != main and {name_of(main), name_of(tail)} <= identical_names]
+    plans += [kernel.TilePlan(main, replace(tail, num_stages=main.num_stages), one_launch=True)
+              for main in walking(ONE_LAUNCH_MAINS) for tail in walking(ONE_LAUNCH_TAILS)
+              if name_of(main) in identical_names]
     return {plan_name(plan): plan for plan in plans if len(kernel.row_slices(m, n, plan, sms)) == 2}
 
 
