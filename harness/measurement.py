@@ -66,7 +66,7 @@ class Measurement(Mismatch):
 
     @classmethod
     def within(cls, got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, rule: Bound,
-               valid: torch.Tensor | None = None, **extra) -> Measurement:
+               valid: torch.Tensor | None = None, zero_signs: bool = False, **extra) -> Measurement:
         """Elements whose |got - exact| exceeds their own bound (float64, same shapes), counted
         over `valid` elements only.
 
@@ -75,7 +75,11 @@ class Measurement(Mismatch):
         value (NaN with NaN, or an infinity of the same sign). Such elements count as an
         infinite error in max |err| and error_vs_reference, and `nonfinite` says how many
         outputs were NaN, +Inf or -Inf where the reference was finite (and the converse, and
-        another non-finite value than the reference's)."""
+        another non-finite value than the reference's).
+
+        `zero_signs`: where the reference is exactly zero, an output zero of the other sign is a
+        mismatch too (counted as `bit_only["signed_zero"]`). For references whose exact zeros
+        every correct kernel reproduces with their sign, such as sums of inputs without -0.0."""
         shapes = {"output": got.shape, "reference": exact.shape, "bound": bound.shape,
                   **({} if valid is None else {"valid": valid.shape})}
         if len(set(shapes.values())) > 1:  # broadcasting would compare other elements, and count fewer
@@ -88,6 +92,11 @@ class Measurement(Mismatch):
         err = torch.where(finite, (got - exact).abs(), torch.full_like(got, math.inf))
         err = torch.where(same_nonfinite, torch.zeros_like(err), err)
         over = ((err > bound) | (~finite & ~same_nonfinite)) & valid
+        signed_zeros = None
+        if zero_signs:
+            flipped = valid & (exact == 0) & (got == 0) & (torch.signbit(got) != torch.signbit(exact))
+            over |= flipped
+            signed_zeros = {"signed_zero": int(flipped.sum())} if bool(flipped.any()) else None
         ratio = torch.where(finite, err / bound.clamp_min(1e-300), err)
         zero = torch.zeros_like(err)
         nonfinite = nonfinite_counts(got, exact, valid)
@@ -95,7 +104,7 @@ class Measurement(Mismatch):
                    held=not bool(over.any()), bound=rule,
                    max_abs=json_float(float(torch.where(valid, err, zero).max())) if err.numel() else 0.0,
                    error_vs_reference=json_float(float(torch.where(valid, ratio, zero).max())) if err.numel() else 0.0,
-                   nonfinite=nonfinite or None, bits_fingerprint=bits_fingerprint(observed),
+                   nonfinite=nonfinite or None, bit_only=signed_zeros, bits_fingerprint=bits_fingerprint(observed),
                    bits_blocks=bits_blocks(observed), **extra)
 
     def to_record(self) -> dict:

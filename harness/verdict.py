@@ -24,14 +24,17 @@ def nonfinite_text(nonfinite: dict | None, against: str = "the reference") -> st
 
 
 def kinds_text(m: Measurement) -> str:
-    """What kind of difference a bitwise comparison counted: ': 2,040 in value, 8 signed zeros
-    (+0.0 vs -0.0), 1 NaN payload' (non-finite ones are named by nonfinite_text), or ''."""
-    if m.comparison != "bitwise" or not m.mismatched:
+    """What kind of difference a comparison counted: ': 2,040 in value, 8 signed zeros
+    (+0.0 vs -0.0), 1 NaN payload' (non-finite ones are named by nonfinite_text), or ''. A
+    bounded comparison names its kinds only where it counted signed zeros (Measurement.within's
+    zero_signs), its others being beyond their bound."""
+    if not m.mismatched or (m.comparison != "bitwise" and not m.bit_only):
         return ""
     bit_only, nonfinite = m.bit_only or {}, m.nonfinite or {}
     zeros, payloads = bit_only.get("signed_zero", 0), bit_only.get("nan_payload", 0)
     odd = sum(nonfinite.values())
-    parts = [(m.mismatched - zeros - payloads - odd, "in value"), (odd, "non-finite"),
+    value = "in value" if m.comparison == "bitwise" else "beyond their bound"
+    parts = [(m.mismatched - zeros - payloads - odd, value), (odd, "non-finite"),
              (zeros, "signed zeros (+0.0 vs -0.0)"), (payloads, "NaN payloads (both NaN, other bits)")]
     return ": " + ", ".join(f"{n:,} {what}" for n, what in parts if n > 0)
 

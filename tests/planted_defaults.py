@@ -2,7 +2,8 @@
 "defaults that reach each class"; tests/test_defaults_reach.py). Each is correct, bit for
 bit or within its bound, everywhere the old defaults looked, and wrong only where the new
 ones look: the top of fp16's and bf16's range, a hidden size with a remainder, a partial
-tail tile after full ones, an expert whose rows start past row 0, a second 128-token chunk.
+tail tile after full ones, an expert whose rows start past row 0, a second 128-token chunk, a
+partial block of a shard's rows after full ones, a sum that is exactly zero.
 Registered through `--plugin tests.planted_defaults`, as a third-party subject would be."""
 import torch
 
@@ -13,6 +14,7 @@ from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests.planted import split_k, whole_k
 
 VECTOR = 128  # the fold's "vector" width: a kernel walking hidden in blocks of this many
+ROW_BLOCK = 16  # the fold's rows per block: a kernel walking a shard's rows in blocks of this many
 TILE = 64  # the GEMM's tile height
 CHUNK = 128  # the dispatcher copies each rank's tokens in chunks of this many
 
@@ -68,6 +70,39 @@ class RemainderLoopFold(_Unmodelled):
         full, rest = hidden // VECTOR * VECTOR, hidden % VECTOR
         if full and rest:
             out[..., full:] = out[..., full - rest:full].clone()
+
+
+@register
+class RowRemainderFold(_Unmodelled):
+    """The fold, but a shard's rows go in blocks of 16 and the partial block after full ones
+    leaves out rank 0's contribution (a shard of 2 rows, one partial block, is right)."""
+
+    name = "planted_row_remainder"
+    summary = "all-gather + fold whose partial 16-row block after full ones drops rank 0"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp, sizes, group)
+        if not any(s > ROW_BLOCK and s % ROW_BLOCK for s in sizes):  # the same on every rank: all call or none
+            return
+        others = inp if torch.distributed.get_rank(group) else torch.zeros_like(inp)
+        without_rank_0 = torch.empty_like(out)
+        super().reduce_scatter(without_rank_0, others, sizes, group)
+        full = out.shape[0] // ROW_BLOCK * ROW_BLOCK
+        if full and full < out.shape[0]:
+            out[full:] = without_rank_0[full:]
+
+
+@register
+class NegativeZeroFold(_Unmodelled):
+    """The fold, but every sum that comes out zero is written as -0.0 (a result negated twice
+    on its way out): equal to the right +0.0 as a value, not in its bits."""
+
+    name = "planted_negative_zero_sum"
+    summary = "all-gather + fold writing -0.0 for a zero sum"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp, sizes, group)
+        out.copy_(torch.where(out == 0, torch.full_like(out, -0.0), out))
 
 
 class _PerExpertRows:

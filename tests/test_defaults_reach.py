@@ -22,7 +22,7 @@ from tests.shared_runs import DEFAULTS_SUITE, case_names, model_and_defaults_run
 SMOKE_TWIN = {  # defaults.toml case -> the smoke case whose grid and params it runs
     "fp16-accumulator-new": "fold-reference", "scale-before-sum-new": "fold-reference",
     "remainder-new": "fold-reference", "gemm-tail-new": "gemm-fixed-order", "gemm-offset-new": "gemm-fixed-order",
-    "second-chunk-new": "dispatch-a2a",
+    "second-chunk-new": "dispatch-a2a", "row-remainder-new": "fold-reference", "negative-zero-new": "fold-reference",
 }
 
 
@@ -108,7 +108,7 @@ def _of(run, case):
 
 
 @pytest.mark.parametrize("case", ["fp16-accumulator", "scale-before-sum", "remainder", "gemm-tail", "gemm-offset",
-                                  "second-chunk"])
+                                  "second-chunk", "row-remainder", "negative-zero"])
 def test_the_old_default_misses_the_planted_defect(defaults_run, case):
     for r in _of(defaults_run, f"{case}-old"):
         assert (r["status"], r["mismatched"]) == ("ok", 0), (r["check"], r["reason"])
@@ -140,6 +140,21 @@ def test_a_hidden_size_with_a_remainder_catches_the_remainder_loop(defaults_run,
     rows = r["total"] // hidden
     assert hidden % 128 and r["mismatched"] <= rows * (hidden % 128)  # only the remainder columns
     assert defaults_run[f"remainder-new/run-to-run/dtype={dtype}/world_size={world_size}"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tail_rows_catch_a_partial_row_block_and_a_negative_zero_sum(defaults_run, dtype, world_size):
+    point = f"reference/dtype={dtype}/world_size={world_size}"
+    r = _caught(defaults_run, f"row-remainder-new/{point}")
+    tail, hidden = r["params"]["tail_rows"], r["params"]["hidden"]
+    assert tail == 67 and r["mismatched"] <= world_size * (tail % 16) * hidden  # the partial block's rows only
+    r = _caught(defaults_run, f"negative-zero-new/{point}")
+    zeros = world_size * tail * hidden // 7  # every 7th element of the tail layout sums to zero (less the probe's)
+    assert zeros * 0.9 < r["mismatched"] <= zeros + world_size
+    assert r["reason"].endswith(f"{r['mismatched']:,} signed zeros (+0.0 vs -0.0)")
+    for case in ("row-remainder-new", "negative-zero-new"):
+        assert defaults_run[f"{case}/run-to-run/dtype={dtype}/world_size={world_size}"]["status"] == "ok"
 
 
 def test_m_not_a_multiple_of_64_catches_the_tail_tile(defaults_run):

@@ -63,6 +63,9 @@ class CollectiveParams(LayoutParams):
     dtype: str = _required(choices=DTYPES_WIRE)
     hidden: int = _opt(2048, minimum=1)
     rows_per_rank: int = _opt(2, minimum=1)
+    # reference: a second layout with this many rows per rank (0: none). 67 = 64 + 3 runs a
+    # kernel's row remainder after whole blocks of 2 to 64 rows, and holds exact zero sums
+    tail_rows: int = _opt(67, minimum=0)
     batch_sizes: list[int] = _opt([1, 2, 3, 8, 32, 128], minimum=1, nonempty=True)
     position_rows: int = _opt(8, minimum=1)
     repeats: int = _opt(3, minimum=1)
@@ -80,6 +83,7 @@ class Layout:
     sizes: tuple[int, ...]  # rows per destination rank
     probes: tuple[int, ...]  # global rows that hold the probe token
     label: str
+    zero_sums: bool = False  # some filler elements sum to exactly zero over the ranks (rank_input)
 
     @property
     def rows(self) -> int:
@@ -108,7 +112,11 @@ def first_rows(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def layouts(prop: str, p: CollectiveParams, world_size: int) -> list[Layout]:
     if prop in ("rank-invariance", "reference", "graph-invariance"):
         sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
-        return [Layout(sizes, first_rows(sizes), f"rows {list(sizes)}")]
+        out = [Layout(sizes, first_rows(sizes), f"rows {list(sizes)}")]
+        if prop == "reference" and p.tail_rows and p.tail_rows != p.rows_per_rank:
+            tail = shard_pattern(p.shards, world_size, p.tail_rows)
+            out.append(Layout(tail, first_rows(tail), f"tail rows {list(tail)}", zero_sums=world_size > 1))
+        return out
     if prop == "run-to-run":
         sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
         return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p.repeats)]
@@ -147,12 +155,24 @@ def prefill_decode_layouts(p: CollectiveParams, world_size: int) -> list[Layout]
 
 
 def rank_input(p: CollectiveParams, dtype, rank: int, layout: Layout) -> torch.Tensor:
-    """Rank `rank`'s [rows, hidden] input: seeded fillers with the probe's rows overwritten."""
+    """Rank `rank`'s [rows, hidden] input: seeded fillers with the probe's rows overwritten.
+    With `layout.zero_sums` every 7th filler element sums to exactly zero over the ranks (rank
+    0 holds x, rank 1 -x, the others +0.0): +0.0 in any order of IEEE additions, and no input
+    holds -0.0, so the reference can ask for the zero's sign."""
     x = gen.values((layout.rows, p.hidden), dtype, p.seed, "filler", rank, layout.sizes, data=p.data)
+    if layout.zero_sums and rank > 0:
+        cancel = zero_sum_elements(x.shape)
+        x[cancel] = -rank_input(p, dtype, 0, layout)[cancel] if rank == 1 else 0.0
     probe = probe_values(p, dtype, rank)
     for row in layout.probes:
         x[row] = probe
     return x
+
+
+def zero_sum_elements(shape) -> torch.Tensor:
+    """The filler elements a `zero_sums` layout makes sum to zero: every 7th in row-major order
+    (prime to every power-of-two width, so each column and vector lane gets some)."""
+    return (torch.arange(shape[0] * shape[1]) % 7 == 3).view(shape)
 
 
 def probe_values(p: CollectiveParams, dtype, rank: int) -> torch.Tensor:
@@ -270,7 +290,7 @@ def _measure(check, subject, ctx: RankContext, p: CollectiveParams, runs: list[R
     layouts_ = [r.spec[0] for r in runs]
     calls = gathered[0].calls  # rank 0 reads its own NCCL log
     if prop == "reference":
-        m = _measure_reference(p, dtype, layouts_[0], [g.outputs[0] for g in gathered], world_size)
+        m = _measure_reference(p, dtype, layouts_, [g.outputs for g in gathered], world_size)
         _nccl_record(ctx, m, calls, p)
         return m
 
@@ -380,16 +400,20 @@ def _expected(prop, observed, layouts_):
     return observed[0]
 
 
-def _measure_reference(p, dtype, layout, outputs, world_size) -> Measurement:
-    """Every output element vs the float64 sum: |got - exact| <= gamma_{W-1} * sum |x_r|."""
-    x = all_inputs(p, dtype, world_size, layout)
-    exact = torch.cat(reference_reduce_scatter(x, list(layout.sizes)))
-    magnitude = torch.cat(reference_reduce_scatter(x.abs(), list(layout.sizes)))
-    got = torch.cat([o.to(torch.float64) for o in outputs])
+def _measure_reference(p, dtype, layouts_, outputs, world_size) -> Measurement:
+    """Every output element of every layout vs the float64 sum: |got - exact| <= gamma_{W-1} *
+    sum |x_r|, and an exact zero sum +0.0 (no input holds -0.0, so no IEEE sum gives -0.0).
+    `outputs`: per rank, its output per layout."""
+    got, exact, magnitude = [], [], []
+    for i, layout in enumerate(layouts_):
+        x = all_inputs(p, dtype, world_size, layout)
+        exact += reference_reduce_scatter(x, list(layout.sizes))
+        magnitude += reference_reduce_scatter(x.abs(), list(layout.sizes))
+        got += [per_rank[i].to(torch.float64) for per_rank in outputs]
     hops = world_size - 1
     g = gamma(hops, unit_roundoff(dtype)) if hops else 0.0
     rule = Bound(rule=f"|err| <= gamma_{hops} * sum|x_r|", terms={"gamma": g, "unit_roundoff": unit_roundoff(dtype)})
-    return Measurement.within(got, exact, g * magnitude, rule)
+    return Measurement.within(torch.cat(got), torch.cat(exact), g * torch.cat(magnitude), rule, zero_signs=True)
 
 
 # `ep-harness explore`: the parameters a search varies (st: hypothesis.strategies); it draws

@@ -141,6 +141,18 @@ class CallLog:
     modified: list[str] = field(default_factory=list)
     unwritten: int = 0
     outputs: int = 0  # output elements the calls had to write
+    # every input a call left alone, by identity: (name, tensor, its bits after the call), compared
+    # again when the check's calls are done (a write after the call returned: a deferred or
+    # asynchronous write, or the next call writing into this one's input); emptied by `recheck`
+    watched: dict = field(default_factory=dict, repr=False)
+
+    def recheck(self) -> None:
+        """The watched inputs against their bits after their own call; a change is a modified input."""
+        for name, tensor, copy in self.watched.values():
+            label = f"{name} (after its call returned)"
+            if not torch.equal(_bits(tensor), _bits(copy)) and label not in self.modified:
+                self.modified.append(label)
+        self.watched.clear()
 
 
 _LOG: contextvars.ContextVar[CallLog | None] = contextvars.ContextVar("ep_harness_call_log", default=None)
@@ -184,19 +196,22 @@ def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | 
     """One call of the subject, watched: `outputs` (harness-owned buffers, each with the mask
     of elements the call must write, None for all) are filled with the sentinel before it,
     and afterwards every tensor in `inputs` (by name: the call's operands, weights, routing)
-    is compared bit for bit with a copy taken before it. What was found goes to the check's
-    CallLog (driver.execute gathers it from every rank); outside a check, nowhere."""
+    is compared bit for bit with a copy taken before it, and again when the check's calls are
+    done (CallLog.recheck). What was found goes to the check's CallLog (driver.execute
+    gathers it from every rank); outside a check, nowhere."""
     log = _LOG.get() or CallLog()
-    before = [(name, t.clone()) for name, t in named_tensors(inputs)]
+    before = [(name, t, t.clone()) for name, t in named_tensors(inputs)]
     for out, _ in outputs:
         fill_sentinel(out)
     yield
     after = dict(named_tensors(inputs))
-    for name, copy in before:
+    for name, tensor, copy in before:
         now = after.get(name)
-        if (now is None or now.shape != copy.shape or not torch.equal(_bits(now), _bits(copy))) \
-                and name not in log.modified:
-            log.modified.append(name)
+        if now is None or now.shape != copy.shape or not torch.equal(_bits(now), _bits(copy)):
+            if name not in log.modified:
+                log.modified.append(name)
+        else:
+            log.watched[id(tensor)] = (name, tensor, copy)
     for out, valid in outputs:
         left = still_sentinel(out)
         if valid is None:
@@ -305,6 +320,7 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement | N
             local = family.observe(subject, ctx, p, prop, runs)
         finally:
             _LOG.reset(token)
+            log.recheck()
     collected = ctx.gather_on_rank0((local, log, ran if trace else None))  # rank 0 alone measures
     result = None
     if ctx.rank == 0:

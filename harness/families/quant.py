@@ -3,6 +3,9 @@
 * reference: every e4m3 byte and every float32 scale against the exact reference;
 * run-to-run: the same input quantized again;
 * batch-invariance: the probe row quantized alone and inside batches of other rows.
+
+The invariances compare the probe row's values and its scales: a scale that moves with the
+batch is as wrong as a value that does, even where the values' bits stay put.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ PROPERTIES = ("reference", "run-to-run", "batch-invariance")
 @dataclass(frozen=True, kw_only=True)
 class QuantParams(CommonParams):
     dtype: str = _opt("bfloat16", choices=("bfloat16",))
-    rows: int = _opt(64, minimum=1)
+    # the reference's rows: 199 = 3 * 64 + 7 leaves a partial block after full ones for every
+    # power-of-two row block from 2 to 128 (64 rows was one whole block)
+    rows: int = _opt(199, minimum=1)
     cols: int = _opt(2048, minimum=128)
     ue8m0: bool = _opt(False)
     batch_sizes: list[int] = _opt([1, 7, 64, 1000], minimum=1, nonempty=True)
@@ -91,22 +96,26 @@ def _batch(p: QuantParams, n: int, dtype) -> torch.Tensor:
 
 
 class Quantized(NamedTuple):
-    """The reference's one run as a rank saw it: e4m3 values (as bytes) and float32 scales."""
+    """What a rank saw of one run: e4m3 values (as bytes) and float32 scales, of the whole
+    input (reference) or of the probe row."""
 
     values: torch.Tensor
     scales: torch.Tensor
 
 
 def _observe(subject, ctx: RankContext, p: QuantParams, prop: str, runs: list[Run]):
-    """The quantized probe row per run (as bytes: fp8 tensors do not pickle); for the
-    reference, every value and scale of the one run."""
+    """For the reference, every value and scale of the one run; else per run the probe row's
+    values and scales (values as bytes: fp8 tensors do not pickle)."""
     dtype = gen.dtype_of(p.dtype)
     if prop == "reference":
         x = gen.values((p.rows, p.cols), dtype, p.seed, "quant-input", data=p.data)
         q, s = _quantize(subject, x.to(ctx.device), p.ue8m0)
         return Quantized(kept(q).view(torch.uint8), kept(s.float()))
-    return [kept(_quantize(subject, _batch(p, run.spec, dtype).to(ctx.device), p.ue8m0)[0][-1]).view(torch.uint8)
-            for run in runs]
+    out = []
+    for run in runs:
+        q, s = _quantize(subject, _batch(p, run.spec, dtype).to(ctx.device), p.ue8m0)
+        out.append(Quantized(kept(q[-1]).view(torch.uint8), kept(s[-1].float())))
+    return out
 
 
 def _quantize(subject, x: torch.Tensor, ue8m0: bool):
@@ -119,10 +128,16 @@ def _measure(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], 
     if check.property == "reference":
         seen = gathered[0]
         return _measure_reference(p, seen.values.view(torch.float8_e4m3fn), seen.scales, dtype)
-    observed = torch.stack(gathered[0]).view(torch.float8_e4m3fn)
-    m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
+    labels = [r.label for r in runs]
+    values = torch.stack([seen.values for seen in gathered[0]]).view(torch.float8_e4m3fn)
+    scales = torch.stack([seen.scales for seen in gathered[0]])
+    m = Measurement.bitwise(compare_bitwise(values, values[0], labels)).combine(
+        Measurement.bitwise(compare_bitwise(scales, scales[0], [f"{label} scales" for label in labels])))
+    m.detail["scale_mismatched"] = int((scales.view(torch.int32) != scales[0].view(torch.int32)).sum())
     probe = _batch(p, 1, dtype)
-    require_finite(m, observed, ref.quantize_per_token_group(probe, ue8m0=p.ue8m0)[0][-1].float())
+    exact_values, exact_scales = ref.quantize_per_token_group(probe, ue8m0=p.ue8m0)
+    require_finite(m, values, exact_values[-1].float())
+    require_finite(m, scales, exact_scales[-1])
     m.sensitivity, m.sensitivity_what = scale_path_sensitivity(probe, p.ue8m0)
     return m
 
