@@ -7,6 +7,9 @@ from pathlib import Path
 
 from ep_harness.errors import HarnessError
 from ep_harness.records import REQUIRED, numbered_jsonl
+from ep_harness.reports.analysis import STATUS_ORDER
+
+RERUN = "rerun `ep-harness verify`"
 
 
 @dataclass
@@ -27,22 +30,40 @@ def load_run(path: Path) -> Run:
     results = path / "results.jsonl"
     if not results.exists():
         raise HarnessError(f"{results} not found; pass a run directory written by `ep-harness verify`")
-    records = []
-    for lineno, rec in numbered_jsonl(results, "the file is truncated or corrupted, rerun `ep-harness verify`"):
+    records, seen = [], {}
+    for lineno, rec in numbered_jsonl(results, f"the file is truncated or corrupted, {RERUN}"):
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise HarnessError(f"{results}:{lineno}: record lacks {', '.join(missing)}; "
                                f"it was not written by this harness version")
+        problem = _record_problem(rec, seen, lineno)
+        if problem:
+            raise HarnessError(f"{results}:{lineno}: {problem}; the record was edited or damaged, {RERUN}")
         records.append(rec)
     env_path = path / "environment.json"
-    environment = {}
-    if env_path.exists():
-        try:
-            environment = json.loads(env_path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise HarnessError(f"{env_path}: not UTF-8 text; rerun `ep-harness verify`") from None
-        except json.JSONDecodeError as exc:
-            raise HarnessError(f"{env_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-        if not isinstance(environment, dict):
-            raise HarnessError(f"{env_path}: not a JSON object; rerun `ep-harness verify`")
+    if not env_path.exists():  # verify writes it last, once every check has a record
+        raise HarnessError(f"{path} has no environment.json: the run did not finish (it was killed, or is still "
+                           f"running), so its records are partial; {RERUN}")
+    try:
+        environment = json.loads(env_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise HarnessError(f"{env_path}: not UTF-8 text; {RERUN}") from None
+    except json.JSONDecodeError as exc:
+        raise HarnessError(f"{env_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(environment, dict):
+        raise HarnessError(f"{env_path}: not a JSON object; {RERUN}")
     return Run(path=path, records=records, environment=environment)
+
+
+def _record_problem(rec: dict, seen: dict, lineno: int) -> str | None:
+    """What makes one record unreadable as a verdict: a check id that is not one, or one seen
+    on an earlier line (`seen`: id -> line), or a status the harness does not write."""
+    check = rec["check"]
+    if not isinstance(check, str) or not check:
+        return f"check {check!r} is not a check id"
+    if check in seen:
+        return f"check {check[:80]!r} again (first on line {seen[check]})"
+    seen[check] = lineno
+    if not isinstance(rec["status"], str) or rec["status"] not in STATUS_ORDER:
+        return f"check {check[:80]!r}: status {rec['status']!r} is not one of {', '.join(STATUS_ORDER)}"
+    return None

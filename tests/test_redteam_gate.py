@@ -1,6 +1,8 @@
 """Red-team holes in the gate (issue 23, item 6): an interrupted run, an all-error run and a
-run whose every check is vacuous used to pass; each now fails, with one line saying why."""
+run whose every check is vacuous used to pass; each now fails, with one line saying why. And
+(2026-12-07) runs and baselines that were read as complete when they were not."""
 import json
+import re
 
 import pytest
 
@@ -8,7 +10,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.regress.gate import fingerprint, gate, render_gate, update_baseline
 from ep_harness.records import write_jsonl
 from tests.conftest import run_cli
-from tests.test_gate import ENV, baseline_records, run_with
+from tests.test_gate import ENV, baseline, baseline_records, run_with  # noqa: F401 (baseline: a fixture)
 from tests.test_reports import write_run
 
 
@@ -113,3 +115,68 @@ def test_verify_fails_a_run_whose_every_check_is_vacuous(tmp_path):
     proc = run_cli("verify", "--suite", str(suite), "--gpus", "0", "--out", str(tmp_path / "both"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "vacuous (could not fail, not counted as passes): 1" in proc.stdout and "\n# OK" in proc.stdout
+
+
+# --- Red-team review of 2026-12-07: runs and baselines that were read as complete -------------
+
+def test_a_run_killed_before_it_finished_is_refused_by_report_baseline_and_gate(tmp_path, baseline):
+    """verify streams results.jsonl as checks finish and writes environment.json last: a run
+    killed with SIGKILL holds the finished checks' records and no environment.json. Its report
+    said OK, and it could be recorded as a baseline and passed against one."""
+    killed = run_with(tmp_path, "killed", baseline_records()[:2])
+    (killed / "environment.json").unlink()
+    said = "has no environment.json: the run did not finish"
+    for command in (["report", str(killed)], ["baseline", "update", str(killed), "--baseline", str(tmp_path / "b")],
+                    ["gate", str(killed), "--baseline", str(baseline)]):
+        proc = run_cli(*command)
+        assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, (command, proc.stderr)
+    assert not (tmp_path / "b").exists() and not (killed / "gate.json").exists()
+    assert gate(run_with(tmp_path, "whole", baseline_records()), baseline)["passed"]  # control: the finished run
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda rs: rs[1].update(status="passed"), "status 'passed' is not one of ok, unexpected"),
+    (lambda rs: rs[1].update(status=["ok"]), "status ['ok'] is not one of"),
+    (lambda rs: rs.append(dict(rs[0])), "check 'held-check' again (first on line 1)"),
+    (lambda rs: rs[0].update(check=""), "check '' is not a check id"),
+])
+def test_a_run_record_the_harness_would_not_write_is_named_by_its_line(tmp_path, baseline, edit, said):
+    records = baseline_records()
+    edit(records)
+    run = run_with(tmp_path, "edited", records)
+    with pytest.raises(HarnessError, match=r"results.jsonl:\d+: .*" + re.escape(said)):
+        gate(run, baseline)
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 2 and said in proc.stderr
+
+
+@pytest.mark.parametrize("header, said", [
+    ({"checks": "4"}, "checks = '4' is not a count"), ({"checks": 3.0}, "checks = 3.0 is not a count"),
+    ({"checks": True}, "checks = True is not a count"), ({"checks": -1}, "checks = -1 is not a count"),
+])
+def test_a_baseline_header_whose_count_is_not_a_count_is_refused(tmp_path, header, said):
+    records = baseline_records()
+    path = tmp_path / "baseline.jsonl"
+    write_jsonl(path, [{"fingerprint": fingerprint(ENV), **header}, *records[:-1]])
+    with pytest.raises(HarnessError, match=f"baseline.jsonl:1: {said}"):
+        gate(run_with(tmp_path, "run", records), path)
+    write_jsonl(path, [{"fingerprint": fingerprint(ENV), "checks": 3}, *records[:-1]])  # control: a count
+    assert gate(run_with(tmp_path, "run2", records), path)["passed"]
+
+
+def test_a_baseline_that_repeats_a_check_is_refused(tmp_path):
+    """One check's line replaced by a copy of another's kept the count and hid its regression."""
+    records = baseline_records()
+    path = tmp_path / "baseline.jsonl"
+    write_jsonl(path, [{"fingerprint": fingerprint(ENV), "checks": 4}, *records[:-1], records[0]])
+    with pytest.raises(HarnessError, match=r"baseline.jsonl:5: check 'held-check' again \(first on line 2\)"):
+        gate(run_with(tmp_path, "run", records), path)
+
+
+def test_nightly_refuses_a_damaged_baseline_before_it_runs(tmp_path):
+    path = tmp_path / "baseline.jsonl"
+    write_jsonl(path, [{"fingerprint": fingerprint(ENV), "checks": "many"}, *baseline_records()])
+    proc = run_cli("nightly", "--suite", "smoke", "--baseline", str(path), "--history", str(tmp_path / "h.jsonl"),
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "checks = 'many' is not a count" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "h.jsonl").exists() and not (tmp_path / "reports").exists()  # nothing ran or written

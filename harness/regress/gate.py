@@ -172,12 +172,18 @@ def read_baseline(path: Path) -> tuple[dict | None, list[dict]]:
     body = lines[1:] if header is not None else lines
     if header is not None and not isinstance(header["fingerprint"], dict):
         raise HarnessError(f"{path}:1: the fingerprint is not an object; {RESTORE}")
+    seen = {}
     for lineno, record in body:
         problem = _baseline_problem(record)
+        if problem is None and record["check"] in seen:
+            problem = f"check {record['check'][:80]!r} again (first on line {seen[record['check']]})"
         if problem:
             raise HarnessError(f"{path}:{lineno}: {problem}; {RESTORE}")
+        seen[record["check"]] = lineno
     records = [r for _, r in body]
     recorded = (header or {}).get("checks")
+    if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 0):
+        raise HarnessError(f"{path}:1: checks = {recorded!r} is not a count; {RESTORE}")
     if not records or (isinstance(recorded, int) and len(records) != recorded):
         said = f" of the {recorded} it was recorded with" if isinstance(recorded, int) else ""
         raise HarnessError(f"{path}: the baseline holds {len(records)} check(s){said}: it is truncated or empty "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ep_harness import console
-from ep_harness.regress.gate import NotComparable, append_history, gate, render_gate
+from ep_harness.regress.gate import NotComparable, append_history, gate, read_baseline, render_gate
 from ep_harness.run.verify import RunOptions, verify, write_ci_outputs
 from ep_harness.reports.load import load_run
 from ep_harness.reports.render import render_run
@@ -16,6 +16,8 @@ HISTORY = Path("reports/out/history.jsonl")
 def nightly(suite: str = "nightly", gpus: int | None = None, baseline: Path | None = None,
             history: Path = HISTORY, out_root: Path = Path("reports/out"), command: list[str] = (),
             emulate: str | None = None, summary_md: Path | None = None, junit_xml: Path | None = None) -> int:
+    if baseline is not None and baseline.is_file():  # a damaged one refused before the run, not after it
+        read_baseline(baseline)
     code, run_dir = verify(RunOptions(suite, gpus=gpus, out_root=out_root, command=command, render=False,
                                       emulate=emulate, junit_xml=junit_xml))
     if code >= 128:  # interrupted: the partial run is rendered, never gated or added to the history
