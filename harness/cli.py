@@ -26,6 +26,23 @@ def _gpus(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number; use --gpus 0 for the CPU or a GPU count")
 
 
+def _file(value: str) -> Path:
+    """A file the command writes or reads: an existing directory there is refused up front
+    (not after a run, with its records already written)."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a directory; give a file's path")
+    return path
+
+
+def _folder(value: str) -> Path:
+    """A directory the command writes into: an existing file there is refused up front."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a file; give a directory's path")
+    return path
+
+
 class Parser(argparse.ArgumentParser):
     """No silent abbreviations (`--suit` is an error, not `--suite`); subcommands are made
     of the same class (add_subparsers uses the parser's own)."""
@@ -100,14 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable)")
     v.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE to register extra subjects (repeatable)")
-    v.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
+    v.add_argument("--out", type=_folder, default=Path("reports/out"), help="where run directories go")
     v.add_argument("--no-report", action="store_true", help="write records only")
     v.add_argument("--allow-empty", action="store_true", help="exit 0 even when every check was skipped")
     v.add_argument("--seed", type=int, help="re-seed every check of the run (recorded in each record's params)")
     v.add_argument("--fresh-processes", type=int, default=1, metavar="K",
                    help="launch every check K times, each in new processes, and fail a check whose bits differ")
-    v.add_argument("--junit-xml", type=Path, metavar="PATH", help="also write JUnit XML, one testcase per check")
-    v.add_argument("--summary-md", type=Path, metavar="PATH",
+    v.add_argument("--junit-xml", type=_file, metavar="PATH", help="also write JUnit XML, one testcase per check")
+    v.add_argument("--summary-md", type=_file, metavar="PATH",
                    help="append a Markdown verdict (e.g. to $GITHUB_STEP_SUMMARY)")
     v.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
     v.add_argument("-q", "--quiet", action="store_true",
@@ -136,26 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="render a run directory (terminal table + report.html)")
     r.add_argument("run_dir", type=Path)
     r.add_argument("--against", type=Path, help="an earlier run to compare with")
-    r.add_argument("--out", type=Path, help="where to write the HTML (default RUN_DIR/report.html)")
+    r.add_argument("--out", type=_file, help="where to write the HTML (default RUN_DIR/report.html)")
     r.add_argument("--show-skipped", action="store_true", help="list skipped checks one by one")
 
     g = sub.add_parser("gate", help="compare a run with its platform's baseline; non-zero on a regression")
     g.add_argument("run_dir", type=Path)
-    g.add_argument("--baseline", type=Path, help="default: ci/baselines/<platform>.jsonl")
+    g.add_argument("--baseline", type=_file, help="default: ci/baselines/<platform>.jsonl")
 
     b = sub.add_parser("baseline", help="manage baselines")
     b.add_argument("action", choices=["update"])
     b.add_argument("run_dir", type=Path)
-    b.add_argument("--baseline", type=Path, help="default: ci/baselines/<platform>.jsonl")
+    b.add_argument("--baseline", type=_file, help="default: ci/baselines/<platform>.jsonl")
 
     n = sub.add_parser("nightly", help="verify + gate + history + report with trends (make nightly)")
     n.add_argument("--suite", default="nightly")
     n.add_argument("--gpus", type=_gpus, default=None)
     _emulation_arguments(n)
-    n.add_argument("--summary-md", type=Path, metavar="PATH", help="append a Markdown verdict with the gate's result")
-    n.add_argument("--junit-xml", type=Path, metavar="PATH")
-    n.add_argument("--baseline", type=Path)
-    n.add_argument("--history", type=Path, default=Path("reports/out/history.jsonl"))
+    n.add_argument("--summary-md", type=_file, metavar="PATH", help="append a Markdown verdict with the gate's result")
+    n.add_argument("--junit-xml", type=_file, metavar="PATH")
+    n.add_argument("--baseline", type=_file)
+    n.add_argument("--history", type=_file, default=Path("reports/out/history.jsonl"))
 
     e = sub.add_parser("explore", help="search for an invariance violation of a subject and shrink it")
     e.add_argument("subject")
@@ -164,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-examples", type=int, default=200)
     e.add_argument("--plugin", action="append", default=[])
     e.add_argument("--gpus", type=_gpus, default=None)
-    e.add_argument("--store", type=Path, default=Path("reports/out/counterexamples.jsonl"))
-    e.add_argument("--out", type=Path, default=None,
+    e.add_argument("--store", type=_file, default=Path("reports/out/counterexamples.jsonl"))
+    e.add_argument("--out", type=_folder, default=None,
                    help="where the search's launch directory goes (default: explore/ beside --store)")
 
     st = sub.add_parser("selftest", help="plant defects in each subject of a suite and show which checks catch them")
@@ -179,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--cpu-ranks", type=int, default=4)
     _emulation_arguments(st)
     st.add_argument("--plugin", action="append", default=[], metavar="MODULE")
-    st.add_argument("--out", type=Path, default=Path("reports/out"), help="where run directories go")
+    st.add_argument("--out", type=_folder, default=Path("reports/out"), help="where run directories go")
     st.add_argument("--no-report", action="store_true", help="write selftest.json and records only")
     st.add_argument("--every-cell", action="store_true",
                     help="also plant injections a check need not catch (slower; shows extra catches)")
@@ -226,6 +243,9 @@ def _launching_imports():
 
 def _command(args, argv: list[str], out: Console) -> int:
     try:
+        from ep_harness import settings
+
+        settings.check_all()  # a malformed EP_HARNESS_* variable: one line before anything runs
         if args.command == "verify":
             from ep_harness.cases import load_suite, resolve_suite_path
             from ep_harness.environment import platform_for
@@ -332,13 +352,14 @@ def _quiet_summary(run_dir: Path, out: Console) -> None:
     from ep_harness.reports.load import load_run
     from ep_harness.reports.terminal import _one_line, divergence, mark
 
-    records = load_run(run_dir).records
+    run = load_run(run_dir)
+    records = run.records
     for r in records:
         if r["status"] in FAILING:
             out.line(_one_line(f"{mark(r)}: {r['check']}: {r['reason']}{divergence(r)}"))
             out.line(_one_line(f"  rerun: {r['rerun']}"))
     summary = ", ".join(f"{n} {status}" for status, n in counts(records).items() if n)
-    out.line(f"# {verdict(records)}: {summary} ({run_dir})")
+    out.line(f"# {verdict(records, interrupted=run.environment.get('interrupted'))}: {summary} ({run_dir})")
 
 
 def _unknown_arguments(parser: Parser, unknown: list[str]) -> None:
@@ -354,11 +375,12 @@ def _list(args, out: Console) -> int:
     from ep_harness.environment import detect
 
     if args.suite is None:
+        subjects = registry.load_all(args.plugin)  # a plugin that does not load: its one line, nothing before it
         out.line("# suites (--suite NAME, or a path to a TOML file):")
         for name, path in known_suites().items():
             out.line(f"  {name:16}  {load_suite(path).description}")
         out.line("# subjects:")
-        for name, subject in sorted(registry.load_all(args.plugin).items()):
+        for name, subject in sorted(subjects.items()):
             out.line(f"  {name:30}  {subject.family:10}  {subject.summary}")
         return 0
     suite = load_suite(resolve_suite_path(args.suite))  # a missing or malformed suite fails before torch loads

@@ -63,11 +63,15 @@ def run_problem(records: list[dict], environment: dict | None = None) -> str | N
     return nothing_shown(records)
 
 
-def verdict(records: list[dict], changes: list[dict] | None = None) -> str:
+def verdict(records: list[dict], changes: list[dict] | None = None, interrupted: str | None = None) -> str:
     """FAILED (a check failed, a regression against the run compared with, or every check
-    that ran was vacuous), NOTHING RAN (every check skipped, or none selected), INTERRUPTED or OK."""
+    that ran was vacuous), NOTHING RAN (every check skipped, or none selected), INTERRUPTED or OK.
+    `interrupted`: the signal environment.json names, which makes a run INTERRUPTED whatever
+    its records say (a signal after the last check, or records edited afterwards)."""
     if any(r["status"] == "interrupted" for r in records):
         return "INTERRUPTED (partial run)"
+    if interrupted:
+        return f"INTERRUPTED (by {interrupted})"
     if failed(records) or any(c["kind"] == "regression" for c in changes or ()):
         return "FAILED"
     if nothing_shown(records):

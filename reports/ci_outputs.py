@@ -59,7 +59,7 @@ def _md(text) -> str:
 
 def summary_markdown(records: list[dict], environment: dict, regressions: list[dict] = ()) -> str:
     c = counts(records)
-    head = verdict(records) if not regressions else "FAILED"
+    head = verdict(records, interrupted=environment.get("interrupted")) if not regressions else "FAILED"
     lines = [f"## ep-harness: {head}", "",
              f"{', '.join(f'{n} {s}' for s, n in c.items() if n)} - "
              f"{_md((environment.get('topology') or {}).get('describe', ''))}", ""]

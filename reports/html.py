@@ -149,7 +149,7 @@ def render_page(run, changes: list[dict] | None = None, against: str | None = No
     rows = [_row(r) for r in worst_first(records)]
     filters = [(key, label, sorted({r[key] for r in rows})) for key, label in FILTERS]
     context = {
-        "run_id": run.run_id, "verdict": verdict(records, changes), "counts": counts(records),
+        "run_id": run.run_id, "verdict": verdict(records, changes, env.get("interrupted")), "counts": counts(records),
         "topology": _text((env.get("topology") or {}).get("describe")), "command": _text(env.get("command")),
         "node_differences": [_text(line) for line in env.get("node_differences") or []],
         "environment": _environment(env), "rank_rows": _rank_rows(env), "records": records, "chips": _chips(records),

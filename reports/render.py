@@ -31,7 +31,8 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
         printer.info(f"# report: {target}")
     if any(c["kind"] == "regression" for c in changes or ()):
         return 1
-    return 1 if failed_run_fails and verdict(run.records).startswith(("FAILED", "INTERRUPTED")) else 0
+    said = verdict(run.records, interrupted=run.environment.get("interrupted"))
+    return 1 if failed_run_fails and said.startswith(("FAILED", "INTERRUPTED")) else 0
 
 
 def _trends(history: Path | None) -> dict | None:

@@ -217,5 +217,6 @@ def render(records: list[dict], environment: dict, changes: list[dict] | None = 
     if measured:
         summary += f" ({len(measured)} of the ok measured, not asserted)"
     lines.append("#")
-    lines.append(f"# {paint(verdict(records, changes), verdict(records, changes), colour)}: {summary}")
+    said = verdict(records, changes, env.get("interrupted"))
+    lines.append(f"# {paint(said, said, colour)}: {summary}")
     return "\n".join(lines)

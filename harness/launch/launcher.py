@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_harness import console
+from ep_harness import console, settings
 
 from ep_harness.launch import forks, protocol
 from ep_harness.launch.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
@@ -37,7 +37,7 @@ from ep_harness.launch.processes import Interrupted, agent_command, child_env, k
 
 # A node launcher silent this long is gone (EP_HARNESS_NODE_TIMEOUT_S; it beats every 0.5 s:
 # ep_harness.launch.follower.NODE_BEAT_S).
-NODE_TIMEOUT_S = float(os.environ.get("EP_HARNESS_NODE_TIMEOUT_S", "6"))
+NODE_TIMEOUT_S = settings.seconds("EP_HARNESS_NODE_TIMEOUT_S")
 POLL_S = 0.1
 WAIT_SLACK_S = 30.0  # past a rank's own limit on waiting for the compile, the launcher ends the launch
 STACKS_TIMEOUT_S = 3.0  # how long ranks get to answer a request for their stacks

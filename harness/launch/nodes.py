@@ -9,11 +9,12 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from ep_harness import settings
 from ep_harness.launch.channel import parse_endpoint
 from ep_harness.errors import HarnessError
 
 # How long ranks may take to start, and other nodes to join (EP_HARNESS_START_TIMEOUT_S).
-START_TIMEOUT_S = float(os.environ.get("EP_HARNESS_START_TIMEOUT_S", "180"))
+START_TIMEOUT_S = settings.seconds("EP_HARNESS_START_TIMEOUT_S")
 
 
 @dataclass(frozen=True)

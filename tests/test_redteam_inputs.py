@@ -1,0 +1,76 @@
+"""Red-team review of the commands (2026-12-07): bad input that ended in a traceback, or in a
+verdict the run did not earn. Each now gives one line naming the problem and its fix, exit 2,
+before anything is written; each has a control that still works."""
+import os
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_gate import ENV, baseline_records
+from tests.test_reports import write_run
+
+PLUGINS = {  # module text -> what the one line says
+    "import not_installed_lib_xyz\n": "needs the module 'not_installed_lib_xyz', which is not installed here: install",
+    "def f(:\n": "raised SyntaxError at ",
+    "raise RuntimeError('boom at import')\n": "raised RuntimeError at ",
+    "import sys\nsys.exit(3)\n": "called sys.exit(3) while it was imported",
+}
+
+
+@pytest.mark.parametrize("text", PLUGINS)
+@pytest.mark.parametrize("command", [["list"], ["verify", "--check", "ar-slice/*", "--out", "out"]])
+def test_a_plugin_that_does_not_import_is_one_line(tmp_path, text, command):
+    (tmp_path / "broken_plugin.py").write_text(text)
+    proc = run_cli(*command, "--plugin", "broken_plugin", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout[-500:], proc.stderr[-2000:])
+    assert proc.stderr.count("\n") == 1 and "subject plugin 'broken_plugin' " + PLUGINS[text] in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plugin_that_imports_is_listed(tmp_path):  # control
+    (tmp_path / "fine_plugin.py").write_text("import math\n")
+    proc = run_cli("list", "--plugin", "fine_plugin", cwd=tmp_path)
+    assert proc.returncode == 0 and "# subjects:" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("variable, value, said", [
+    ("EP_HARNESS_START_TIMEOUT_S", "abc", "needs a positive number of seconds"),
+    ("EP_HARNESS_NODE_TIMEOUT_S", "-1", "needs a positive number of seconds"),
+    ("EP_HARNESS_START_TIMEOUT_S", "nan", "needs a positive number of seconds"),
+    ("EP_HARNESS_PIN_RANKS", "banana", "takes 0 (off: no CPU ranks placed on cores) or 1 (on)"),
+    ("EP_HARNESS_AGENT_FORKS", "yes", "takes 0 (off: no torchrun agents forked from the command) or 1 (on)"),
+])
+def test_a_malformed_harness_variable_is_one_line_before_anything_runs(tmp_path, variable, value, said):
+    proc = run_cli("verify", "--check", "ar-slice/*", "--out", str(tmp_path / "out"),
+                   env={**os.environ, variable: value})
+    assert proc.returncode == 2 and f"{variable}={value!r} {said}" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "--out", "{file}"], ["verify", "--junit-xml", "{dir}"], ["verify", "--summary-md", "{dir}"],
+    ["selftest", "--out", "{file}"], ["report", "{run}", "--out", "{dir}"], ["gate", "{run}", "--baseline", "{dir}"],
+    ["baseline", "update", "{run}", "--baseline", "{dir}"], ["nightly", "--history", "{dir}"],
+    ["explore", "all_gather_fold", "--store", "{dir}"],
+])
+def test_a_path_of_the_wrong_kind_is_refused_before_the_run(tmp_path, argv):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    run = write_run(tmp_path / "run", baseline_records(), ENV)
+    argv = [a.format(file=tmp_path / "a-file", dir=tmp_path / "a-dir", run=run) for a in argv]
+    proc = run_cli(*argv)
+    kind = "a directory; give a file's path" if str(tmp_path / "a-dir") in argv else "a file; give a directory's path"
+    assert proc.returncode == 2 and kind in proc.stderr and proc.stderr.count("\n") == 1, (argv, proc.stderr[-1500:])
+    assert sorted(p.name for p in (tmp_path / "a-dir").iterdir()) == [] and not (run / "report.html").exists()
+
+
+def test_a_run_its_environment_calls_interrupted_is_reported_interrupted(tmp_path):
+    """Every record finished (the signal came after the last check), or the interrupted ones
+    were deleted: environment.json still names the signal, and the report says so."""
+    run = write_run(tmp_path / "run", baseline_records(), {**ENV, "interrupted": "SIGINT"})
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 1 and "# INTERRUPTED (by SIGINT): " in proc.stdout, proc.stdout[-1500:]
+    assert "INTERRUPTED (by SIGINT)" in (run / "report.html").read_text()
+    whole = write_run(tmp_path / "whole", baseline_records(), ENV)  # control
+    proc = run_cli("report", str(whole))
+    assert proc.returncode == 0 and "# OK: " in proc.stdout
