@@ -99,7 +99,23 @@ def _expectation(path, where, value) -> dict[str, str]:
             _fail(path, where, f"expect has unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
         if exp not in EXPECTATIONS:
             _fail(path, where, f"expect {backend} = {exp!r}", f"use one of {', '.join(EXPECTATIONS)}")
+    missing = [b for b in BACKENDS if b not in value]
+    if missing:  # never assumed: "holds" on a backend the author did not name could fail or pass unasked
+        _fail(path, where, f"expect names no expectation for {', '.join(missing)}",
+              f"name every backend ({', '.join(f'{b} = ...' for b in BACKENDS)}) or write one string for all")
     return dict(value)
+
+
+def _env(path, where, value) -> dict[str, str]:
+    """A case's launch environment: a table of variable names to strings, numbers or booleans."""
+    if not isinstance(value, dict):
+        _fail(path, where, f"env = {value!r} is not a table", 'write env = { NCCL_ALGO = "Ring" }')
+    for key, v in value.items():
+        if not key or "=" in key or "\0" in key:
+            _fail(path, where, f"env has the variable name {key!r}", "name each variable without '=' (KEY = value)")
+        if isinstance(v, (dict, list)):
+            _fail(path, where, f"env {key} = {v!r} is not a string or a number", f'write {key} = "..."')
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()}
 
 
 def _control_characters(path: Path, where: str, value, field: str) -> None:
@@ -153,7 +169,7 @@ def _case(path: Path, index: int, raw) -> Case:
     overlap = sorted(set(params) & set(grid))
     if overlap:
         _fail(path, where, f"{', '.join(overlap)} is both in grid and params", "keep it in one of them")
-    env = {str(k): str(v) for k, v in raw.get("env", {}).items()}
+    env = _env(path, where, raw.get("env", {}))
     for key, forced in FORCED_ENV.items():
         if key in env and env[key] != forced:
             _fail(path, where, f"env {key}={env[key]} is refused", f"the harness keeps {key}={forced}")

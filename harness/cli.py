@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from ep_harness import console
@@ -24,6 +26,28 @@ def _gpus(value: str) -> int | None:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number; use --gpus 0 for the CPU or a GPU count")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return number
+
+
+def _seconds(value: str) -> float:
+    """A finite positive number of seconds (0, NaN or infinity would make a search that
+    tries nothing, or never stops, and say it found nothing)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (0 < number < math.inf):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite positive number of seconds")
+    return number
 
 
 def _file(value: str) -> Path:
@@ -176,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("explore", help="search for an invariance violation of a subject and shrink it")
     e.add_argument("subject")
-    e.add_argument("--world-size", type=int, default=4)
-    e.add_argument("--budget", type=float, default=120.0, help="seconds of search (default 120)")
-    e.add_argument("--max-examples", type=int, default=200)
+    e.add_argument("--world-size", type=_positive_int, default=4)
+    e.add_argument("--budget", type=_seconds, default=120.0, help="seconds of search (default 120)")
+    e.add_argument("--max-examples", type=_positive_int, default=200)
     e.add_argument("--plugin", action="append", default=[])
     e.add_argument("--gpus", type=_gpus, default=None)
     e.add_argument("--store", type=_file, default=Path("reports/out/counterexamples.jsonl"))
@@ -343,7 +367,22 @@ def _command(args, argv: list[str], out: Console) -> int:
     except HarnessError as exc:
         out.err(f"ep-harness: error: {exc}")
         return 2
+    except ImportError as exc:
+        if not _torch_failed(exc):
+            raise
+        out.err(f"ep-harness: error: torch does not import here ({(str(exc).splitlines() or ['?'])[0]}); install it "
+                f"(pip install torch==2.13.0 for the CPU build, see the README) or repair it; ep-harness doctor "
+                f"says what else is missing")
+        return 2
     return 2
+
+
+def _torch_failed(exc: ImportError) -> bool:
+    """Whether the import that failed was torch's own: torch missing, or its package raising."""
+    if exc.name == "torch" or (exc.name or "").startswith("torch."):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f"{os.sep}torch{os.sep}" in frame.filename for frame in frames)
 
 
 def _quiet_summary(run_dir: Path, out: Console) -> None:

@@ -32,7 +32,7 @@ def render_run(run_dir: Path, against: Path | None = None, out: Path | None = No
     if any(c["kind"] == "regression" for c in changes or ()):
         return 1
     said = verdict(run.records, interrupted=run.environment.get("interrupted"))
-    return 1 if failed_run_fails and said.startswith(("FAILED", "INTERRUPTED")) else 0
+    return 1 if failed_run_fails and said.startswith(("FAILED", "INTERRUPTED", "NOTHING RAN")) else 0
 
 
 def _trends(history: Path | None) -> dict | None:

@@ -74,3 +74,62 @@ def test_a_run_its_environment_calls_interrupted_is_reported_interrupted(tmp_pat
     whole = write_run(tmp_path / "whole", baseline_records(), ENV)  # control
     proc = run_cli("report", str(whole))
     assert proc.returncode == 0 and "# OK: " in proc.stdout
+
+
+CASE = '''[suite]
+name = "t"
+[[case]]
+name = "c"
+subject = "all_gather_fold"
+properties = ["rank-invariance"]
+{line}
+[case.grid]
+dtype = ["bfloat16"]
+'''
+
+
+@pytest.mark.parametrize("line, said", [
+    ('expect = "holds"\nenv = "X=1"', "env = 'X=1' is not a table"),
+    ('expect = "holds"\nenv = ["X"]', "env = ['X'] is not a table"),
+    ('expect = "holds"\nenv = { "A=B" = "1" }', "env has the variable name 'A=B'"),
+    ('expect = "holds"\nenv = { "" = "1" }', "env has the variable name ''"),
+    ('expect = "holds"\nenv = { X = { y = 1 } }', "env X = {'y': 1} is not a string or a number"),
+    ('expect = { nccl = "holds" }', "expect names no expectation for gloo"),
+])
+def test_a_case_table_the_harness_cannot_run_as_written_is_one_line(tmp_path, line, said):
+    suite = tmp_path / "suite.toml"
+    suite.write_text(CASE.format(line=line))
+    for command in (["list", "--suite", str(suite)], ["verify", "--suite", str(suite), "--out", str(tmp_path / "o")]):
+        proc = run_cli(*command)
+        assert proc.returncode == 2 and f"case 'c': {said}" in proc.stderr, (command, proc.stderr[-1500:])
+        assert proc.stderr.count("\n") == 1 and not (tmp_path / "o").exists()
+    suite.write_text(CASE.format(line='expect = { gloo = "holds", nccl = "holds" }\nenv = { X = 1 }'))  # control
+    proc = run_cli("list", "--suite", str(suite))
+    assert proc.returncode == 0 and "c/rank-invariance/dtype=bfloat16" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("option, value", [("--budget", "0"), ("--budget", "nan"), ("--budget", "inf"),
+                                           ("--max-examples", "0"), ("--world-size", "-2")])
+def test_an_explore_that_could_try_nothing_is_refused(tmp_path, option, value):
+    proc = run_cli("explore", "all_gather_fold", option, value, "--store", str(tmp_path / "s.jsonl"))
+    assert proc.returncode == 2 and f"argument {option}: {value!r} is not a" in proc.stderr, proc.stderr[-1500:]
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_torch_that_does_not_import_is_one_line(tmp_path):
+    shadow = tmp_path / "shadow" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('libtorch_cpu.so: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "shadow")}
+    for command in (["list"], ["verify", "--check", "ar-slice/*", "--out", str(tmp_path / "o")]):
+        proc = run_cli(*command, env=env, code="import sys; from ep_harness.cli import main; sys.exit(main())")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (command, proc.stderr[-1500:])
+        assert "torch does not import here (libtorch_cpu.so: cannot open shared object file)" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_report_of_a_run_where_nothing_ran_fails_as_its_verify_did(tmp_path):
+    skipped = [dict(r, status="skipped", held=None, mismatched=None, total=None, reason="needs 8 ranks")
+               for r in baseline_records()]
+    proc = run_cli("report", str(write_run(tmp_path / "run", skipped, ENV)))
+    assert proc.returncode == 1 and "# NOTHING RAN" in proc.stdout, proc.stdout[-1500:]
