@@ -16,6 +16,7 @@ from ep_harness.errors import HarnessError
 from ep_harness.process_exit import exit_now
 # the agent's: the same GC handling around imports, and numpy's BLAS without its thread pool
 from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
+from ep_harness.launch.processes import Interrupted
 from ep_harness.regress.gate import NotComparable
 
 
@@ -367,6 +368,12 @@ def _command(args, argv: list[str], out: Console) -> int:
     except HarnessError as exc:
         out.err(f"ep-harness: error: {exc}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handler was there (imports, planning)
+        out.err("ep-harness: interrupted by SIGINT before any check ran; nothing was written")
+        return 130
+    except Interrupted as exc:  # a signal between claiming the run directory and the first launch
+        out.err(f"ep-harness: interrupted by {exc} before any check ran; nothing was written")
+        return 128 + exc.signum
     except ImportError as exc:
         if not _torch_failed(exc):
             raise

@@ -2,6 +2,8 @@
 verdict the run did not earn. Each now gives one line naming the problem and its fix, exit 2,
 before anything is written; each has a control that still works."""
 import os
+import signal
+import time
 
 import pytest
 
@@ -23,7 +25,8 @@ def test_a_plugin_that_does_not_import_is_one_line(tmp_path, text, command):
     (tmp_path / "broken_plugin.py").write_text(text)
     proc = run_cli(*command, "--plugin", "broken_plugin", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == "", (proc.stdout[-500:], proc.stderr[-2000:])
-    assert proc.stderr.count("\n") == 1 and "subject plugin 'broken_plugin' " + PLUGINS[text] in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "subject plugin 'broken_plugin' " + PLUGINS[text] in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -133,3 +136,38 @@ def test_a_report_of_a_run_where_nothing_ran_fails_as_its_verify_did(tmp_path):
                for r in baseline_records()]
     proc = run_cli("report", str(write_run(tmp_path / "run", skipped, ENV)))
     assert proc.returncode == 1 and "# NOTHING RAN" in proc.stdout, proc.stdout[-1500:]
+
+
+def test_a_signal_before_the_first_launch_leaves_no_run_directory(tmp_path):
+    """Between claiming the run directory and the first launch (whose own handler keeps what
+    finished), SIGTERM left an empty run directory, and SIGINT a KeyboardInterrupt traceback."""
+    from ep_harness.launch.processes import Interrupted
+    from ep_harness.run.verify import claim_run_dir, nothing_left_on_signal
+
+    with pytest.raises(Interrupted, match="SIGTERM"):
+        with nothing_left_on_signal() as claimed:
+            claimed.append(claim_run_dir(tmp_path)[1])
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    assert list(tmp_path.iterdir()) == []
+    with nothing_left_on_signal() as claimed:  # control: no signal, the directory stays for the run
+        claimed.append(claim_run_dir(tmp_path)[1])
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.parametrize("raised, code, said", [
+    (KeyboardInterrupt(), 130, "interrupted by SIGINT before any check ran; nothing was written"),
+    ("SIGTERM", 143, "interrupted by SIGTERM before any check ran; nothing was written"),
+])
+def test_the_command_reports_an_early_signal_in_one_line(monkeypatch, capsys, raised, code, said):
+    from ep_harness import cli
+    from ep_harness.launch.processes import Interrupted
+    from ep_harness.run import verify
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signal.SIGTERM) if raised == "SIGTERM" else raised
+
+    monkeypatch.setattr(verify, "_verify", interrupted)
+    assert cli.main(["verify", "--check", "ar-slice/*"]) == code
+    err = capsys.readouterr().err
+    assert err == f"ep-harness: {said}\n"

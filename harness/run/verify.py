@@ -11,6 +11,7 @@ import datetime
 import os
 import secrets
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,6 +229,21 @@ def claim_run_dir(out_root: Path) -> tuple[str, Path]:
     raise HarnessError(f"could not create a new run directory under {out_root}; check that it is writable")
 
 
+@contextlib.contextmanager
+def nothing_left_on_signal():
+    """From claiming the run directory to the first launch (whose own handler keeps what
+    finished): SIGINT, SIGTERM or SIGHUP removes the directories claimed (the list yielded),
+    which hold no record yet, and raises Interrupted, which the command reports in one line."""
+    claimed: list[Path] = []
+    try:
+        with interruptible():
+            yield claimed
+    except Interrupted:
+        for path in claimed:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 def point_latest(out_root: Path, run_dir: Path) -> None:
     link = out_root / "latest"
     tmp = out_root / f".latest-{os.getpid()}"
@@ -384,39 +400,42 @@ def _verify(options: RunOptions, nodes, plugins: list[str]) -> tuple[int, Path]:
         registry.load_all(plugins)
         platform = platform_for(nodes, options.gpus, options.cpu_ranks, options.emulate)
         checks = expand(loaded, platform, options.selection, options.seed, options.threads)
-    run_id, run_dir = claim_run_dir(options.out_root)
-    environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
-                                    source_suite_name(options.from_record) if options.from_record else loaded.name)
-    threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
-    out = console.current()
-    if not out.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
-        from ep_harness.reports.terminal import run_header
+    with nothing_left_on_signal() as claimed:  # until the first launch, a signal leaves no run behind
+        run_id, run_dir = claim_run_dir(options.out_root)
+        claimed.append(run_dir)
+        environment = EnvironmentRecord(platform, options.command, suite_path, options.selection,
+                                        source_suite_name(options.from_record) if options.from_record else loaded.name)
+        threads = environment.pinned_threads([c.env for c in checks if c.skip_reason is None])
+        out = console.current()
+        if not out.quiet:  # what the run is, before its rows (pytest's and nccl-tests' order)
+            from ep_harness.reports.terminal import run_header
 
-        plan = [(nodes.ranks or ws, len(cs))
-                for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
-        for line in run_header(environment.data, plan, sum(c.skip_reason is not None for c in checks), run_id=run_id):
-            out.info(line)
-        note = user_setting_note(threads) if isinstance(threads, int) else None
-        if note:
-            out.info(f"# note: {note}")
+            plan = [(nodes.ranks or ws, len(cs))
+                    for ws, _, cs in jobs(checks, launch_grouping(options, platform, nodes))]
+            skipped = sum(c.skip_reason is not None for c in checks)
+            for line in run_header(environment.data, plan, skipped, run_id=run_id):
+                out.info(line)
+            note = user_setting_note(threads) if isinstance(threads, int) else None
+            if note:
+                out.info(f"# note: {note}")
 
-    suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
+        suite_arg = str(suite_path) if options.from_record is not None else suite_argument(options.suite, suite_path)
 
-    def rerun(c: Check) -> str:
-        return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
-                             options.from_record is not None, nodes, of_env(c.env))
+        def rerun(c: Check) -> str:
+            return rerun_command(suite_arg, c.id, options.gpus, plugins, platform.emulation,
+                                 options.from_record is not None, nodes, of_env(c.env))
 
-    stream = Stream(run_dir, run_id, checks, rerun)
-    try:
-        head = Head(nodes, run_id)
-    except HarnessError:
-        run_dir.rmdir()  # nothing was written: no partial run
-        raise
-    if nodes.multi:
-        out.info(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at "
-                 f"{head.endpoint}; waiting for the other nodes")
-        if nodes.launcher == "torchrun":
-            out.info(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}")
+        stream = Stream(run_dir, run_id, checks, rerun)
+        try:
+            head = Head(nodes, run_id)
+        except HarnessError:
+            run_dir.rmdir()  # nothing was written: no partial run
+            raise
+        if nodes.multi:
+            out.info(f"# head of {nodes.nnodes} nodes x {nodes.nproc_per_node} ranks: the run's store is at "
+                     f"{head.endpoint}; waiting for the other nodes")
+            if nodes.launcher == "torchrun":
+                out.info(f"# on each other node K: {nodes.follower_command(head.endpoint, head.generated_secret)}")
     outcomes, relaunched, interrupted = launch_all(head, Launches(checks, platform, nodes, environment, run_dir,
                                                                   plugins, options), stream.finished)
     differ = environment.finish(head.reported, run_dir, interrupted, timing(stream.records.values(),
