@@ -1,6 +1,7 @@
 """Test-only subjects with planted faults. Registered through `--plugin tests.planted`
 (or a suite's `plugins`), exactly as a third-party subject would be."""
 import os
+import signal
 import time
 
 import torch
@@ -47,6 +48,17 @@ class CrashesOnOneRank(AllGatherFold):
     def reduce_scatter(self, out, inp, sizes, group):
         if dist.get_rank(group) == FAULTY_RANK:
             os._exit(9)
+        super().reduce_scatter(out, inp, sizes, group)
+
+
+@register
+class SegfaultsOnOneRank(AllGatherFold):
+    name = "planted_segfault_on_rank1"
+    summary = "all-gather + fold whose rank 1 is killed by SIGSEGV (a crash in native code)"
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        if dist.get_rank(group) == FAULTY_RANK:
+            os.kill(os.getpid(), signal.SIGSEGV)
         super().reduce_scatter(out, inp, sizes, group)
 
 

@@ -77,6 +77,9 @@ def test_faulty_ranks_become_error_records(fail_run):
     crashed = by_case["crashes"]
     assert crashed["status"] == "error" and "left no traceback" in crashed["reason"]
     assert 1 in crashed["detail"]["silent_ranks"]  # the rank that died is named (others may be killed first)
+    segfault = by_case["segfaults"]  # named first, with the crash the log shows, before the others' closed sockets
+    assert segfault["status"] == "error" and segfault["reason"].startswith(
+        "rank(s) [1] left no traceback (Fatal Python error: Segmentation fault in "), segfault["reason"]
     assert (run_dir / "report.html").exists()
     pids = rank_pids(run_dir)
     assert len(pids) >= 4 * 3  # the first launch and the relaunches after each failure

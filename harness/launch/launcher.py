@@ -275,15 +275,34 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
                 f"a rank exited with code {returncode} without a Python traceback", {"log": _log_tail(log_path)})
     first = errors[0]
     silent = [r for r in range(world_size) if r not in {e.rank for e in errors}]
+    fatal = _fatal_error(log_path) if silent else None
+    crashed = f" ({fatal} in {log_path.name}: it crashed first)" if fatal else ""
     if first.terminated and silent:
-        error = (f"rank(s) {silent} exited without a Python traceback; the others were ended by "
+        error = (f"rank(s) {silent} exited without a Python traceback{crashed}; the others were ended by "
                  f"SIGTERM: it left no traceback (exited or was killed first)")
+    elif fatal:  # the others' errors (a closed connection) followed the crash
+        where = f" on node {first.node} ({first.host})" if multi else ""
+        error = f"rank(s) {silent} left no traceback{crashed}; then rank {first.rank}{where} raised {first.error}"
     else:
         where = f" on node {first.node} ({first.host})" if multi else ""
         error = f"rank {first.rank}{where} raised {first.error}"
         if silent:
             error += f"; rank(s) {silent} left no traceback (exited or were killed first)"
-    return first.index, error, {"tracebacks": {str(e.rank): e.traceback for e in errors}, "silent_ranks": silent}
+    details = {"tracebacks": {str(e.rank): e.traceback for e in errors}, "silent_ranks": silent}
+    if fatal:
+        details["log"] = _log_tail(log_path, 40)
+    return first.index, error, details
+
+
+def _fatal_error(log_path: Path) -> str | None:
+    """The interpreter's own report of a crash in a rank (faulthandler: 'Fatal Python error:
+    Segmentation fault'), from the launch's log, or None."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"^Fatal Python error: ([^\n]+)", text, flags=re.MULTILINE)
+    return f"Fatal Python error: {found[-1].strip()}" if found else None
 
 
 def run_job(head: Head, job_dir: Path, world_size: int, backend: str, checks: list, env: dict[str, str],
