@@ -187,11 +187,13 @@ def _case(path: Path, index: int, raw) -> Case:
 def load_suite(path) -> Suite:
     """Load and check a suite file: a path, or a built-in suite's importlib.resources Traversable."""
     path = Path(path) if isinstance(path, str) else path
+    if path.is_dir():
+        raise HarnessError(f"{path} is a directory; give a case file (a .toml) or a suite's name")
     if not path.is_file():
         known = sorted(known_suites())
         raise HarnessError(f"case file {path} not found; known suites: {', '.join(known) or 'none'}")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # TOML is UTF-8 (a leading BOM is allowed)
     except UnicodeDecodeError as exc:
         raise HarnessError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
                            f"save the case file as UTF-8") from None

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from ep_harness import console
 from ep_harness.console import Console
-from ep_harness.errors import HarnessError
+from ep_harness.errors import HarnessError, Interrupted
 from ep_harness.process_exit import exit_now
 # the agent's: the same GC handling around imports, and numpy's BLAS without its thread pool
 from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
-from ep_harness.launch.processes import Interrupted
 from ep_harness.regress.gate import NotComparable
 
 
@@ -27,6 +26,16 @@ def _gpus(value: str) -> int | None:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number; use --gpus 0 for the CPU or a GPU count")
+
+
+def _seed(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a seed (a whole number >= 0)")
+    return number
 
 
 def _positive_int(value: str) -> int:
@@ -145,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=_folder, default=Path("reports/out"), help="where run directories go")
     v.add_argument("--no-report", action="store_true", help="write records only")
     v.add_argument("--allow-empty", action="store_true", help="exit 0 even when every check was skipped")
-    v.add_argument("--seed", type=int, help="re-seed every check of the run (recorded in each record's params)")
+    v.add_argument("--seed", type=_seed, help="re-seed every check of the run (recorded in each record's params)")
     v.add_argument("--fresh-processes", type=int, default=1, metavar="K",
                    help="launch every check K times, each in new processes, and fail a check whose bits differ")
     v.add_argument("--junit-xml", type=_file, metavar="PATH", help="also write JUnit XML, one testcase per check")
@@ -268,7 +277,7 @@ def _launching_imports():
 
 def _command(args, argv: list[str], out: Console) -> int:
     try:
-        from ep_harness import settings
+        from ep_harness.launch import settings
 
         settings.check_all()  # a malformed EP_HARNESS_* variable: one line before anything runs
         if args.command == "verify":

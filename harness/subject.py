@@ -19,12 +19,11 @@ import importlib
 import inspect
 import os
 import sys
-import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
 
-from ep_harness.errors import HarnessError, did_you_mean
+from ep_harness.errors import HarnessError, did_you_mean, plugin_import_problem
 
 ENTRY_POINT_GROUP = "ep_harness.subjects"
 
@@ -362,27 +361,6 @@ def import_plugins(modules: list[str]) -> None:
                 raise
             raise HarnessError(plugin_import_problem(module, exc)) from None
 
-
-def plugin_import_problem(module: str, exc: BaseException) -> str:
-    """One line for a plugin module that did not import: not found (the path), a library it
-    needs missing (the install), an error in its own code (where), or an exit while importing."""
-    if isinstance(exc, ModuleNotFoundError) and exc.name and not (module + ".").startswith(exc.name + "."):
-        return (f"subject plugin {module!r} needs the module {exc.name!r}, which is not installed here: "
-                f"install the library that provides it (pip install ...)")
-    if isinstance(exc, ImportError):
-        return f"cannot import subject plugin {module!r} ({exc}); check the module path or PYTHONPATH"
-    if isinstance(exc, SystemExit):
-        return (f"subject plugin {module!r} called sys.exit({exc.code!r}) while it was imported; a plugin "
-                f"module must only define and register subjects")
-    where = ""
-    if isinstance(exc, SyntaxError):
-        where = f" at {exc.filename}:{exc.lineno}"
-    else:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
-        if frames:
-            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
-    text = (str(exc).splitlines() or [""])[0]
-    return f"subject plugin {module!r} raised {type(exc).__name__}{where} while it was imported: {text}; fix the module"
 
 
 def import_built_in() -> None:

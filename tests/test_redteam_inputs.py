@@ -171,3 +171,25 @@ def test_the_command_reports_an_early_signal_in_one_line(monkeypatch, capsys, ra
     assert cli.main(["verify", "--check", "ar-slice/*"]) == code
     err = capsys.readouterr().err
     assert err == f"ep-harness: {said}\n"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--seed", "-5"], "argument --seed: '-5' is not a seed (a whole number >= 0)"),
+    (["--suite", "{dir}"], "is a directory; give a case file (a .toml) or a suite's name"),
+    (["--nnodes", "0"], "--nnodes 0: give 1 or more nodes"),
+    (["--from-record", "{empty}"], "empty.jsonl holds no record; pass a results.jsonl that a run wrote"),
+])
+def test_a_misleading_message_now_names_the_argument_at_fault(tmp_path, argv, said):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    argv = [a.format(dir=tmp_path / "a-dir", empty=tmp_path / "empty.jsonl") for a in argv]
+    proc = run_cli("verify", *argv, "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-1500:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_case_file_saved_with_a_byte_order_mark_loads(tmp_path):
+    suite = tmp_path / "suite.toml"
+    suite.write_bytes("\ufeff".encode() + CASE.format(line='expect = "holds"').encode())
+    proc = run_cli("list", "--suite", str(suite))
+    assert proc.returncode == 0 and "c/rank-invariance/dtype=bfloat16" in proc.stdout, proc.stderr

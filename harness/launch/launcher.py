@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_harness import console, settings
+from ep_harness import console
+from ep_harness.launch import settings
 
 from ep_harness.launch import forks, protocol
 from ep_harness.launch.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store

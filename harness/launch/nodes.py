@@ -9,7 +9,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from ep_harness import settings
+from ep_harness.launch import settings
 from ep_harness.launch.channel import parse_endpoint
 from ep_harness.errors import HarnessError
 
@@ -41,8 +41,10 @@ class Nodes:
     def validate(self) -> "Nodes":
         if self.launcher not in ("torchrun", "slurm"):
             raise HarnessError(f"--launcher {self.launcher!r}: use torchrun or slurm")
-        if self.nnodes < 1 or (self.nproc_per_node is not None and self.nproc_per_node < 1):
-            raise HarnessError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: both must be >= 1")
+        if self.nnodes < 1:
+            raise HarnessError(f"--nnodes {self.nnodes}: give 1 or more nodes")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise HarnessError(f"--nproc-per-node {self.nproc_per_node}: give 1 or more ranks per node")
         if self.launcher == "slurm" and shutil.which("srun") is None:
             raise HarnessError("--launcher slurm needs srun on PATH: run it inside a Slurm allocation "
                                "(ci/slurm/ep-harness.sbatch), or use --launcher torchrun")

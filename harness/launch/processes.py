@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import psutil
 
+from ep_harness.errors import Interrupted  # noqa: F401 (raised here; imported from here by the launcher)
 from ep_harness.launch.channel import SECRET_ENV
 from ep_harness.launch.nodes import START_TIMEOUT_S, Nodes
 
@@ -231,15 +232,6 @@ def process_groups(pids) -> set[int]:
         except OSError:
             pass
     return groups
-
-
-class Interrupted(BaseException):
-    """A signal ended the run; `outcomes` holds what the interrupted launch had finished."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.outcomes: dict = {}  # check id -> ep_harness.launch.launcher.Outcome
 
 
 @contextlib.contextmanager

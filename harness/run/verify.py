@@ -169,6 +169,8 @@ def checks_from_records(path: Path, platform, selection: list[str] | None, threa
             raise HarnessError(f"{path}:{lineno}: {problem}; {RECORD_FIX}")
     chosen = [r for _, r in records if selected(r["check"], selection)]
     if not chosen:
+        if not records:
+            raise HarnessError(f"{path} holds no record; pass a results.jsonl that a run wrote")
         raise HarnessError(f"--check {' '.join(selection or [])} matches no record in {path}")
     return [planned(platform, registry.get(r["subject"]), r["property"],
                     {k: v for k, v in r["params"].items() if k != "backend"}, f"{path}: {r['check']}",

@@ -200,6 +200,8 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
               "wall_s": round(time.time() - began, 2), "interrupted": str(interrupted) if interrupted else None}
     environment = launcher_environment(platform, list(command))
     environment.update(suite=str(suite_path), topology=platform.topology.to_dict(), selftest=True)
+    if interrupted is not None:  # the report's verdict says so, as a verify run's does
+        environment["interrupted"] = str(interrupted)
     write_json(run_dir / "environment.json", environment)
     write_jsonl(run_dir / "results.jsonl", [baseline[c.id] for c in checks if c.id in baseline])
     for inj in chosen_injections:  # one file per class, its placements' records together
@@ -216,6 +218,7 @@ def selftest(suite: str, injections: str | None = None, limit: int | None = None
         render_run(run_dir, quiet=True)
         say(f"# report: {run_dir / 'report.html'}")
     if interrupted is not None:
+        say(f"# INTERRUPTED (by {interrupted}): the matrix above holds what finished; no verdict on the rest")
         return 128 + interrupted.signum, run_dir
     if result["broken"]:  # the selftest itself failed somewhere: no verdict on those checks
         say(f"# BROKEN: {len(result['broken'])} check x injection cell(s) ended in an error of the injection "
