@@ -302,6 +302,8 @@ def _command(args, argv: list[str], out: Console) -> int:
             threads = None if args.threads is None else parse_threads(args.threads, "--threads")
             if args.from_record is None:
                 load_suite(resolve_suite_path(args.suite))
+            elif any(a == "--suite" or a.startswith("--suite=") for a in argv):  # one source of checks, not two
+                raise HarnessError("--suite and --from-record both name the checks to run; give one of them")
             platform_for(nodes, args.gpus, args.cpu_ranks, args.emulate)
             with _launching_imports():
                 from ep_harness.run.verify import RunOptions, verify

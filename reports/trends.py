@@ -3,6 +3,7 @@ changed since the previous night, from the history store (one JSON row per check
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
@@ -14,19 +15,40 @@ MAX_LINES = 12
 
 
 def load_history(path: Path) -> pd.DataFrame:
-    """The history's rows; a corrupt line (a night cut short) is skipped with a warning, so
-    one bad night never fails every later one."""
+    """The history's rows; a corrupt line (a night cut short, a hand edit) is skipped with a
+    warning naming it, so one bad night never fails every later one."""
     rows = []
     for lineno, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 console.current().err(f"# warning: {path}:{lineno}: skipped a line that is not valid JSON")
+                continue
+            problem = _row_problem(row)
+            if problem:
+                console.current().err(f"# warning: {path}:{lineno}: skipped a row: {problem}")
+                continue
+            rows.append(row)
     frame = pd.DataFrame(rows)
     if not frame.empty:
         frame["date"] = pd.to_datetime(frame["date"])
     return frame
+
+
+def _row_problem(row) -> str | None:
+    """What keeps a history row out of the trends: not an object, no check or run id, or a
+    date that is not an ISO timestamp."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key in ("check", "run_id"):
+        if not isinstance(row.get(key), str):
+            return f"{key} = {row.get(key)!r} is not a string"
+    try:
+        datetime.fromisoformat(row.get("date"))
+    except (TypeError, ValueError):
+        return f"date = {row.get('date')!r} is not an ISO timestamp"
+    return None
 
 
 def since_previous(history: pd.DataFrame) -> list[dict]:

@@ -178,6 +178,7 @@ def test_the_command_reports_an_early_signal_in_one_line(monkeypatch, capsys, ra
     (["--suite", "{dir}"], "is a directory; give a case file (a .toml) or a suite's name"),
     (["--nnodes", "0"], "--nnodes 0: give 1 or more nodes"),
     (["--from-record", "{empty}"], "empty.jsonl holds no record; pass a results.jsonl that a run wrote"),
+    (["--suite", "smoke", "--from-record", "{empty}"], "--suite and --from-record both name the checks to run"),
 ])
 def test_a_misleading_message_now_names_the_argument_at_fault(tmp_path, argv, said):
     (tmp_path / "empty.jsonl").write_text("")

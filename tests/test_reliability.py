@@ -127,6 +127,28 @@ def test_a_corrupt_history_line_is_skipped_and_appends_stay_whole(tmp_path, caps
     assert "skipped a line that is not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad, said", [
+    ({"date": 5, "run_id": "x", "check": "c"}, "date = 5 is not an ISO timestamp"),
+    ({"date": "yesterday", "run_id": "x", "check": "c"}, "date = 'yesterday' is not an ISO timestamp"),
+    ({"date": "2026-11-30T00:00:00+00:00", "check": "c"}, "run_id = None is not a string"),
+    (["a", "list"], "not a JSON object"),
+])
+def test_a_history_row_the_trends_cannot_read_is_skipped_by_its_line(tmp_path, capsys, bad, said):
+    """A hand-edited row ({"date": 5}) ended `make nightly` in a pandas traceback."""
+    import json
+
+    from ep_harness.records import append_line
+    from ep_harness.reports.trends import load_history
+
+    history = tmp_path / "history.jsonl"
+    row = {"date": "2026-11-29T00:00:00+00:00", "run_id": "r", "check": "c", "status": "ok", "mismatched": 0}
+    append_line(history, row)
+    with open(history, "a", encoding="utf-8") as f:
+        f.write(json.dumps(bad) + "\n")
+    assert list(load_history(history)["run_id"]) == ["r"]
+    assert f"history.jsonl:2: skipped a row: {said}" in capsys.readouterr().err
+
+
 def test_two_runs_that_draw_the_same_id_never_merge(tmp_path, monkeypatch):
     from ep_harness.run import verify
 
