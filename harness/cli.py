@@ -379,11 +379,11 @@ def _command(args, argv: list[str], out: Console) -> int:
     except HarnessError as exc:
         out.err(f"ep-harness: error: {exc}")
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before a run's own handler was there (imports, planning)
-        out.err("ep-harness: interrupted by SIGINT before any check ran; nothing was written")
+    except KeyboardInterrupt:  # Ctrl-C where no handler of the run's was there (imports, planning)
+        out.err("ep-harness: interrupted by SIGINT")
         return 130
-    except Interrupted as exc:  # a signal between claiming the run directory and the first launch
-        out.err(f"ep-harness: interrupted by {exc} before any check ran; nothing was written")
+    except Interrupted as exc:  # e.g. between claiming the run directory and the first launch
+        out.err(f"ep-harness: interrupted by {exc}{'; ' + exc.note if exc.note else ''}")
         return 128 + exc.signum
     except ImportError as exc:
         if not _torch_failed(exc):

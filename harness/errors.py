@@ -16,6 +16,7 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.outcomes: dict = {}  # check id -> ep_harness.launch.launcher.Outcome
+        self.note = ""  # what became of the run, for the command's one line
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -362,7 +362,6 @@ def import_plugins(modules: list[str]) -> None:
             raise HarnessError(plugin_import_problem(module, exc)) from None
 
 
-
 def import_built_in() -> None:
     """Register the built-in subjects (the ep_harness.subjects package)."""
     importlib.import_module("ep_harness.subjects")

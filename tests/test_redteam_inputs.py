@@ -156,16 +156,19 @@ def test_a_signal_before_the_first_launch_leaves_no_run_directory(tmp_path):
 
 
 @pytest.mark.parametrize("raised, code, said", [
-    (KeyboardInterrupt(), 130, "interrupted by SIGINT before any check ran; nothing was written"),
-    ("SIGTERM", 143, "interrupted by SIGTERM before any check ran; nothing was written"),
+    ("ctrl-c", 130, "interrupted by SIGINT"),
+    ("before-start", 143, "interrupted by SIGTERM; before any check ran; nothing was written"),
 ])
 def test_the_command_reports_an_early_signal_in_one_line(monkeypatch, capsys, raised, code, said):
     from ep_harness import cli
-    from ep_harness.launch.processes import Interrupted
     from ep_harness.run import verify
 
     def interrupted(*args, **kwargs):
-        raise Interrupted(signal.SIGTERM) if raised == "SIGTERM" else raised
+        if raised == "ctrl-c":
+            raise KeyboardInterrupt
+        with verify.nothing_left_on_signal():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
 
     monkeypatch.setattr(verify, "_verify", interrupted)
     assert cli.main(["verify", "--check", "ar-slice/*"]) == code

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_harness import console
-from ep_harness.launch import settings
 
-from ep_harness.launch import forks, protocol
+from ep_harness.launch import forks, protocol, settings
 from ep_harness.launch.channel import Channel, parse_endpoint, publish_run, run_channel, tcp_store
 from ep_harness.errors import HarnessError
 from ep_harness.measurement import Measurement
@@ -278,14 +277,13 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
     silent = [r for r in range(world_size) if r not in {e.rank for e in errors}]
     fatal = _fatal_error(log_path) if silent else None
     crashed = f" ({fatal} in {log_path.name}: it crashed first)" if fatal else ""
+    where = f" on node {first.node} ({first.host})" if multi else ""
     if first.terminated and silent:
         error = (f"rank(s) {silent} exited without a Python traceback{crashed}; the others were ended by "
                  f"SIGTERM: it left no traceback (exited or was killed first)")
     elif fatal:  # the others' errors (a closed connection) followed the crash
-        where = f" on node {first.node} ({first.host})" if multi else ""
         error = f"rank(s) {silent} left no traceback{crashed}; then rank {first.rank}{where} raised {first.error}"
     else:
-        where = f" on node {first.node} ({first.host})" if multi else ""
         error = f"rank {first.rank}{where} raised {first.error}"
         if silent:
             error += f"; rank(s) {silent} left no traceback (exited or were killed first)"

@@ -240,9 +240,10 @@ def nothing_left_on_signal():
     try:
         with interruptible():
             yield claimed
-    except Interrupted:
+    except Interrupted as exc:
         for path in claimed:
             shutil.rmtree(path, ignore_errors=True)
+        exc.note = "before any check ran; nothing was written"
         raise
 
 
