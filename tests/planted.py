@@ -17,49 +17,36 @@ from ep_harness.subjects.moe.composed import ComposedMoE
 FAULTY_RANK = 1
 
 
-@register
-class RaisesOnOneRank(AllGatherFold):
-    name = "planted_raise_on_rank1"
-    summary = "all-gather + fold that raises on rank 1"
+def _hang():
+    while True:  # a deadlock as the other ranks see it
+        time.sleep(1)
 
+
+def _raise():
+    raise RuntimeError("planted failure on rank 1")
+
+
+def _faulty_on_one_rank(class_name: str, name: str, summary: str, fault) -> type:
+    """The all-gather + fold, but rank FAULTY_RANK runs `fault()` instead of its reduce-scatter."""
     def reduce_scatter(self, out, inp, sizes, group):
         if dist.get_rank(group) == FAULTY_RANK:
-            raise RuntimeError("planted failure on rank 1")
-        super().reduce_scatter(out, inp, sizes, group)
+            fault()
+        AllGatherFold.reduce_scatter(self, out, inp, sizes, group)
+
+    return register(type(class_name, (AllGatherFold,), {"name": name, "summary": summary,
+                                                        "reduce_scatter": reduce_scatter}))
 
 
-@register
-class HangsOnOneRank(AllGatherFold):
-    name = "planted_hang_on_rank1"
-    summary = "all-gather + fold that never returns on rank 1"
-
-    def reduce_scatter(self, out, inp, sizes, group):
-        if dist.get_rank(group) == FAULTY_RANK:
-            while True:  # a deadlock as the other ranks see it
-                time.sleep(1)
-        super().reduce_scatter(out, inp, sizes, group)
-
-
-@register
-class CrashesOnOneRank(AllGatherFold):
-    name = "planted_crash_on_rank1"
-    summary = "all-gather + fold whose rank 1 dies without a Python traceback"
-
-    def reduce_scatter(self, out, inp, sizes, group):
-        if dist.get_rank(group) == FAULTY_RANK:
-            os._exit(9)
-        super().reduce_scatter(out, inp, sizes, group)
-
-
-@register
-class SegfaultsOnOneRank(AllGatherFold):
-    name = "planted_segfault_on_rank1"
-    summary = "all-gather + fold whose rank 1 is killed by SIGSEGV (a crash in native code)"
-
-    def reduce_scatter(self, out, inp, sizes, group):
-        if dist.get_rank(group) == FAULTY_RANK:
-            os.kill(os.getpid(), signal.SIGSEGV)
-        super().reduce_scatter(out, inp, sizes, group)
+RaisesOnOneRank = _faulty_on_one_rank("RaisesOnOneRank", "planted_raise_on_rank1",
+                                      "all-gather + fold that raises on rank 1", _raise)
+HangsOnOneRank = _faulty_on_one_rank("HangsOnOneRank", "planted_hang_on_rank1",
+                                     "all-gather + fold that never returns on rank 1", _hang)
+CrashesOnOneRank = _faulty_on_one_rank("CrashesOnOneRank", "planted_crash_on_rank1",
+                                       "all-gather + fold whose rank 1 dies without a Python traceback",
+                                       lambda: os._exit(9))
+SegfaultsOnOneRank = _faulty_on_one_rank("SegfaultsOnOneRank", "planted_segfault_on_rank1",
+                                         "all-gather + fold whose rank 1 is killed by SIGSEGV (a crash in native code)",
+                                         lambda: os.kill(os.getpid(), signal.SIGSEGV))
 
 
 SPLIT_K_ROWS = 64  # past this many rows per expert the planted GEMM splits K in two

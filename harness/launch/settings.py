@@ -1,8 +1,8 @@
 """The harness's own environment variables that tune it (timeouts and on/off switches), read
 in one place: a malformed value is one HarnessError naming the variable, what it takes and how
 to go back to the default, when a command starts rather than a traceback from wherever the
-value is first used. (EP_HARNESS_PRECOMPILE_WAIT_S and _WORKERS are read by the precompile
-step, which says the same of them.)"""
+value is first used. (EP_HARNESS_PRECOMPILE_WORKERS is read by the precompile step, which
+says the same of it.)"""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,8 @@ from ep_harness.errors import HarnessError
 SECONDS = {  # name: (default, what it limits)
     "EP_HARNESS_START_TIMEOUT_S": (180.0, "how long ranks may take to start, and other nodes to join"),
     "EP_HARNESS_NODE_TIMEOUT_S": (6.0, "how long a node launcher may be silent before it is taken as gone"),
+    "EP_HARNESS_PRECOMPILE_WAIT_S": (900.0, "how long the checks wait for the DeepGEMM compile; "
+                                            "EP_HARNESS_PRECOMPILE=0 compiles in the checks instead"),
 }
 SWITCHES = {  # name: what 0 turns off
     "EP_HARNESS_PIN_RANKS": "CPU ranks placed on cores",

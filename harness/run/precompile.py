@@ -39,6 +39,7 @@ from typing import Callable
 
 from ep_harness import families
 from ep_harness import subject as registry
+from ep_harness.launch import settings
 from ep_harness.run.precompile_worker import Worker as _Worker, reason as _reason, worker_count
 
 MANIFEST = "ep-harness-precompiled.json"  # in the DeepGEMM cache directory: calls compiled there
@@ -46,7 +47,7 @@ PROGRESS_EVERY_S = 2.0
 STARTUP_LIMIT_S = 300.0  # a worker's start: torch, CUDA and DeepGEMM imported, 16 at once on one GPU
 LABEL = "compiling DeepGEMM kernels"  # the lines' wording: DeepGEMM's are the built-in families' kernels
 WAIT_ENV = "EP_HARNESS_PRECOMPILE_WAIT_S"
-WAIT_LIMIT_S = 900.0  # the compile's limit while ranks may wait for it (calls have their own)
+WAIT_LIMIT_S = settings.SECONDS[WAIT_ENV][0]  # the compile's limit while ranks wait for it (calls have their own)
 RANK_GRACE_S = 60.0  # past the compile's limit, a rank stops waiting for a head that never wrote the marker
 MARKER = "precompile.done"  # in the run directory: written by the head once the compile has ended
 
@@ -264,20 +265,7 @@ def remember(cache_dir: Path, identity: dict, keys: set[str]) -> None:
 
 def wait_limit() -> float:
     """EP_HARNESS_PRECOMPILE_WAIT_S, or WAIT_LIMIT_S."""
-    value = os.environ.get(WAIT_ENV, "").strip()
-    if not value:
-        return WAIT_LIMIT_S
-    try:
-        limit = float(value)
-    except ValueError:
-        limit = 0.0
-    if not limit > 0 or limit == float("inf"):
-        from ep_harness.errors import HarnessError
-
-        raise HarnessError(f"{WAIT_ENV}={value!r} needs a positive number of seconds (how long the checks wait for "
-                           f"the DeepGEMM compile); unset it for {WAIT_LIMIT_S:g} s, or set EP_HARNESS_PRECOMPILE=0 "
-                           f"to compile in the checks")
-    return limit
+    return settings.seconds(WAIT_ENV)
 
 
 def write_marker(path: Path, content: dict) -> None:
