@@ -47,6 +47,8 @@ def cost_text(rec: dict) -> str:
     c = (rec.get("detail") or {}).get("cost")
     if not isinstance(c, dict):
         return ""
+    if c.get("unavailable"):  # the calls could not be timed (detail.cost says why): no number, not a zero
+        return "not timed"
     rate = f"{fmt_float(c['tflops'], 4)} TFLOP/s" if _number(c.get("tflops")) else \
         f"{fmt_float(c['gbps'], 4)} GB/s" if _number(c.get("gbps")) else ""
     if not rate:

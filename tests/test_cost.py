@@ -111,6 +111,29 @@ class QueueClock:
         return end.at - start.at
 
 
+def test_a_call_that_waits_for_the_device_is_not_timed_and_its_check_keeps_its_verdict():
+    """On one H100 (2026-12-07) torch._grouped_mm waited for the device inside every call, so no
+    hold covered a round, and the timing's error made three torch-grouped-mm checks `error`:
+    a check's price must never decide its verdict."""
+    from ep_harness.reports.text import cost_text
+
+    clock = QueueClock(launch_ms=0.01, kernel_ms=0.05, hold_ms=2.0)
+
+    def waits():  # queues its kernel, then blocks the host until the device is done (a sync inside)
+        clock.call()
+        clock.synchronize()
+
+    cost = timing.cost_or_reason(lambda: timing.time_interleaved({"sync": waits}, repeats=3, warmup=1, clock=clock))
+    assert set(cost) == {"unavailable"} and "could not queue a round of 1 calls" in cost["unavailable"]
+    assert cost_text({"detail": {"cost": cost}}) == "not timed"
+    fine = QueueClock(launch_ms=0.01, kernel_ms=0.05, hold_ms=2.0)  # control: a call that only queues
+    samples = timing.cost_or_reason(lambda: timing.time_interleaved({"async": fine.call}, repeats=3, warmup=1,
+                                                                    clock=fine))
+    assert samples == {"async": [pytest.approx(0.05)] * 3}
+    with pytest.raises(ValueError):  # any other failure is not turned into a reason
+        timing.cost_or_reason(lambda: timing.time_interleaved({}, clock=fine))
+
+
 def test_a_round_the_hold_does_not_cover_is_timed_again_under_a_longer_hold():
     # 40 subjects of 0.01 ms kernels, each 0.08 ms of host work to queue (a Python launcher):
     # a round takes the host 3.2 ms to queue, longer than a 2 ms hold.
@@ -121,7 +144,7 @@ def test_a_round_the_hold_does_not_cover_is_timed_again_under_a_longer_hold():
     assert all(s == [pytest.approx(0.01)] * 5 for s in samples.values())  # the kernels, not the launches
     # positive control: under a hold that cannot grow, the host's time is what the events would say
     starved = QueueClock(launch_ms=0.08, kernel_ms=0.01, hold_ms=2.0, max_hold_ms=2.0)
-    with pytest.raises(RuntimeError, match="could not queue a round of 40 calls"):
+    with pytest.raises(timing.Untimeable, match="could not queue a round of 40 calls"):
         timing.time_interleaved({f"s{i}": starved.call for i in range(40)}, repeats=5, warmup=1, clock=starved)
     start, end = starved.event(), starved.event()
     starved.synchronize()

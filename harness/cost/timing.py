@@ -91,6 +91,21 @@ class CudaClock:
         return True
 
 
+class Untimeable(RuntimeError):
+    """Calls the hold cannot cover: the host did not queue a round before the longest hold ran
+    out (a call that waits for the device, such as one reading a size back, or host work
+    longer than the hold). Their event pairs would time the host, so they are not timed."""
+
+
+def cost_or_reason(time_it: Callable[[], dict]) -> dict:
+    """A check's cost beside its verdict, or why it could not be timed ({"unavailable": ...}):
+    the price of a check never decides its verdict."""
+    try:
+        return time_it()
+    except Untimeable as exc:
+        return {"unavailable": str(exc)}
+
+
 def hold_note(clock) -> dict:
     """What a point's record says of its timing rounds: the hold they ran under, and how many
     were timed again because the host had not queued them before the hold ran out."""
@@ -101,7 +116,7 @@ def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, wa
                      clock: Clock | None = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `repeats` per subject, subjects interleaved call by call. A
     round the clock's hold did not cover is void and timed again under a longer hold
-    (`clock.lengthen()`); RuntimeError once the hold can grow no more."""
+    (`clock.lengthen()`); Untimeable once the hold can grow no more."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if not calls:
@@ -117,9 +132,10 @@ def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, wa
         while (round_marks := _queued_round(calls, names[r % len(names):] + names[:r % len(names)], clock)) is None:
             clock.synchronize()
             if not clock.lengthen():
-                raise RuntimeError(f"the host could not queue a round of {len(names)} calls within the longest "
-                                   "hold: each pair of events would time the host's launch work, not the GPU's; "
-                                   "time fewer subjects per round")
+                raise Untimeable(f"the host could not queue a round of {len(names)} calls within the longest "
+                                 "hold: each pair of events would time the host's work, not the GPU's (a call "
+                                 "that waits for the device, or more host work than the hold); time fewer "
+                                 "subjects per round, or leave such a call untimed")
         for name, pair in round_marks.items():
             marks[name].append(pair)
     clock.synchronize()

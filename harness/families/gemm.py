@@ -215,7 +215,8 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: GemmParams, runs: li
         largest = max(runs, key=lambda r: r.spec.counts[0] if dense else sum(r.spec.counts))
         problem = make_problem(p, largest.spec, w, w_scale).to(ctx.device)
         out = output_for(problem, p.n, out_dtype(p.dtype), ctx.device)
-        m.detail["cost"] = timing.gemm_check_cost(subject, problem, out, None if p.dtype == FP8 else get("torch_mm"))
+        baseline = None if p.dtype == FP8 else get("torch_mm")
+        m.detail["cost"] = timing.cost_or_reason(lambda: timing.gemm_check_cost(subject, problem, out, baseline))
     return m
 
 

@@ -192,7 +192,7 @@ def _measure_with_cost(check, subject, ctx: RankContext, p: QuantParams, runs: l
 
         rows = max(run.spec for run in runs)
         x = _batch(p, rows, gen.dtype_of(p.dtype)).to(ctx.device)
-        m.detail["cost"] = timing.quant_check_cost(subject, x, p.ue8m0)
+        m.detail["cost"] = timing.cost_or_reason(lambda: timing.quant_check_cost(subject, x, p.ue8m0))
     return m
 
 
