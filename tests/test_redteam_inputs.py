@@ -36,18 +36,19 @@ def test_a_plugin_that_imports_is_listed(tmp_path):  # control
     assert proc.returncode == 0 and "# subjects:" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("variable, value, said", [
-    ("EP_HARNESS_START_TIMEOUT_S", "abc", "needs a positive number of seconds"),
-    ("EP_HARNESS_NODE_TIMEOUT_S", "-1", "needs a positive number of seconds"),
-    ("EP_HARNESS_START_TIMEOUT_S", "nan", "needs a positive number of seconds"),
-    ("EP_HARNESS_PIN_RANKS", "banana", "takes 0 (off: no CPU ranks placed on cores) or 1 (on)"),
-    ("EP_HARNESS_AGENT_FORKS", "yes", "takes 0 (off: no torchrun agents forked from the command) or 1 (on)"),
+@pytest.mark.parametrize("variable, value, said, good", [
+    ("EP_HARNESS_START_TIMEOUT_S", "abc", "needs a positive number of seconds", "30"),
+    ("EP_HARNESS_NODE_TIMEOUT_S", "-1", "needs a positive number of seconds", "2.5"),
+    ("EP_HARNESS_START_TIMEOUT_S", "nan", "needs a positive number of seconds", "180"),
+    ("EP_HARNESS_PIN_RANKS", "banana", "takes 0 (off: no CPU ranks placed on cores) or 1 (on)", "0"),
+    ("EP_HARNESS_AGENT_FORKS", "yes", "takes 0 (off: no torchrun agents forked from the command) or 1 (on)", "1"),
 ])
-def test_a_malformed_harness_variable_is_one_line_before_anything_runs(tmp_path, variable, value, said):
+def test_a_malformed_harness_variable_is_one_line_before_anything_runs(tmp_path, variable, value, said, good):
     proc = run_cli("verify", "--check", "ar-slice/*", "--out", str(tmp_path / "out"),
                    env={**os.environ, variable: value})
     assert proc.returncode == 2 and f"{variable}={value!r} {said}" in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert run_cli("list", env={**os.environ, variable: good}).returncode == 0  # control: a value it takes
 
 
 @pytest.mark.parametrize("argv", [
