@@ -26,10 +26,11 @@ def _raise():
     raise RuntimeError("planted failure on rank 1")
 
 
-def _faulty_on_one_rank(class_name: str, name: str, summary: str, fault) -> type:
-    """The all-gather + fold, but rank FAULTY_RANK runs `fault()` instead of its reduce-scatter."""
+def _faulty_on_one_rank(class_name: str, name: str, summary: str, fault, every_rank: bool = False) -> type:
+    """The all-gather + fold, but rank FAULTY_RANK (or every rank) runs `fault()` instead of its
+    reduce-scatter."""
     def reduce_scatter(self, out, inp, sizes, group):
-        if dist.get_rank(group) == FAULTY_RANK:
+        if every_rank or dist.get_rank(group) == FAULTY_RANK:
             fault()
         AllGatherFold.reduce_scatter(self, out, inp, sizes, group)
 
@@ -44,6 +45,9 @@ HangsOnOneRank = _faulty_on_one_rank("HangsOnOneRank", "planted_hang_on_rank1",
 CrashesOnOneRank = _faulty_on_one_rank("CrashesOnOneRank", "planted_crash_on_rank1",
                                        "all-gather + fold whose rank 1 dies without a Python traceback",
                                        lambda: os._exit(9))
+ExitsOnEveryRank = _faulty_on_one_rank("ExitsOnEveryRank", "planted_exit_on_every_rank",
+                                       "all-gather + fold whose every rank ends its process with exit code 0",
+                                       lambda: os._exit(0), every_rank=True)
 SegfaultsOnOneRank = _faulty_on_one_rank("SegfaultsOnOneRank", "planted_segfault_on_rank1",
                                          "all-gather + fold whose rank 1 is killed by SIGSEGV (a crash in native code)",
                                          lambda: os.kill(os.getpid(), signal.SIGSEGV))

@@ -77,6 +77,10 @@ def test_faulty_ranks_become_error_records(fail_run):
     crashed = by_case["crashes"]
     assert crashed["status"] == "error" and "left no traceback" in crashed["reason"]
     assert 1 in crashed["detail"]["silent_ranks"]  # the rank that died is named (others may be killed first)
+    quiet = by_case["exits-quietly"]  # every rank gone with code 0: not a hang with stacks to show
+    assert quiet["status"] == "error", quiet["reason"]
+    assert quiet["reason"].endswith("ranks [0, 1, 2, 3] did not answer for their stacks: they may have exited (a "
+                                    "subject that ends its process?), see the launch log"), quiet["reason"]
     segfault = by_case["segfaults"]  # named first, with the crash the log shows, before the others' closed sockets
     assert segfault["status"] == "error" and segfault["reason"].startswith(
         "rank(s) [1] left no traceback (Fatal Python error: Segmentation fault in "), segfault["reason"]

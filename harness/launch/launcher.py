@@ -258,9 +258,14 @@ def _watch(head: Head, proc, launch: Channel, world_size: int, checks: list, sta
             if time.time() - s.since > checks[s.index].timeout_s:
                 failed_at = min(x.index for x in running)
                 stuck = [r for r, x in enumerate(states) if x and x.index == failed_at]
-                return failed_at, (f"timed out after {checks[failed_at].timeout_s:.0f} s "
-                                   f"(ranks {stuck} still inside the check); stack dumps attached"), {
-                    "stacks": _dump_stacks(launch, world_size)}
+                stacks = _dump_stacks(launch, world_size)
+                mute = [r for r in stuck if str(r) not in stacks]  # a live rank answers within STACKS_TIMEOUT_S
+                said = (f"; ranks {mute} did not answer for their stacks: they may have exited (a subject that "
+                        f"ends its process?), see the launch log" if mute else "")
+                return failed_at, (f"timed out after {checks[failed_at].timeout_s:.0f} s (ranks {stuck} still "
+                                   f"inside the check by their last report){said}"
+                                   f"{'; stack dumps attached' if stacks else ''}"), {
+                    "stacks": stacks, "log": _log_tail(log_path)}
     return None, None, {}
 
 
