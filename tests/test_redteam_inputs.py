@@ -198,3 +198,21 @@ def test_a_case_file_saved_with_a_byte_order_mark_loads(tmp_path):
     suite.write_bytes("\ufeff".encode() + CASE.format(line='expect = "holds"').encode())
     proc = run_cli("list", "--suite", str(suite))
     assert proc.returncode == 0 and "c/rank-invariance/dtype=bfloat16" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("example, said", [
+    ({"property": "rank-invariance", "params": {"dtype": "bfloat16", "hiden": 64}}, "unknown parameter 'hiden'"),
+    ({"property": "no-such-property", "params": {}}, "not a counterexample of all_gather_fold"),
+    ([1], "not a counterexample of all_gather_fold"),
+])
+def test_an_edited_counterexample_store_is_named_by_its_line_before_the_search(tmp_path, example, said):
+    """A tampered store line ended the search in a rank's traceback."""
+    import json
+
+    store = tmp_path / "store.jsonl"
+    good = {"subject": "all_gather_fold", "found": "x",  # as a search stores it: every searched parameter
+            "example": {"property": "rank-invariance", "params": {"dtype": "bfloat16", "hidden": 64, "seed": 3}}}
+    store.write_text(json.dumps(good) + "\n" + json.dumps({**good, "example": example}) + "\n")
+    proc = run_cli("explore", "all_gather_fold", "--store", str(store), "--budget", "5")
+    assert proc.returncode == 2 and "store.jsonl:2: " in proc.stderr and said in proc.stderr, proc.stderr[-1500:]
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "explore").exists()

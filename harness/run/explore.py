@@ -16,7 +16,7 @@ from pathlib import Path
 from ep_harness import console
 from ep_harness.check import Check, single_check
 from ep_harness.errors import HarnessError
-from ep_harness.records import append_line, read_jsonl, write_json
+from ep_harness.records import append_line, numbered_jsonl, write_json
 
 STORE = Path("reports/out/counterexamples.jsonl")
 
@@ -51,6 +51,31 @@ def as_check(subject, example: dict, world_size: int, backend: str) -> Check:
                         f"explore/{subject.name}/{example['property']}")
 
 
+STORE_FIX = "remove that line (or the store) and explore again"
+
+
+def known_counterexamples(store: Path, subject, world_size: int, backend: str) -> list[dict]:
+    """The store's counterexamples of `subject`, each checked as the ranks will replay it: a
+    line that is not one (an edited or damaged store) is one HarnessError naming it."""
+    known = []
+    for lineno, record in numbered_jsonl(Path(store), STORE_FIX):
+        if not isinstance(record.get("subject"), str):
+            raise HarnessError(f"{store}:{lineno}: a counterexample without its subject; {STORE_FIX}")
+        if record["subject"] != subject.name:
+            continue
+        example = record.get("example")
+        if not (isinstance(example, dict) and example.get("property") in searchable(subject.family)
+                and isinstance(example.get("params"), dict)):
+            raise HarnessError(f"{store}:{lineno}: not a counterexample of {subject.name} (an object with a "
+                               f"searchable property and its params); {STORE_FIX}")
+        try:
+            as_check(subject, example, world_size, backend)
+        except HarnessError as exc:
+            raise HarnessError(f"{store}:{lineno}: {exc}; {STORE_FIX}") from None
+        known.append(record)
+    return known
+
+
 def snippet(subject_name: str, example: dict, n: int, world_size: int) -> str:
     lines = ["[[case]]", f'name = "counterexample-{n}"', f'subject = "{subject_name}"',
              f'properties = ["{example["property"]}"]', 'expect = "holds"', "[case.params]"]
@@ -77,9 +102,9 @@ def explore(subject_name: str, world_size: int, budget_s: float, max_examples: i
         raise HarnessError(f"--world-size {world_size} exceeds this run's {platform.ranks} ranks")
     from ep_harness.run.verify import new_run_id
 
+    known = known_counterexamples(store, subject, world_size, platform.backend)
     job_dir = (out if out is not None else Path(store).parent / "explore") / f"{subject_name}-{new_run_id()}"
     job_dir.mkdir(parents=True, exist_ok=True)
-    known = [r for r in read_jsonl(store) if r["subject"] == subject_name]
     write_json(job_dir / "job.json", {"subject": subject_name, "plugins": plugins, "backend": platform.backend,
                                       "world_size": world_size, "budget_s": budget_s, "max_examples": max_examples,
                                       "known": [k["example"] for k in known]})
