@@ -36,7 +36,7 @@ def load_run(path: Path) -> Run:
         if missing:
             raise HarnessError(f"{results}:{lineno}: record lacks {', '.join(missing)}; "
                                f"it was not written by this harness version")
-        problem = _record_problem(rec, seen, lineno)
+        problem = record_problem(rec, seen, lineno)
         if problem:
             raise HarnessError(f"{results}:{lineno}: {problem}; the record was edited or damaged, {RERUN}")
         records.append(rec)
@@ -55,15 +55,17 @@ def load_run(path: Path) -> Run:
     return Run(path=path, records=records, environment=environment)
 
 
-def _record_problem(rec: dict, seen: dict, lineno: int) -> str | None:
-    """What makes one record unreadable as a verdict: a check id that is not one, or one seen
-    on an earlier line (`seen`: id -> line), or a status the harness does not write."""
-    check = rec["check"]
+def record_problem(rec: dict, seen: dict, lineno: int) -> str | None:
+    """What keeps one record (of a run, or a baseline's line) from being read as a verdict: no
+    check id, one seen on an earlier line (`seen`: id -> line, updated), or a status the
+    harness does not write."""
+    check = rec.get("check")
     if not isinstance(check, str) or not check:
-        return f"check {check!r} is not a check id"
+        return "has no check id"
     if check in seen:
         return f"check {check[:80]!r} again (first on line {seen[check]})"
     seen[check] = lineno
-    if not isinstance(rec["status"], str) or rec["status"] not in STATUS_ORDER:
-        return f"check {check[:80]!r}: status {rec['status']!r} is not one of {', '.join(STATUS_ORDER)}"
+    status = rec.get("status")
+    if not isinstance(status, str) or status not in STATUS_ORDER:
+        return f"check {check[:80]!r}: status {status!r} is not one of {', '.join(STATUS_ORDER)}"
     return None

@@ -27,8 +27,8 @@ from pathlib import Path
 from ep_harness.cases import EXPECTATIONS, SUITE_NAME
 from ep_harness.errors import HarnessError
 from ep_harness.records import append_line, numbered_jsonl, write_json, write_jsonl
-from ep_harness.reports.analysis import STATUS_ORDER, compare_runs, run_problem
-from ep_harness.reports.load import load_run
+from ep_harness.reports.analysis import compare_runs, run_problem
+from ep_harness.reports.load import load_run, record_problem
 
 BASELINE_DIR = Path("ci/baselines")
 HISTORY_KEYS = ("check", "subject", "property", "status", "held", "mismatched", "total", "seconds")
@@ -146,12 +146,12 @@ def update_baseline(run_dir: Path, baseline: Path | None = None) -> Path:
 RESTORE = "restore the baseline from git or record it again with `ep-harness baseline update RUN_DIR`"
 
 
-def _baseline_problem(record: dict) -> str | None:
-    """What keeps one baseline line from being compared (a hand-edited or damaged file)."""
-    if not isinstance(record.get("check"), str) or not record["check"]:
-        return "has no check id"
-    if record.get("status") not in STATUS_ORDER:
-        return f"check {record['check'][:80]!r}: status {record.get('status')!r} is not one of {', '.join(STATUS_ORDER)}"
+def _baseline_problem(record: dict, seen: dict, lineno: int) -> str | None:
+    """What keeps one baseline line from being compared (a hand-edited or damaged file): what
+    a run's record may not be (reports.load.record_problem), an expectation, params or counts."""
+    problem = record_problem(record, seen, lineno)
+    if problem:
+        return problem
     if record.get("expect") not in EXPECTATIONS:
         return f"check {record['check'][:80]!r}: expect {record.get('expect')!r} is not one of {', '.join(EXPECTATIONS)}"
     if not isinstance(record.get("params"), dict):
@@ -174,12 +174,9 @@ def read_baseline(path: Path) -> tuple[dict | None, list[dict]]:
         raise HarnessError(f"{path}:1: the fingerprint is not an object; {RESTORE}")
     seen = {}
     for lineno, record in body:
-        problem = _baseline_problem(record)
-        if problem is None and record["check"] in seen:
-            problem = f"check {record['check'][:80]!r} again (first on line {seen[record['check']]})"
+        problem = _baseline_problem(record, seen, lineno)
         if problem:
             raise HarnessError(f"{path}:{lineno}: {problem}; {RESTORE}")
-        seen[record["check"]] = lineno
     records = [r for _, r in body]
     recorded = (header or {}).get("checks")
     if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 0):
