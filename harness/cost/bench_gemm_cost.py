@@ -235,9 +235,8 @@ class Bench:
         return x if scale == 1.0 else (x.float() * scale).to(dtype or self.torch.bfloat16)
 
     def time_point(self, calls: dict, hold_ms: float) -> tuple[dict, dict]:
-        """The calls' samples (time_interleaved) and the hold they ran under (timing.hold_note)."""
-        clock = timing.CudaClock(hold_ms)
-        return timing.time_interleaved(calls, self.repeats, self.warmup, clock), timing.hold_note(clock)
+        """The calls' samples and the hold they ran under (timing.time_held)."""
+        return timing.time_held(calls, self.repeats, self.warmup, hold_ms)
 
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:

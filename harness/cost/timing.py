@@ -112,6 +112,14 @@ def hold_note(clock) -> dict:
     return {"hold_ms": clock.hold_ms, "rounds_redone": clock.redone}
 
 
+def time_held(calls: dict[str, Callable[[], None]], repeats: int, warmup: int, hold_ms: float
+              ) -> tuple[dict[str, list[float]], dict]:
+    """time_interleaved on the GPU behind a hold starting at `hold_ms`: the samples, and the
+    point's hold_note."""
+    clock = CudaClock(hold_ms)
+    return time_interleaved(calls, repeats, warmup, clock), hold_note(clock)
+
+
 def time_interleaved(calls: dict[str, Callable[[], None]], repeats: int = 20, warmup: int = 3,
                      clock: Clock | None = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `repeats` per subject, subjects interleaved call by call. A

@@ -280,9 +280,8 @@ def time_point(shape: Shape, m: int, tiles: dict, repeats: int, warmup: int) -> 
     point = {"m": m}
     for state, cold in (("warm", False), ("cold", True)):
         rotation = shape.operand_sets(m, cold)
-        clock = timing.CudaClock(2.0)
-        samples = timing.time_interleaved(shape.calls(rotation, tiles), repeats, warmup, clock)
-        point.setdefault("timing", {})[state] = timing.hold_note(clock)
+        samples, held = timing.time_held(shape.calls(rotation, tiles), repeats, warmup, 2.0)
+        point.setdefault("timing", {})[state] = held
         base = timing.median_ms(samples["torch_mm"])
         point[state] = {name: {"median_ms": timing.median_ms(s), "time_vs_baseline": timing.median_ms(s) / base}
                         for name, s in samples.items()}

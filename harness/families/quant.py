@@ -131,9 +131,9 @@ def _measure(check, subject, ctx: RankContext, p: QuantParams, runs: list[Run], 
     labels = [r.label for r in runs]
     values = torch.stack([seen.values for seen in gathered[0]]).view(torch.float8_e4m3fn)
     scales = torch.stack([seen.scales for seen in gathered[0]])
-    m = Measurement.bitwise(compare_bitwise(values, values[0], labels)).combine(
-        Measurement.bitwise(compare_bitwise(scales, scales[0], [f"{label} scales" for label in labels])))
-    m.detail["scale_mismatched"] = int((scales.view(torch.int32) != scales[0].view(torch.int32)).sum())
+    scale_m = Measurement.bitwise(compare_bitwise(scales, scales[0], [f"{label} scales" for label in labels]))
+    m = Measurement.bitwise(compare_bitwise(values, values[0], labels)).combine(scale_m)
+    m.detail["scale_mismatched"] = scale_m.mismatched
     probe = _batch(p, 1, dtype)
     exact_values, exact_scales = ref.quantize_per_token_group(probe, ue8m0=p.ue8m0)
     require_finite(m, values, exact_values[-1].float())
