@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import math
 import os
 import sys
 import traceback
@@ -28,34 +27,30 @@ def _gpus(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number; use --gpus 0 for the CPU or a GPU count")
 
 
-def _seed(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a seed (a whole number >= 0)")
-    return number
+def _whole(minimum: int, what: str):
+    """An argparse type: a whole number of at least `minimum`, else "'X' is not <what>"."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = minimum - 1
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return number
+    return parse
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
-    return number
+_seed = _whole(0, "a seed (a whole number >= 0)")
+_positive_int = _whole(1, "a positive whole number")
 
 
 def _seconds(value: str) -> float:
     """A finite positive number of seconds (0, NaN or infinity would make a search that
     tries nothing, or never stops, and say it found nothing)."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not (0 < number < math.inf):
+    from ep_harness.launch.settings import positive_seconds
+
+    number = positive_seconds(value)
+    if number is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a finite positive number of seconds")
     return number
 

@@ -23,16 +23,23 @@ SWITCHES = {  # name: what 0 turns off
 }
 
 
+def positive_seconds(text: str) -> float | None:
+    """`text` as a finite positive number of seconds, or None (0, NaN and infinity included:
+    a limit that ends everything at once, or never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
+
+
 def seconds(name: str) -> float:
     default, what = SECONDS[name]
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    try:
-        limit = float(value)
-    except ValueError:
-        limit = math.nan
-    if not (0 < limit < math.inf):
+    limit = positive_seconds(value)
+    if limit is None:
         raise HarnessError(f"{name}={value!r} needs a positive number of seconds ({what}); "
                            f"unset it for {default:g} s")
     return limit
