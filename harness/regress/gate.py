@@ -147,8 +147,9 @@ RESTORE = "restore the baseline from git or record it again with `ep-harness bas
 
 
 def _baseline_problem(record: dict, seen: dict, lineno: int) -> str | None:
-    """What keeps one baseline line from being compared (a hand-edited or damaged file): what
-    a run's record may not be (reports.load.record_problem), an expectation, params or counts."""
+    """What keeps one baseline line from being compared (a hand-edited or damaged file): what a
+    run's record may not be (ep_harness.reports.load.record_problem), an expectation, params or
+    counts."""
     problem = record_problem(record, seen, lineno)
     if problem:
         return problem
