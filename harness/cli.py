@@ -13,8 +13,8 @@ from ep_harness import console
 from ep_harness.console import Console
 from ep_harness.errors import HarnessError, Interrupted
 from ep_harness.process_exit import exit_now
-# the agent's: the same GC handling around imports, and numpy's BLAS without its thread pool
-from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
+# the agent's: the same GC handling around imports, and the thread pools set for cores that ranks share
+from ep_harness.launch.agent import _thread_pools_for_shared_cores, _imports_without_gc
 from ep_harness.regress.gate import NotComparable
 
 
@@ -266,7 +266,7 @@ def _launching_imports():
     """Around the imports of a command that launches ranks (torch loads there): no garbage
     collection, and numpy's BLAS without its thread pool, so that the command keeps one thread
     and can fork its torchrun agents (harness/launch/forks.py)."""
-    with _imports_without_gc(), _blas_without_a_thread_pool():
+    with _imports_without_gc(), _thread_pools_for_shared_cores():
         yield
 
 

@@ -90,6 +90,9 @@ for _prop in (
     Property("reference", "reference", {"nan", "inf", "stale"}),
     Property("combine-reference", "reference", {"nan", "inf", "stale"}),
     Property("run-to-run", "repeat", _INVARIANCE, counts_runs=True),
+    # run-to-run's repeats, each on another intra-op thread count (harness/threads.py
+    # varied_counts): an order that follows the count, which the pinned count never shows
+    Property("thread-invariance", "repeat", _INVARIANCE | {"more-threads"}, counts_runs=True),
     Property("batch-invariance", "placement", _INVARIANCE | {"batch-above", "order-above-size"}, searchable=True),
     Property("position-invariance", "placement", _INVARIANCE | {"stale"}, searchable=True),
     Property("size-invariance", "placement", _INVARIANCE | {"order-above-size"}),

@@ -62,6 +62,17 @@ def run_threads(envs) -> int | list[int]:
     return counts[0] if len(counts) == 1 else counts
 
 
+def varied_counts(base: int, runs: int) -> list[int]:
+    """The thread count each of thread-invariance's runs computes on: the rank's own first, then
+    one more, then doubling (1: 1, 2, 4, 8): an odd and an even count, one and several threads,
+    and more threads than a small machine has cores, where an order that follows the count
+    (per-thread partial sums, a kernel chosen by it) shows."""
+    counts = [base]
+    while len(counts) < runs:
+        counts.append(base + 1 if len(counts) == 1 else 2 * counts[-1])
+    return counts
+
+
 def apply_in_rank() -> int:
     """In a rank, before its first check: intra-op threads as pinned (OMP_NUM_THREADS, which
     OpenMP read when torch loaded; set again through torch so MKL and oneDNN follow it).

@@ -221,6 +221,21 @@ def test_triggers_fire_only_where_they_say(tmp_path, monkeypatch):
     assert differing_calls(outs, ref) == [] == logged  # rank 0 only
 
 
+def test_more_threads_fires_only_above_the_launch_s_count(tmp_path, monkeypatch):
+    s = FakeGemm("fake-threads")
+    ref = clean(s, [2, 2])
+    own = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what the launch pinned
+    try:
+        for count, expected in ((1, []), (2, [0, 1])):  # the control first: the pinned count
+            torch.set_num_threads(count)
+            (tmp_path / str(count)).mkdir()
+            outs, _, logged = calls(s, CLASSES["more-threads"], [2, 2], tmp_path / str(count), monkeypatch)
+            assert differing_calls(outs, ref) == expected == logged, count
+    finally:
+        torch.set_num_threads(own)
+
+
 def test_places(tmp_path, monkeypatch):
     s = FakeGemm("fake-places")
     ref = clean(s, [3])[0]

@@ -9,7 +9,8 @@ the probe. The compared copies of the probe are gathered from the ranks that own
 * batch-invariance: the last token of the smallest batch, at every batch size (it moves
   to another destination and row as the batch grows), vs its result in the first batch.
 * position-invariance: the probe first, in the middle and last in one batch size.
-* run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy.
+* run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy
+  (thread-invariance: each repeat on another thread count).
 * graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
 * size-invariance: the probe at row 0 while the whole message grows (message_bytes, e.g.
   decode- to prefill-sized): NCCL picks channels, and so trees, by message size.
@@ -39,7 +40,7 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.families import collective_layout
 from ep_harness.families import layout as layout_size
-from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
+from ep_harness.families.driver import REPEATED, Copy, Family, Run, kept, repeat_labels, require_finite, subject_call
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
@@ -54,7 +55,7 @@ from ep_harness.reference.collectives import shard_offsets
 from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = (
-    "reference", "run-to-run", "batch-invariance", "position-invariance",
+    "reference", "run-to-run", "thread-invariance", "batch-invariance", "position-invariance",
     "rank-invariance", "graph-invariance", "size-invariance", "prefill-decode-invariance", "tp-size-invariance",
 )
 
@@ -117,9 +118,9 @@ def layouts(prop: str, p: CollectiveParams, world_size: int) -> list[Layout]:
             tail = shard_pattern(p.shards, world_size, p.tail_rows)
             out.append(Layout(tail, first_rows(tail), f"tail rows {list(tail)}", zero_sums=world_size > 1))
         return out
-    if prop == "run-to-run":
+    if prop in REPEATED:
         sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
-        return [Layout(sizes, first_rows(sizes), f"repeat {k}") for k in range(p.repeats)]
+        return [Layout(sizes, first_rows(sizes), label) for label in repeat_labels(prop, p.repeats)]
     if prop == "batch-invariance":
         batches = p.batch_sizes
         probe = sum(shard_pattern(p.shards, world_size, min(batches))) - 1  # fits every batch

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ep_harness import kernel_trace, properties
+from ep_harness import kernel_trace, properties, threads
 from ep_harness.bits import int_view
 from ep_harness.compare import nonfinite_counts
 from ep_harness.context import RankContext
@@ -141,6 +141,10 @@ class CallLog:
     modified: list[str] = field(default_factory=list)
     unwritten: int = 0
     outputs: int = 0  # output elements the calls had to write
+    # thread-invariance: the intra-op thread count of each call in turn (None: the rank's own),
+    # and the count each call ran on
+    thread_plan: list[int] | None = None
+    threads: list[int] = field(default_factory=list)
     # every input a call left alone, by identity: (name, tensor, its bits after the call), compared
     # again when the check's calls are done (a write after the call returned: a deferred or
     # asynchronous write, or the next call writing into this one's input); emptied by `recheck`
@@ -203,7 +207,8 @@ def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | 
     before = [(name, t, t.clone()) for name, t in named_tensors(inputs)]
     for out, _ in outputs:
         fill_sentinel(out)
-    yield
+    with _threads_of_call(log):
+        yield
     after = dict(named_tensors(inputs))
     for name, tensor, copy in before:
         now = after.get(name)
@@ -221,6 +226,48 @@ def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | 
         log.unwritten += int((left & valid).sum())
         log.outputs += int(valid.sum())
         out.masked_fill_(left & ~valid, 0)  # padding no call must write: zeros, as the buffer was made
+
+
+@contextmanager
+def _threads_of_call(log: CallLog):
+    """The call on its thread_plan's next count, then the rank's own again (even if it raised:
+    the next check must not inherit another count)."""
+    if not log.thread_plan:
+        yield
+        return
+    own = torch.get_num_threads()
+    torch.set_num_threads(log.thread_plan[len(log.threads) % len(log.thread_plan)])
+    try:
+        yield
+    finally:
+        log.threads.append(torch.get_num_threads())
+        torch.set_num_threads(own)
+
+
+THREAD_INVARIANCE = "thread-invariance"
+REPEATED = ("run-to-run", THREAD_INVARIANCE)  # one placement run again (families run both alike)
+
+
+def repeat_labels(prop: str, repeats: int) -> list[str]:
+    """The runs of a property in REPEATED: run-to-run's by number, thread-invariance's by the
+    thread count each runs on (the rank's own count first)."""
+    if prop == THREAD_INVARIANCE:
+        return [f"{n} thread{'s' * (n > 1)}" for n in threads.varied_counts(torch.get_num_threads(), repeats)]
+    return [f"repeat {k}" for k in range(repeats)]
+
+
+def judge_threads(m: Measurement, prop: str, runs: list[Run], logs: list[CallLog]) -> None:
+    """thread-invariance: one subject call per run, each on its count (rank 0's, as every
+    rank's plan is the same), else an error; every call on one count is vacuous."""
+    if prop != THREAD_INVARIANCE:
+        return
+    ran = logs[0].threads
+    m.detail["threads"] = ran
+    if len(ran) != len(runs):
+        m.error = (f"thread-invariance runs each of its {len(runs)} runs on another thread count, one subject "
+                   f"call per run; this check made {len(ran)} calls (its family should not declare the property)")
+    elif len(set(ran)) < 2:
+        m.vacuous_reason = f"every call ran on {ran[0]} thread(s): no thread count varied"
 
 
 def judge_calls(m: Measurement, logs: list[CallLog]) -> None:
@@ -313,7 +360,8 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement | N
     p, prop = check.params, check.property
     runs = family.runs(prop, p, ctx.world_size)
     trace = kernel_trace.traced(subject, p, ctx.device)
-    log = CallLog()  # what the subject's calls did beside their results (subject_call)
+    plan = threads.varied_counts(torch.get_num_threads(), len(runs)) if prop == THREAD_INVARIANCE else None
+    log = CallLog(thread_plan=plan)  # what the subject's calls did beside their results (subject_call)
     with kernel_trace.kernel_names(ctx.device, trace) as ran:
         token = _LOG.set(log)
         try:
@@ -327,6 +375,7 @@ def execute(family: Family, check, subject, ctx: RankContext) -> Measurement | N
         gathered, logs, kernels = (list(x) for x in zip(*collected))
         result = family.measure(check, subject, ctx, p, runs, gathered)
         judge_calls(result, logs)
+        judge_threads(result, prop, runs, logs)
         judge_vacuity(result, prop, runs)
         if trace:
             _prove_kernels(result, subject, p, kernels)

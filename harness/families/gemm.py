@@ -6,7 +6,8 @@ what else is in the batch:
 * batch-invariance: the probe's expert holds 1 .. thousands of rows (m_values), the other
   experts' load changes (other_loads), and for masked layouts the expected_m hint changes.
 * position-invariance: the probe at the first, middle and last row of its expert.
-* run-to-run: one run repeated; graph-invariance: eager vs CUDA-graph replay.
+* run-to-run: one run repeated (thread-invariance: each repeat on another thread count);
+  graph-invariance: eager vs CUDA-graph replay.
 * reference: the whole output against the float64 product, within tolerances.GEMM.
 
 Vacuity: if summing the probe's K products in two different orders cannot change a single
@@ -22,7 +23,8 @@ from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise, json_float
 from ep_harness.context import RankContext
 from ep_harness.contracts import GemmProblem
-from ep_harness.families.driver import Copy, Family, Precompile, Run, kept, require_finite, subject_call
+from ep_harness.families.driver import (REPEATED, Copy, Family, Precompile, Run, kept, repeat_labels, require_finite,
+                                        subject_call)
 from ep_harness.families.gemm_calls import KernelCall, compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.params import DATA_KINDS, CommonParams, _opt, _required
@@ -33,7 +35,8 @@ from ep_harness.tolerances import gemm_bound
 from ep_harness.reference import gemm as ref
 from ep_harness.selftest.wrap import Wrapped
 
-PROPERTIES = ("reference", "run-to-run", "batch-invariance", "position-invariance", "graph-invariance")
+PROPERTIES = ("reference", "run-to-run", "thread-invariance", "batch-invariance", "position-invariance",
+              "graph-invariance")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +115,8 @@ def runs_for(prop: str, p: GemmParams) -> list[GemmRun]:
         return [GemmRun(counts(m, base_other), pos, None, name)
                 for pos, name in ((0, "first"), (m // 2, "middle"), (m - 1, "last"))]
     one = GemmRun(counts(m, base_other), 0, None, "")
-    if prop == "run-to-run":
-        return [replace(one, label=f"repeat {i}") for i in range(p.repeats)]
+    if prop in REPEATED:
+        return [replace(one, label=label) for label in repeat_labels(prop, p.repeats)]
     if prop == "graph-invariance":
         return [replace(one, label="eager"), replace(one, label="graph")]
     if prop == "reference":  # every expert loaded, so the whole layout is checked

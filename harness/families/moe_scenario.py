@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ep_harness import inputs as gen
+from ep_harness.families.driver import REPEATED, repeat_labels
 from ep_harness.params import DATA_KINDS, LayoutParams, _opt
 
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
@@ -159,8 +160,8 @@ def placements(prop: str, p: DispatchParams | MoeParams, world: int) -> list[Pla
         t = 1
     if prop in ("reference", "combine-reference", "rank-invariance", "graph-invariance"):
         return [Placement((t,) * world, tuple((r, 0) for r in range(world)), seed, "every rank")]
-    if prop == "run-to-run":
-        return [Placement((t,) * world, ((0, 0),), seed, f"repeat {i}") for i in range(p.repeats)]
+    if prop in REPEATED:
+        return [Placement((t,) * world, ((0, 0),), seed, label) for label in repeat_labels(prop, p.repeats)]
     if prop == "batch-invariance":  # a fixed global token: it changes rank as the batch grows
         g = world * min(p.batch_sizes) - 1
         return [Placement((b,) * world, (divmod(g, b),), seed, f"tokens {b}") for b in p.batch_sizes]

@@ -1,7 +1,7 @@
 """Quantization checks: per-token-group FP8 has one correct bit pattern (reference/quant.py).
 
 * reference: every e4m3 byte and every float32 scale against the exact reference;
-* run-to-run: the same input quantized again;
+* run-to-run: the same input quantized again (thread-invariance: on another thread count each time);
 * batch-invariance: the probe row quantized alone and inside batches of other rows.
 
 The invariances compare the probe row's values and its scales: a scale that moves with the
@@ -17,14 +17,14 @@ import torch
 from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
-from ep_harness.families.driver import Copy, Family, Run, kept, require_finite, subject_call
+from ep_harness.families.driver import Copy, Family, Run, kept, repeat_labels, require_finite, subject_call
 from ep_harness.measurement import Measurement
 from ep_harness.params import DATA_KINDS, CommonParams, _opt
 from ep_harness.subject import QuantSubject
 from ep_harness.reference import quant as ref
 from ep_harness.selftest.wrap import Wrapped
 
-PROPERTIES = ("reference", "run-to-run", "batch-invariance")
+PROPERTIES = ("reference", "run-to-run", "thread-invariance", "batch-invariance")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +86,7 @@ def _runs(prop: str, p: QuantParams, world_size: int) -> list[Run]:
         return [Run("reference", (Copy(("reference",)),), p.rows)]
     if prop == "batch-invariance":  # the probe is the last row, so it moves as the batch grows
         return [Run(f"batch {n}", (Copy((n,)),), n) for n in p.batch_sizes]
-    return [Run(f"repeat {i}", (Copy((p.rows,)),), p.rows) for i in range(p.repeats)]
+    return [Run(label, (Copy((p.rows,)),), p.rows) for label in repeat_labels(prop, p.repeats)]
 
 
 def _batch(p: QuantParams, n: int, dtype) -> torch.Tensor:

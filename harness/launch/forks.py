@@ -290,9 +290,9 @@ def _serve(requests: int, replies: int) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     # What every agent imports before it forks its ranks' fork server, once here.
-    from ep_harness.launch.agent import _blas_without_a_thread_pool, _imports_without_gc
+    from ep_harness.launch.agent import _thread_pools_for_shared_cores, _imports_without_gc
 
-    with _blas_without_a_thread_pool(), _imports_without_gc():
+    with _thread_pools_for_shared_cores(), _imports_without_gc():
         for name in ("torch.distributed.elastic.multiprocessing.errors", "torch.distributed.launcher.api",
                      "torch.distributed.run", "ep_harness.run.worker"):
             importlib.import_module(name)

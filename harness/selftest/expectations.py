@@ -21,6 +21,8 @@ A property must catch an injection when the defect changes what the property com
   element (`reference`) must see it. Batch-, size- and others-invariance may keep the probe in the same row of every call
   (the GEMM's probe is always its expert's first row), where a buffer kept from the previous
   call holds the probe's own, right value.
+* `thread-invariance` repeats one call on other thread counts: as run-to-run, and a change
+  on more threads than the launch pinned (`more-threads`), which no other property runs.
 * `rank-invariance` compares the probe on different ranks within one call: `one-rank`.
 * `graph-invariance` compares eager and CUDA-graph runs: `in-graph`, and `ulp` (the eager
   call differs). Not `kth-call`: the k-th call is a warm-up whose output the replay overwrites.

@@ -2,7 +2,7 @@
 plans with these; harness/selftest/wrap.py applies them on the ranks).
 
 An injection is a *defect* (what is wrong with the output), a *place* (which elements) and
-a *trigger* (on which rank, call and batch it happens). Every defect is a value a kernel
+a *trigger* (on which rank, call, batch or thread count it happens). Every defect is a value a kernel
 could really produce: a step of one unit in the last place (the bit pattern's integer
 magnitude plus one, the smallest change an order of summation makes; never an xor of
 elements), NaN, +Inf, a value kept from the previous call (from its next row: another
@@ -39,7 +39,7 @@ from ep_harness.errors import HarnessError
 DEFECTS = ("ulp", "nan", "inf", "stale", "write-input")
 PLACES = ("element", "column", "all", "row")
 SPOTS = ("first", "middle", "last", "seeded")  # where in each row a `column` defect lands (harness/selftest/wrap.py)
-WHEN = ("always", "rows-above", "bytes-above", "in-graph", "rare")
+WHEN = ("always", "rows-above", "bytes-above", "in-graph", "rare", "threads-above")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,8 @@ CLASSES: dict[str, Injection] = {i.name: i for i in (
     Injection("in-graph", "ulp", "all", "1 ULP on every element only during CUDA-graph capture",
               when="in-graph", gpu_only=True),
     Injection("batch-above", "ulp", "all", "1 ULP on every element for batches above a size", when="rows-above"),
+    Injection("more-threads", "ulp", "all", "another summation order (1 ULP on every element) when the call runs on "
+              "more intra-op threads than its launch pinned", when="threads-above"),
     Injection("out-of-slice", "write-input", "all",
               "a write outside the output: 1 ULP on every input element outside this rank's output slice"),
     Injection("rare", "ulp", "row", "1 ULP on every element of one row of one rank's output, on about 1 call "

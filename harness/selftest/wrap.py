@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ep_harness import threads
 from ep_harness.families.driver import SENTINEL_BITS, still_sentinel
 from ep_harness.selftest.injections import Injection
 
@@ -137,6 +138,8 @@ class Wrapped:
             return rows > (self._first[0] if inj.threshold is None else inj.threshold)
         if inj.when == "bytes-above":
             return size > (self._first[1] if inj.threshold is None else inj.threshold)
+        if inj.when == "threads-above":
+            return torch.get_num_threads() > threads.of_env(os.environ)
         return True
 
     def _inject(self, out: torch.Tensor, inp: torch.Tensor | None = None, slice_rows: tuple[int, int] | None = None):

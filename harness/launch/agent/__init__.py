@@ -45,23 +45,32 @@ def _set_omp_threads_as_torchrun(argv: list[str]) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# What torch's thread pools read as `import torch` loads them, set while the imports run unless
+# the user set them, then removed (the ranks' environment is the user's; the libraries keep
+# what they read, and so do the forks of the process).
+# * OPENBLAS_NUM_THREADS=1: numpy's OpenBLAS, which `import torch` loads, starts a thread per
+#   core as it loads unless told otherwise (15 more threads on the lent H200's 16-core host,
+#   where a launch of one rank sets no OMP_NUM_THREADS): the agent would then start its fork
+#   server anew, which imports torch again (4.5 s a launch there). Their numpy BLAS stays
+#   single-threaded (the harness computes with torch; a torch built on OpenBLAS, as on aarch64,
+#   would run its CPU GEMMs on one thread too).
+# * OMP_WAIT_POLICY=PASSIVE: an OpenMP thread waiting at a barrier sleeps instead of spinning.
+#   Ranks share cores (4 on 2 cores), and a rank on several threads (thread-invariance, --threads)
+#   had its spinning threads take the core from the rank beside it: a fixed-order GEMM's check
+#   took 9 s in the CPU default instead of 0.4 s (docs/threads.md).
+IMPORT_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 @contextlib.contextmanager
-def _blas_without_a_thread_pool():
-    """numpy's OpenBLAS, which `import torch` loads, starts a thread per core as it loads
-    unless told otherwise (15 more threads on the lent H200's 16-core host, where a launch of
-    one rank sets no OMP_NUM_THREADS): the agent would then start its fork server anew, which
-    imports torch again (4.5 s a launch there). OPENBLAS_NUM_THREADS=1 while the imports
-    run, unless the user set it; removed after, so the ranks' environment is the user's.
-    Their numpy BLAS, loaded here, stays single-threaded (the harness computes with torch; a
-    torch built on OpenBLAS, as on aarch64, would run its CPU GEMMs on one thread too)."""
-    if "OPENBLAS_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+def _thread_pools_for_shared_cores():
+    """IMPORT_ENV while torch imports (each variable unless the user set it)."""
+    added = [name for name in IMPORT_ENV if name not in os.environ]
+    os.environ.update({name: IMPORT_ENV[name] for name in added})
     try:
         yield
     finally:
-        os.environ.pop("OPENBLAS_NUM_THREADS", None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                          "end the options with -m MODULE [ARGS], MODULE defining rank_main")
     # What every rank runs, imported while this process has one thread: torch's launcher
     # (a rank starts in its wrapper) and MODULE. The fork server is then a fork of this process.
-    with _blas_without_a_thread_pool(), _imports_without_gc():
+    with _thread_pools_for_shared_cores(), _imports_without_gc():
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
         from torch.distributed.run import config_from_args, parse_args
