@@ -3,9 +3,11 @@
 bit or within its bound, everywhere the old defaults looked, and wrong only where the new
 ones look: the top of fp16's and bf16's range, a hidden size with a remainder, a partial
 tail tile after full ones, an expert whose rows start past row 0, a second 128-token chunk, a
-partial block of a shard's rows after full ones, a sum that is exactly zero.
+partial block of a shard's rows after full ones, a sum that is exactly zero, N and K that are
+not multiples of 64, rows past 1,024, a corruption on one call in 50.
 Registered through `--plugin tests.planted_defaults`, as a third-party subject would be."""
 import torch
+import torch.distributed as dist
 
 from ep_harness.inputs import TOP_HEADROOM_BITS
 from ep_harness.subject import register
@@ -15,8 +17,10 @@ from tests.planted import split_k, whole_k
 
 VECTOR = 128  # the fold's "vector" width: a kernel walking hidden in blocks of this many
 ROW_BLOCK = 16  # the fold's rows per block: a kernel walking a shard's rows in blocks of this many
-TILE = 64  # the GEMM's tile height
+TILE = 64  # the GEMM's tile height, width and K step
 CHUNK = 128  # the dispatcher copies each rank's tokens in chunks of this many
+ROW_INDEX = 1024  # the planted GEMM's row index wraps here (10 bits)
+RARE = 50  # the planted rare fold corrupts one call in this many
 
 
 class _Unmodelled(AllGatherFold):
@@ -105,6 +109,24 @@ class NegativeZeroFold(_Unmodelled):
         out.copy_(torch.where(out == 0, torch.full_like(out, -0.0), out))
 
 
+@register
+class RareRowFlip(_Unmodelled):
+    """The fold, but every RARE-th call of rank 1 (counted in its process) adds 1 to the bits
+    of its output's last row: a race lost on 2 % of calls. Three repeats seldom reach one."""
+
+    name = "planted_rare_fold"
+    summary = "all-gather + fold whose rank 1 output row is 1 ULP off on one call in 50"
+
+    def __init__(self):
+        self.calls = 0
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        super().reduce_scatter(out, inp, sizes, group)
+        self.calls += 1
+        if dist.get_rank(group) == 1 and self.calls % RARE == 0 and out.shape[0]:
+            out[-1].view(torch.int16 if out.element_size() == 2 else torch.int32).add_(1)
+
+
 class _PerExpertRows:
     """A contiguous-layout bf16 GEMM that computes each expert's rows itself."""
 
@@ -162,3 +184,50 @@ class SecondChunkOffByOne(TorchAllToAllDispatcher):
         sent = x.clone()
         sent[CHUNK:] = x[CHUNK - 1:-1]
         return super().dispatch(sent, topk_idx, topk_weights, cfg, group)
+
+
+@register
+class ColumnTailDropsK(_PerExpertRows):
+    """Right for every whole block of 64 columns of N; the columns past the last whole block
+    (none where N is a multiple of 64) leave out the last 64 K products."""
+
+    name = "planted_gemm_column_tail"
+    summary = "GEMM whose columns past the last whole 64-column block drop the last 64 of K"
+
+    def rows(self, a, b, start):
+        d = whole_k(a, b)
+        full = b.shape[0] // TILE * TILE
+        if full < b.shape[0]:
+            d[:, full:] = whole_k(a[:, :-64], b[full:, :-64])
+        return d
+
+
+@register
+class PartialKStepDropped(_PerExpertRows):
+    """Walks K in steps of 64 and never takes a last, partial step (none where K is a
+    multiple of 64)."""
+
+    name = "planted_gemm_k_tail"
+    summary = "GEMM that drops the K products past the last whole step of 64"
+
+    def rows(self, a, b, start):
+        whole = a.shape[1] // TILE * TILE
+        return whole_k(a[:, :whole], b[:, :whole])
+
+
+@register
+class RowIndexWraps(_PerExpertRows):
+    """A row index of 10 bits: a row at 1,024 or past in A is computed from the row 1,024
+    before it (no output of 1,024 rows or fewer shows it)."""
+
+    name = "planted_gemm_row_index_wraps"
+    summary = "GEMM whose rows from 1,024 on read A's row 1,024 before them"
+
+    def run(self, problem, out):
+        super().run(problem, out)
+        for g, count in enumerate(problem.counts):
+            for row in range(max(problem.starts[g], ROW_INDEX), problem.starts[g] + count):
+                out[row] = whole_k(problem.a[row - ROW_INDEX:row - ROW_INDEX + 1], problem.b[g])[0].to(out.dtype)
+
+    def rows(self, a, b, start):
+        return whole_k(a, b)

@@ -23,6 +23,7 @@ SMOKE_TWIN = {  # defaults.toml case -> the smoke case whose grid and params it 
     "fp16-accumulator-new": "fold-reference", "scale-before-sum-new": "fold-reference",
     "remainder-new": "fold-reference", "gemm-tail-new": "gemm-fixed-order", "gemm-offset-new": "gemm-fixed-order",
     "second-chunk-new": "dispatch-a2a", "row-remainder-new": "fold-reference", "negative-zero-new": "fold-reference",
+    "column-tail-new": "gemm-tails", "k-tail-new": "gemm-tails", "row-index-new": "gemm-tails", "rare-fold-new": "fold-rare",
 }
 
 
@@ -108,7 +109,8 @@ def _of(run, case):
 
 
 @pytest.mark.parametrize("case", ["fp16-accumulator", "scale-before-sum", "remainder", "gemm-tail", "gemm-offset",
-                                  "second-chunk", "row-remainder", "negative-zero"])
+                                  "second-chunk", "row-remainder", "negative-zero", "column-tail", "k-tail",
+                                  "row-index", "rare-fold"])
 def test_the_old_default_misses_the_planted_defect(defaults_run, case):
     for r in _of(defaults_run, f"{case}-old"):
         assert (r["status"], r["mismatched"]) == ("ok", 0), (r["check"], r["reason"])
@@ -182,3 +184,36 @@ def test_a_second_128_token_chunk_catches_the_chunked_dispatcher(defaults_run, q
     if quant == "bf16":  # every (token, slot) row of tokens 128..135 on every rank, bit for bit
         assert r["mismatched"] == (p["tokens"] - 128) * p["world_size"] * p["topk"] * p["hidden"]
     _caught(defaults_run, f"second-chunk-new/combine-reference/{point}")
+
+
+GEMM_TAILS = "reference/dtype=bfloat16/layout=contiguous"
+
+
+def test_n_and_k_past_whole_blocks_catch_the_tail_columns_and_the_last_k_step(defaults_run):
+    r = _caught(defaults_run, f"column-tail-new/{GEMM_TAILS}")
+    p = r["params"]
+    rows = p["groups"] * p["position_m"]
+    assert p["n"] % 64 and 0 < r["mismatched"] <= rows * (p["n"] % 64)  # the tail columns only
+    r = _caught(defaults_run, f"k-tail-new/{GEMM_TAILS}")
+    assert r["params"]["k"] % 64 and r["mismatched"] > rows * p["n"] // 2  # every element misses K's last 8
+
+
+def _rows_of_a_past(p, index):
+    """The reference's rows at `index` or past in A (each expert's rows padded to `alignment`)."""
+    padded = -(-p["position_m"] // p["alignment"]) * p["alignment"]
+    return sum(max(0, g * padded + p["position_m"] - max(g * padded, index)) for g in range(p["groups"]))
+
+
+def test_more_than_1024_rows_catch_a_row_index_that_wraps(defaults_run):
+    r = _caught(defaults_run, f"row-index-new/{GEMM_TAILS}")
+    p, old = r["params"], defaults_run[f"row-index-old/{GEMM_TAILS}"]["params"]
+    assert _rows_of_a_past(old, 1024) == 0 < _rows_of_a_past(p, 1024)  # the old A: 4 x 256 rows, indices < 1,024
+    assert 0 < r["mismatched"] <= _rows_of_a_past(p, 1024) * p["n"]
+
+
+def test_150_repeats_catch_a_corruption_on_one_call_in_50(defaults_run):
+    r = _caught(defaults_run, "rare-fold-new/run-to-run/dtype=bfloat16/world_size=4")
+    p = r["params"]
+    assert (p["repeats"], p["rows_per_rank"]) == (150, 1)
+    runs = r["mismatched"] // p["hidden"]  # each corrupted call: one row of `hidden` elements 1 ULP off
+    assert r["mismatched"] % p["hidden"] == 0 and 2 <= runs <= 3, r["mismatched"]
