@@ -264,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def _launching_imports():
     """Around the imports of a command that launches ranks (torch loads there): no garbage
-    collection, and numpy's BLAS without its thread pool, so that the command keeps one thread
-    and can fork its torchrun agents (harness/launch/forks.py)."""
+    collection, numpy's BLAS without its thread pool, so that the command keeps one thread
+    and can fork its torchrun agents (harness/launch/forks.py), and OpenMP threads that sleep
+    while they wait (the agents and ranks forked from it keep what torch read)."""
     with _imports_without_gc(), _thread_pools_for_shared_cores():
         yield
 

@@ -23,7 +23,8 @@ SMOKE_TWIN = {  # defaults.toml case -> the smoke case whose grid and params it 
     "fp16-accumulator-new": "fold-reference", "scale-before-sum-new": "fold-reference",
     "remainder-new": "fold-reference", "gemm-tail-new": "gemm-fixed-order", "gemm-offset-new": "gemm-fixed-order",
     "second-chunk-new": "dispatch-a2a", "row-remainder-new": "fold-reference", "negative-zero-new": "fold-reference",
-    "column-tail-new": "gemm-tails", "k-tail-new": "gemm-tails", "row-index-new": "gemm-tails", "rare-fold-new": "fold-rare",
+    "column-tail-new": "gemm-tails", "k-tail-new": "gemm-tails", "row-index-new": "gemm-tails",
+    "rare-fold-new": "fold-rare",
 }
 
 

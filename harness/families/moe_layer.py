@@ -42,7 +42,8 @@ from ep_harness.reference.orders import order_sensitive
 from ep_harness.selftest.wrap import Wrapped
 
 PROPERTIES = ("reference", "run-to-run", "thread-invariance", "batch-invariance", "position-invariance",
-              "rank-invariance", "others-invariance", "prefill-decode-invariance", "tp-size-invariance", "ep-size-invariance")
+              "rank-invariance", "others-invariance", "prefill-decode-invariance", "tp-size-invariance",
+              "ep-size-invariance")
 CANCEL = 2.0 ** 12
 
 
