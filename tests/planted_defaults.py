@@ -4,7 +4,7 @@ bit or within its bound, everywhere the old defaults looked, and wrong only wher
 ones look: the top of fp16's and bf16's range, a hidden size with a remainder, a partial
 tail tile after full ones, an expert whose rows start past row 0, a second 128-token chunk, a
 partial block of a shard's rows after full ones, a sum that is exactly zero, N and K that are
-not multiples of 64, rows past 1,024, a corruption on one call in 50.
+not multiples of 64, rows past 1,024, a corruption on one call in 50, a process group's first call.
 Registered through `--plugin tests.planted_defaults`, as a third-party subject would be."""
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ep_harness.inputs import TOP_HEADROOM_BITS
 from ep_harness.subject import register
 from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
+from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests.planted import split_k, whole_k
 
@@ -125,6 +126,29 @@ class RareRowFlip(_Unmodelled):
         self.calls += 1
         if dist.get_rank(group) == 1 and self.calls % RARE == 0 and out.shape[0]:
             out[-1].view(torch.int16 if out.element_size() == 2 else torch.int32).add_(1)
+
+
+@register
+class FirstCallOnAGroup(_Unmodelled):
+    """The fold, but the first call on each process group (a connection made on it) folds the
+    ranks in ascending order, every later call in descending order: within any bound, and the
+    same bits call after call on a group that has been used before."""
+
+    name = "planted_first_call_fold"
+    summary = "all-gather + fold in another order on a process group's first call"
+
+    def __init__(self):
+        self.groups = set()
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
+        all_gather_single(gathered, inp.contiguous(), group=group)
+        start = offsets(sizes)[rank]
+        parts = gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]]
+        first = group.group_name not in self.groups
+        self.groups.add(group.group_name)
+        out.copy_(fold_in_order(parts, range(world_size) if first else range(world_size - 1, -1, -1)))
 
 
 class _PerExpertRows:

@@ -24,7 +24,7 @@ SMOKE_TWIN = {  # defaults.toml case -> the smoke case whose grid and params it 
     "remainder-new": "fold-reference", "gemm-tail-new": "gemm-fixed-order", "gemm-offset-new": "gemm-fixed-order",
     "second-chunk-new": "dispatch-a2a", "row-remainder-new": "fold-reference", "negative-zero-new": "fold-reference",
     "column-tail-new": "gemm-tails", "k-tail-new": "gemm-tails", "row-index-new": "gemm-tails",
-    "rare-fold-new": "fold-rare",
+    "rare-fold-new": "fold-rare", "first-call-new": "fold-reference",
 }
 
 
@@ -218,3 +218,15 @@ def test_150_repeats_catch_a_corruption_on_one_call_in_50(defaults_run):
     assert (p["repeats"], p["rows_per_rank"]) == (150, 1)
     runs = r["mismatched"] // p["hidden"]  # each corrupted call: one row of `hidden` elements 1 ULP off
     assert r["mismatched"] % p["hidden"] == 0 and 2 <= runs <= 3, r["mismatched"]
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_run_to_run_on_a_group_of_its_own_catches_an_order_of_the_group_s_first_call(defaults_run, dtype, world_size):
+    point = f"dtype={dtype}/world_size={world_size}"
+    r = _caught(defaults_run, f"first-call-new/run-to-run/{point}")
+    copies = r["detail"]["rows"] // r["params"]["repeats"]  # one per rank
+    assert r["detail"]["rows_differing"] == (r["params"]["repeats"] - 1) * copies  # every later repeat differs
+    for control in ("reference", "thread-invariance"):  # in bound; repeats on the launch's group, used before
+        c = defaults_run[f"first-call-new/{control}/{point}"]
+        assert (c["status"], c["mismatched"]) == ("ok", 0), (control, c["reason"])

@@ -9,8 +9,9 @@ the probe. The compared copies of the probe are gathered from the ranks that own
 * batch-invariance: the last token of the smallest batch, at every batch size (it moves
   to another destination and row as the batch grows), vs its result in the first batch.
 * position-invariance: the probe first, in the middle and last in one batch size.
-* run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy
-  (thread-invariance: each repeat on another thread count).
+* run-to-run: the rank-invariance call repeated; repeat k vs repeat 0, copy by copy, on a
+  process group of the check's own, so that repeat 0 is the group's first call
+  (thread-invariance: each repeat on another thread count, on the launch's group).
 * graph-invariance: the rank-invariance call in a CUDA graph vs eager, copy by copy.
 * size-invariance: the probe at row 0 while the whole message grows (message_bytes, e.g.
   decode- to prefill-sized): NCCL picks channels, and so trees, by message size.
@@ -450,4 +451,7 @@ class _Injected(Wrapped):
 FAMILY = Family("collective", PROPERTIES, CollectiveParams, _layout_runs, _observe, _measure,
                 protocol=CollectiveSubject, search_space=_search_space,
                 # the family checks the input after every call: a write outside the output fails any property
-                selftest_wrapper=_Injected, must_catch=frozenset({"out-of-slice"}))
+                selftest_wrapper=_Injected, must_catch=frozenset({"out-of-slice"}),
+                # run-to-run's repeat 0 is a new group's first call (a connection made, a buffer
+                # registered on it), the later repeats are not
+                own_group=frozenset({"run-to-run"}))

@@ -114,6 +114,10 @@ class Family:
     selftest_wrapper: type | None = None
     # injections every property of the family must catch beyond its own row (harness/selftest/expectations.py)
     must_catch: frozenset[str] = frozenset()
+    # properties whose checks of several ranks each run on a process group made for them at the
+    # check (harness/run/worker.py), so that their first call is the group's first: an order
+    # that changes on a group's first call shows (every other check shares its launch's group)
+    own_group: frozenset[str] = frozenset()
 
 
 def kept(t: torch.Tensor) -> torch.Tensor:

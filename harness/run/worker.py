@@ -38,7 +38,7 @@ from ep_harness.launch.channel import SECRET_ENV, Channel, local_node, parse_end
 from ep_harness.check import Check
 from ep_harness.context import RankContext
 from ep_harness.run_environment import rank_environment
-from ep_harness.families import execute, sizes_of, warm_up
+from ep_harness.families import FAMILIES, execute, sizes_of, warm_up
 from ep_harness.measurement import Measurement
 from ep_harness.subject import compiles_kernels, set_up, tear_down
 from ep_harness.cores import pin_rank
@@ -196,6 +196,8 @@ def rank_main() -> None:
         progress(index)
         began = time.perf_counter()
         check_ctx = contexts[check.world_size]
+        own_group = index not in dealt and check.world_size > 1 and \
+            check.property in FAMILIES[check.family].own_group
         if env_error:  # it would measure under other conditions than pinned: run nothing
             if rank == 0:
                 refused = Measurement(comparison="bitwise", mismatched=0, total=0, held=False, error=env_error)
@@ -217,6 +219,8 @@ def rank_main() -> None:
                     _end_of_deal(dealt, index)
                     continue
             elif check_ctx is None:  # a smaller world size: this rank waits for its subgroup
+                if own_group:
+                    dist.new_group(list(range(check.world_size)))  # made by every rank (_on_own_group)
                 dist.barrier()
                 continue
             subject = registry.get(check.subject)
@@ -228,6 +232,8 @@ def rank_main() -> None:
                 warm_began = time.perf_counter()
                 warm_up(check, subject, check_ctx)
                 warm_s = time.perf_counter() - warm_began
+            if own_group:  # after the warm-up: the measured calls are the group's first
+                check_ctx = _on_own_group(check_ctx)
             if injection is not None:
                 from ep_harness.selftest.wrap import wrapped
 
@@ -302,6 +308,15 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
         if c is not None:
             c.subgroups = {w: contexts[w] for w in contexts if w < c.world_size}
     return contexts
+
+
+def _on_own_group(ctx):
+    """The check's context on a process group made for it (Family.own_group). Every rank of the
+    launch makes it, those outside it too, in check order, as torch.distributed requires; it is
+    kept to the end of the launch (a subject may key what it made by the group)."""
+    import dataclasses
+
+    return dataclasses.replace(ctx, group=dist.new_group(list(range(ctx.world_size))))
 
 
 def dealt_single_rank_checks(checks: list[dict], ranks: list[int]) -> dict[int, int]:
