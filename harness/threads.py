@@ -64,13 +64,18 @@ def run_threads(envs) -> int | list[int]:
 
 def varied_counts(base: int, runs: int) -> list[int]:
     """The thread count each of thread-invariance's runs computes on: the rank's own first, then
-    one more, then doubling (1: 1, 2, 4, 8): an odd and an even count, one and several threads,
-    and more threads than a small machine has cores, where an order that follows the count
-    (per-thread partial sums, a kernel chosen by it) shows."""
-    counts = [base]
-    while len(counts) < runs:
-        counts.append(base + 1 if len(counts) == 1 else 2 * counts[-1])
-    return counts
+    one more, then doubling up to max(8, 2 x its own) (1: 1, 2, 4, 8), in turn for as many runs
+    as there are: an odd and an even count, one and several threads, and more threads than a
+    small machine has cores, where an order that follows the count (per-thread partial sums, a
+    kernel chosen by it) shows; never thousands of threads for a check of many repeats."""
+    ceiling = min(MAX_THREADS, max(8, 2 * base))
+    counts, more = [base], base + 1
+    while more <= ceiling:
+        counts.append(more)
+        more *= 2
+    if len(counts) == 1:  # the rank's own is the most there may be
+        counts.append(base - 1)
+    return [counts[i % len(counts)] for i in range(runs)]
 
 
 def apply_in_rank() -> int:

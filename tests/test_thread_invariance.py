@@ -67,6 +67,9 @@ def test_varied_counts_start_at_the_rank_s_own_then_one_more_then_double():
     assert threads.varied_counts(1, 4) == [1, 2, 4, 8]
     assert threads.varied_counts(3, 3) == [3, 4, 8]
     assert threads.varied_counts(2, 1) == [2]
+    assert threads.varied_counts(1, 150)[:6] == [1, 2, 4, 8, 1, 2] and max(threads.varied_counts(1, 150)) == 8
+    assert threads.varied_counts(16, 4) == [16, 17, 16, 17]  # up to twice its own
+    assert threads.varied_counts(threads.MAX_THREADS, 2) == [threads.MAX_THREADS, threads.MAX_THREADS - 1]
 
 
 def _runs(n):
