@@ -17,6 +17,7 @@ rank 0 puts how long it waited (`precompile-waited`).
 """
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -196,8 +197,6 @@ def rank_main() -> None:
         progress(index)
         began = time.perf_counter()
         check_ctx = contexts[check.world_size]
-        own_group = index not in dealt and check.world_size > 1 and \
-            check.property in FAMILIES[check.family].own_group
         if env_error:  # it would measure under other conditions than pinned: run nothing
             if rank == 0:
                 refused = Measurement(comparison="bitwise", mismatched=0, total=0, held=False, error=env_error)
@@ -213,14 +212,13 @@ def rank_main() -> None:
                     began = time.perf_counter()
                     if rank == 0:
                         channel.put(protocol.PRECOMPILE_WAITED, protocol.PrecompileWaited(round(waited, 3)).to_wire())
+            own_group = _own_group(check, index in dealt)
             if index in dealt:  # a one-rank check dealt to a rank: run where dealt, no one waits
                 check_ctx = solo if dealt[index] == rank else None
                 if check_ctx is None:
                     _end_of_deal(dealt, index)
                     continue
             elif check_ctx is None:  # a smaller world size: this rank waits for its subgroup
-                if own_group:
-                    dist.new_group(list(range(check.world_size)))  # made by every rank (_on_own_group)
                 dist.barrier()
                 continue
             subject = registry.get(check.subject)
@@ -232,8 +230,8 @@ def rank_main() -> None:
                 warm_began = time.perf_counter()
                 warm_up(check, subject, check_ctx)
                 warm_s = time.perf_counter() - warm_began
-            if own_group:  # after the warm-up: the measured calls are the group's first
-                check_ctx = _on_own_group(check_ctx)
+            if own_group is not None:  # after the warm-up, on the launch's group: the measured calls are its first
+                check_ctx = dataclasses.replace(check_ctx, group=own_group)
             if injection is not None:
                 from ep_harness.selftest.wrap import wrapped
 
@@ -298,8 +296,6 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     """One RankContext per world size of the launch's checks: the whole launch, or a subgroup
     of ranks 0..w-1 (None on the ranks outside it). Every rank creates every subgroup, in the
     same order, as torch.distributed requires."""
-    import dataclasses
-
     contexts = {ctx.world_size: ctx}
     for size in sorted(w for w in world_sizes if w < ctx.world_size):
         group = dist.new_group(list(range(size)))
@@ -310,13 +306,14 @@ def _subgroup_contexts(ctx, world_sizes: set[int]) -> dict:
     return contexts
 
 
-def _on_own_group(ctx):
-    """The check's context on a process group made for it (Family.own_group). Every rank of the
-    launch makes it, those outside it too, in check order, as torch.distributed requires; it is
-    kept to the end of the launch (a subject may key what it made by the group)."""
-    import dataclasses
-
-    return dataclasses.replace(ctx, group=dist.new_group(list(range(ctx.world_size))))
+def _own_group(check: Check, dealt: bool):
+    """The process group made for a check of several ranks whose family runs its property on one
+    of its own (Family.own_group), else None. Every rank of the launch makes it, those outside it
+    too, in check order, as torch.distributed requires; it is kept to the end of the launch (a
+    subject may key what it made by the group)."""
+    if dealt or check.world_size < 2 or check.property not in FAMILIES[check.family].own_group:
+        return None
+    return dist.new_group(list(range(check.world_size)))
 
 
 def dealt_single_rank_checks(checks: list[dict], ranks: list[int]) -> dict[int, int]:
@@ -342,8 +339,6 @@ def _end_of_deal(dealt: dict[int, int], index: int) -> None:
 def _own_rank_context(ctx):
     """This rank alone, as rank 0 of a one-rank group: a dealt check's context. Every rank
     makes every rank's group, in rank order, as torch.distributed requires."""
-    import dataclasses
-
     groups = [dist.new_group([r]) for r in range(ctx.world_size)]
     return dataclasses.replace(ctx, rank=0, world_size=1, group=groups[ctx.rank], subgroups={})
 
