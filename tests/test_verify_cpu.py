@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from ep_harness.launch import protocol
+from ep_harness.launch.launcher import _rank_error
 from ep_harness.records import REQUIRED
 from ep_harness.run.worker import dealt_single_rank_checks
 from tests.conftest import REPO, gone, rank_pids, run_cli, shared_dir
@@ -88,6 +90,33 @@ def test_faulty_ranks_become_error_records(fail_run):
     pids = rank_pids(run_dir)
     assert len(pids) >= 4 * 3  # the first launch and the relaunches after each failure
     assert [pid for pid in pids if not gone(pid)] == []  # no worker outlives the run
+
+
+class _Errors:
+    """A launch channel holding some ranks' error messages, read as the launcher reads them."""
+
+    def __init__(self, errors):
+        self.errors = {protocol.error_key(e.rank): e for e in errors}
+
+    def read(self, key, kind):
+        return self.errors.get(key)
+
+
+@pytest.mark.parametrize("others_terminated", [False, True])
+def test_a_segfaulted_rank_is_named_first_however_the_others_ended(tmp_path, others_terminated):
+    """Whether the survivors raise on the closed connection or torchrun's SIGTERM reaches them
+    first is a race: either way the reason leads with the rank that crashed and what the log says."""
+    log = tmp_path / "torchrun-3.log"
+    log.write_text("Fatal Python error: Segmentation fault\n\nCurrent thread ...\n")
+    errors = [protocol.RankError(index=2, check="c", rank=r, time=1.0 + r, error="RuntimeError: Connection closed",
+                                 traceback="...", node="n0", host="h", terminated=others_terminated)
+              for r in (0, 2, 3)]
+    failed_at, reason, details = _rank_error(_Errors(errors), 4, 1, 0, log, multi=False)
+    assert reason.startswith("rank(s) [1] left no traceback (Fatal Python error: Segmentation fault in "
+                             "torchrun-3.log: it crashed first); "), reason
+    assert reason.endswith("the others were ended by SIGTERM" if others_terminated
+                           else "then rank 0 raised RuntimeError: Connection closed"), reason
+    assert failed_at == 2 and details["silent_ranks"] == [1] and "Segmentation fault" in details["log"]
 
 
 @pytest.mark.parametrize("args, message", [

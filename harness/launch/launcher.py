@@ -281,13 +281,15 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
     first = errors[0]
     silent = [r for r in range(world_size) if r not in {e.rank for e in errors}]
     fatal = _fatal_error(log_path) if silent else None
-    crashed = f" ({fatal} in {log_path.name}: it crashed first)" if fatal else ""
+    # The silent rank is named first whichever way the others ended: whether they raised on a
+    # closed connection or torchrun's SIGTERM reached them first is a race.
+    silent_lead = (f"rank(s) {silent} left no traceback "
+                   f"({f'{fatal} in {log_path.name}: it crashed first' if fatal else 'exited or was killed first'})")
     where = f" on node {first.node} ({first.host})" if multi else ""
     if first.terminated and silent:
-        error = (f"rank(s) {silent} exited without a Python traceback{crashed}; the others were ended by "
-                 f"SIGTERM: it left no traceback (exited or was killed first)")
+        error = f"{silent_lead}; the others were ended by SIGTERM"
     elif fatal:  # the others' errors (a closed connection) followed the crash
-        error = f"rank(s) {silent} left no traceback{crashed}; then rank {first.rank}{where} raised {first.error}"
+        error = f"{silent_lead}; then rank {first.rank}{where} raised {first.error}"
     else:
         error = f"rank {first.rank}{where} raised {first.error}"
         if silent:
