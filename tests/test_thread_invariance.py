@@ -9,25 +9,27 @@ from ep_harness.check import single_check
 from ep_harness.families import execute
 from ep_harness.families.driver import CallLog, Run, judge_threads, subject_call
 from ep_harness.measurement import Measurement
+from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from ep_harness.subjects.gemm.common import each_expert
 from ep_harness.subjects.gemm.fixed_order_mm import FixedOrderMm, fixed_order_product
 
 
 class PartialSumPerThread(FixedOrderMm):
-    """K cut into one contiguous part per intra-op thread, each part's fixed-order sum rounded
-    to float32, the parts added in order: every row alone and one order on a given count (batch-
-    and position-invariant), one part on one thread, another order on every other count."""
+    """K cut into one contiguous part per intra-op thread, each part's fixed-order sum written
+    in the output's dtype (per-thread partial outputs), the parts added in order in float32:
+    every row alone and one order on a given count (batch- and position-invariant), one part
+    on one thread, another order on every other count."""
 
     name = "test_partial_sum_per_thread"
 
     def run(self, problem, out):
         def product(a, b, o):
             count = torch.get_num_threads()
-            parts = [fixed_order_product(x, y).float()
+            parts = [fixed_order_product(x, y).to(o.dtype)
                      for x, y in zip(a.tensor_split(count, dim=1), b.tensor_split(count, dim=1))]
-            total = parts[0]
+            total = parts[0].float()
             for part in parts[1:]:
-                total = total + part
+                total = total + part.float()
             o.copy_(total)
 
         each_expert(problem, out, product)
@@ -63,6 +65,61 @@ def test_a_fixed_order_holds_on_every_thread_count(one_rank, one_thread):
     assert m.detail["threads"] == [1, 2, 4]
 
 
+class CombinePartPerThread(TorchAllToAllDispatcher):
+    """A combine that adds a token's top-k terms in one part per intra-op thread (each part from
+    +0.0 in float32, the parts in order): the slot order on one thread, another grouping on more."""
+
+    name = "test_combine_part_per_thread"
+
+    def fold(self, slots, weights, group):
+        parts = []
+        for part in range(min(torch.get_num_threads(), slots.shape[1])):
+            js = range(slots.shape[1])[part::min(torch.get_num_threads(), slots.shape[1])]
+            acc = torch.zeros_like(slots[:, 0])
+            for j in js:
+                acc = acc + weights[:, j:j + 1].float() * slots[:, j]
+            parts.append(acc)
+        return sum(parts[1:], parts[0])
+
+
+class CountsItsCalls(TorchAllToAllDispatcher):
+    """Remembers the thread count of each dispatch and combine."""
+
+    name = "test_counts_its_calls"
+
+    def __init__(self):
+        self.counts = []
+
+    def dispatch(self, *args):
+        self.counts.append(("dispatch", torch.get_num_threads()))
+        return super().dispatch(*args)
+
+    def combine(self, *args):
+        self.counts.append(("combine", torch.get_num_threads()))
+        return super().combine(*args)
+
+
+def _dispatch(subject, prop, one_rank):
+    return execute(single_check(subject, prop, {"num_experts": 8}), subject, one_rank)
+
+
+def test_a_dispatch_runs_its_dispatch_and_combine_on_one_count_a_run(one_rank, one_thread):
+    subject = CountsItsCalls()
+    m = _dispatch(subject, "thread-invariance", one_rank)
+    assert m.held and m.mismatched == 0 and m.total > 0 and m.vacuous_reason is None and m.error is None
+    assert m.detail["threads"] == [1, 2, 4]
+    assert subject.counts == [(call, n) for n in (1, 2, 4) for call in ("dispatch", "combine")]
+    assert torch.get_num_threads() == 1
+
+
+def test_a_combine_whose_order_follows_the_thread_count_fails_only_thread_invariance(one_rank, one_thread):
+    m = _dispatch(CombinePartPerThread(), "thread-invariance", one_rank)
+    assert not m.held and m.mismatched > 0 and m.vacuous_reason is None, (m.mismatched, m.vacuous_reason)
+    for prop in ("run-to-run", "batch-invariance", "position-invariance", "combine-reference"):  # the pinned count
+        control = _dispatch(CombinePartPerThread(), prop, one_rank)
+        assert control.held and control.mismatched == 0 and control.vacuous_reason is None, prop
+
+
 def test_varied_counts_start_at_the_rank_s_own_then_one_more_then_double():
     assert threads.varied_counts(1, 4) == [1, 2, 4, 8]
     assert threads.varied_counts(3, 3) == [3, 4, 8]
@@ -83,10 +140,10 @@ def _agreeing():
 def test_calls_that_do_not_match_the_runs_or_never_vary_are_no_verdict():
     extra = _agreeing()
     judge_threads(extra, "thread-invariance", _runs(3), [CallLog(threads=[1, 2, 4, 1])])  # two calls a run
-    assert extra.error and "made 4 calls" in extra.error
+    assert extra.error and "began 4 runs" in extra.error
     same = _agreeing()
     judge_threads(same, "thread-invariance", _runs(3), [CallLog(threads=[2, 2, 2])])  # a subject that pins its own
-    assert same.vacuous_reason == "every call ran on 2 thread(s): no thread count varied"
+    assert same.vacuous_reason == "every run ran on 2 thread(s): no thread count varied"
     varied = _agreeing()  # control
     judge_threads(varied, "thread-invariance", _runs(3), [CallLog(threads=[1, 2, 4])])
     assert varied.error is None and varied.vacuous_reason is None
@@ -108,3 +165,29 @@ def test_a_call_that_raises_leaves_the_rank_on_its_own_count(one_thread):
     finally:
         driver._LOG.reset(token)
     assert torch.get_num_threads() == 1 and log.threads == [4]
+
+
+@pytest.fixture
+def partial_sum_gemm(monkeypatch):
+    """PartialSumPerThread under its name, for a composed model to use as its experts' GEMM."""
+    from ep_harness import subject
+
+    monkeypatch.setitem(subject._REGISTRY, PartialSumPerThread.name, PartialSumPerThread())
+    return PartialSumPerThread.name
+
+
+def test_a_model_whose_expert_gemm_follows_the_thread_count_fails_thread_invariance(one_rank, one_thread,
+                                                                                     partial_sum_gemm):
+    """The model family runs each generate on one count; its GEMMs inside follow it. (On one
+    rank there is no TP partial whose order could move: the family calls the agreeing checks
+    vacuous there; cases/model.toml holds the 4-rank ones.)"""
+    from ep_harness.subject import get
+
+    model = get("composed_model")
+    fixed = {"dense_gemm": "fixed_order_mm"}
+    planted = execute(single_check(model, "thread-invariance", {**fixed, "gemm": partial_sum_gemm}), model, one_rank)
+    assert not planted.held and planted.mismatched > 0 and planted.detail["threads"] == [1, 2], planted.mismatched
+    control = execute(single_check(model, "run-to-run", {**fixed, "gemm": partial_sum_gemm}), model, one_rank)
+    assert control.held and control.mismatched == 0 and control.total == planted.total
+    sound = execute(single_check(model, "thread-invariance", {**fixed, "gemm": "fixed_order_mm"}), model, one_rank)
+    assert sound.held and sound.mismatched == 0 and sound.total == planted.total and sound.detail["threads"] == [1, 2]

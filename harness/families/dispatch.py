@@ -10,7 +10,7 @@ together, but a small term added between them is rounded away, so the order show
   compared after sorting by expert, source rank and token); FP8 dispatch equals the exact
   reference quantization, values and scales.
 * combine-reference: combined output vs the float64 weighted sum, within tolerances.
-* batch-, position-, rank-, others-invariance, run-to-run: the probe's combined bits.
+* batch-, position-, rank-, others-invariance, run-to-run, thread-invariance: the probe's combined bits.
 * corruption-rate: `calls` calls at each of `call_tokens` tokens per rank, fresh inputs each
   call, every received row and every combined row checked bit for bit against its exact
   expectation on the rank that holds it; the record says how many calls of n had a wrong
@@ -41,8 +41,8 @@ from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant
 from ep_harness.selftest.wrap import Wrapped
 
-PROPERTIES = ("reference", "combine-reference", "run-to-run", "batch-invariance", "position-invariance",
-              "rank-invariance", "others-invariance", "corruption-rate")
+PROPERTIES = ("reference", "combine-reference", "run-to-run", "thread-invariance", "batch-invariance",
+              "position-invariance", "rank-invariance", "others-invariance", "corruption-rate")
 def expert_scale(e: int) -> float:
     """+-1 for experts 0, 1; +-2^8 for 2, 3; +-2^16 for 4, 5; and so on, repeating."""
     return (-1.0) ** e * 2.0 ** (8 * ((e // 2) % 3))
@@ -96,7 +96,7 @@ def _observe(subject, ctx: RankContext, p: DispatchParams, prop: str, runs: list
         with subject_call({"x": x, "topk_idx": idx, "topk_weights": w}):
             received = subject.dispatch(x, idx, w, cfg, ctx.group)
         y = run_experts(received, ctx.rank, per_rank)
-        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w, "expert_out": y}):
+        with subject_call({"x": x, "topk_idx": idx, "topk_weights": w, "expert_out": y}, continues_run=True):
             out = subject.combine(y, received, w, ctx.group)
         copies.append({i: kept(out[pos]) for i, (r, pos) in enumerate(run.spec.probes) if r == ctx.rank})
         if prop == "combine-reference":

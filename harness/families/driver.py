@@ -200,18 +200,21 @@ def still_sentinel(out: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = ()):
+def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = (),
+                 continues_run: bool = False):
     """One call of the subject, watched: `outputs` (harness-owned buffers, each with the mask
     of elements the call must write, None for all) are filled with the sentinel before it,
     and afterwards every tensor in `inputs` (by name: the call's operands, weights, routing)
     is compared bit for bit with a copy taken before it, and again when the check's calls are
     done (CallLog.recheck). What was found goes to the check's CallLog (driver.execute
-    gathers it from every rank); outside a check, nowhere."""
+    gathers it from every rank); outside a check, nowhere. `continues_run`: the call is the
+    next of the same run as the call before it (a dispatch's combine), on that call's thread
+    count under thread-invariance."""
     log = _LOG.get() or CallLog()
     before = [(name, t, t.clone()) for name, t in named_tensors(inputs)]
     for out, _ in outputs:
         fill_sentinel(out)
-    with _threads_of_call(log):
+    with _threads_of_call(log, continues_run):
         yield
     after = dict(named_tensors(inputs))
     for name, tensor, copy in before:
@@ -233,18 +236,20 @@ def subject_call(inputs: dict, outputs: list[tuple[torch.Tensor, torch.Tensor | 
 
 
 @contextmanager
-def _threads_of_call(log: CallLog):
-    """The call on its thread_plan's next count, then the rank's own again (even if it raised:
-    the next check must not inherit another count)."""
+def _threads_of_call(log: CallLog, continues_run: bool):
+    """The call on its run's count (a run's first call: the thread_plan's next; a call that
+    continues the run: the count its first call ran on), then the rank's own again (even if it
+    raised: the next check must not inherit another count). `log.threads`: one count a run."""
     if not log.thread_plan:
         yield
         return
-    own = torch.get_num_threads()
-    torch.set_num_threads(log.thread_plan[len(log.threads) % len(log.thread_plan)])
+    own, next_run = torch.get_num_threads(), not (continues_run and log.threads)
+    torch.set_num_threads(log.thread_plan[len(log.threads) % len(log.thread_plan)] if next_run else log.threads[-1])
     try:
         yield
     finally:
-        log.threads.append(torch.get_num_threads())
+        if next_run:
+            log.threads.append(torch.get_num_threads())
         torch.set_num_threads(own)
 
 
@@ -261,17 +266,19 @@ def repeat_labels(prop: str, repeats: int) -> list[str]:
 
 
 def judge_threads(m: Measurement, prop: str, runs: list[Run], logs: list[CallLog]) -> None:
-    """thread-invariance: one subject call per run, each on its count (rank 0's, as every
-    rank's plan is the same), else an error; every call on one count is vacuous."""
+    """thread-invariance: each run on its count (rank 0's, as every rank's plan is the same),
+    its calls after the first marked as continuing it (subject_call), else an error; every run
+    on one count is vacuous."""
     if prop != THREAD_INVARIANCE:
         return
     ran = logs[0].threads
     m.detail["threads"] = ran
     if len(ran) != len(runs):
-        m.error = (f"thread-invariance runs each of its {len(runs)} runs on another thread count, one subject "
-                   f"call per run; this check made {len(ran)} calls (its family should not declare the property)")
+        m.error = (f"thread-invariance runs each of its {len(runs)} runs on another thread count; this check's "
+                   f"calls began {len(ran)} runs (its family should mark a run's later calls continues_run, or "
+                   f"not declare the property)")
     elif len(set(ran)) < 2:
-        m.vacuous_reason = f"every call ran on {ran[0]} thread(s): no thread count varied"
+        m.vacuous_reason = f"every run ran on {ran[0]} thread(s): no thread count varied"
 
 
 def judge_calls(m: Measurement, logs: list[CallLog]) -> None:

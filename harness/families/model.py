@@ -12,7 +12,8 @@ predict its generated tokens (float32 [new_tokens, vocab]).
   prompt compared;
 * prefill-decode-invariance: the decoded rows against one prefill of prompt + generated
   tokens (rescoring), every prompt compared;
-* run-to-run: the largest batch `repeats` times;
+* run-to-run: the largest batch `repeats` times; thread-invariance: the same, each time on another
+  intra-op thread count (harness/threads.py varied_counts);
 * reference: within tolerances.MODEL of reference/model.py (float64, teacher-forced on the
   run's tokens and router choices; flips reported apart).
 
@@ -40,7 +41,8 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.divergence import Tracer, localise
 from ep_harness.families import model_layout
-from ep_harness.families.driver import Copy, Family, Precompile, Run, require_finite, subject_call
+from ep_harness.families.driver import (REPEATED, Copy, Family, Precompile, Run, repeat_labels, require_finite,
+                                        subject_call)
 from ep_harness.families.gemm_calls import compiled_ahead
 from ep_harness.families.moe_layer import router_flips, within_router_margin
 from ep_harness.measurement import Bound, Measurement
@@ -51,8 +53,8 @@ from ep_harness.tolerances import MODEL, model_factor
 from ep_harness.reference import model as ref
 from ep_harness.reference.orders import order_sensitive
 
-PROPERTIES = ("reference", "run-to-run", "batch-invariance", "order-invariance", "prefill-decode-invariance",
-              "tp-size-invariance")
+PROPERTIES = ("reference", "run-to-run", "thread-invariance", "batch-invariance", "order-invariance",
+              "prefill-decode-invariance", "tp-size-invariance")
 PROBE = 0
 
 
@@ -122,8 +124,9 @@ def _runs(prop: str, p: ModelParams, world: int) -> list[Run]:
     everyone = tuple(range(max(p.batch_sizes)))
     if prop == "reference":
         return [Run("batch", (Copy(("batch", everyone)),), Batch(everyone, everyone))]
-    if prop == "run-to-run":
-        return [Run(f"repeat {i}", (Copy(("batch", everyone)),), Batch(everyone, everyone)) for i in range(p.repeats)]
+    if prop in REPEATED:
+        return [Run(label, (Copy(("batch", everyone)),), Batch(everyone, everyone))
+                for label in repeat_labels(prop, p.repeats)]
     if prop == "batch-invariance":
         out = []
         for b in p.batch_sizes:
