@@ -72,11 +72,10 @@ class CombinePartPerThread(TorchAllToAllDispatcher):
     name = "test_combine_part_per_thread"
 
     def fold(self, slots, weights, group):
-        parts = []
-        for part in range(min(torch.get_num_threads(), slots.shape[1])):
-            js = range(slots.shape[1])[part::min(torch.get_num_threads(), slots.shape[1])]
+        count, parts = min(torch.get_num_threads(), slots.shape[1]), []
+        for part in range(count):  # slots part, part + count, ...
             acc = torch.zeros_like(slots[:, 0])
-            for j in js:
+            for j in range(part, slots.shape[1], count):
                 acc = acc + weights[:, j:j + 1].float() * slots[:, j]
             parts.append(acc)
         return sum(parts[1:], parts[0])

@@ -283,8 +283,8 @@ def _rank_error(launch: Channel, world_size: int, returncode: int, start: int, l
     fatal = _fatal_error(log_path) if silent else None
     # The silent rank is named first whichever way the others ended: whether they raised on a
     # closed connection or torchrun's SIGTERM reached them first is a race.
-    silent_lead = (f"rank(s) {silent} left no traceback "
-                   f"({f'{fatal} in {log_path.name}: it crashed first' if fatal else 'exited or was killed first'})")
+    cause = f"{fatal} in {log_path.name}: it crashed first" if fatal else "exited or was killed first"
+    silent_lead = f"rank(s) {silent} left no traceback ({cause})"
     where = f" on node {first.node} ({first.host})" if multi else ""
     if first.terminated and silent:
         error = f"{silent_lead}; the others were ended by SIGTERM"
