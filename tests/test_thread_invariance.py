@@ -81,6 +81,24 @@ class CombinePartPerThread(TorchAllToAllDispatcher):
         return sum(parts[1:], parts[0])
 
 
+class CombineChunkPerThread(TorchAllToAllDispatcher):
+    """A combine that splits the tokens into one chunk per intra-op thread, chunk c adding its
+    top-k terms from slot c on (as threads given a static share of the rows might): the first
+    token keeps one order on every count; tokens in the later chunks do not."""
+
+    name = "test_combine_chunk_per_thread"
+
+    def fold(self, slots, weights, group):
+        count, k = torch.get_num_threads(), slots.shape[1]
+        out = []
+        for c, (part, w) in enumerate(zip(slots.tensor_split(count), weights.tensor_split(count))):
+            acc = torch.zeros_like(part[:, 0])
+            for j in [(c + i) % k for i in range(k)]:
+                acc = acc + w[:, j:j + 1].float() * part[:, j]
+            out.append(acc)
+        return torch.cat(out)
+
+
 class CountsItsCalls(TorchAllToAllDispatcher):
     """Remembers the thread count of each dispatch and combine."""
 
@@ -111,11 +129,42 @@ def test_a_dispatch_runs_its_dispatch_and_combine_on_one_count_a_run(one_rank, o
     assert torch.get_num_threads() == 1
 
 
+class CombineOnOneThread(CombinePartPerThread):
+    """Pins its combine to one thread (and leaves it there): only its dispatch follows the plan."""
+
+    name = "test_combine_on_one_thread"
+
+    def combine(self, *args):
+        torch.set_num_threads(1)
+        return super().combine(*args)
+
+
+def test_a_later_call_that_sets_its_own_count_is_named(one_rank, one_thread):
+    m = _dispatch(CombineOnOneThread(), "thread-invariance", one_rank)
+    assert m.held and m.detail["threads"] == [1, 2, 4] and m.detail["threads_of_later_calls"] == [(1, 1), (2, 1)]
+    assert m.note.startswith("2 call(s) after a run's first ended on another thread count than the run's "
+                             "(run 1: 1, run 2: 1)"), m.note
+    assert torch.get_num_threads() == 1
+    control = _dispatch(CombinePartPerThread(), "thread-invariance", one_rank)  # unpinned: caught, no note
+    assert not control.held and control.note is None and "threads_of_later_calls" not in control.detail
+
+
 def test_a_combine_whose_order_follows_the_thread_count_fails_only_thread_invariance(one_rank, one_thread):
     m = _dispatch(CombinePartPerThread(), "thread-invariance", one_rank)
     assert not m.held and m.mismatched > 0 and m.vacuous_reason is None, (m.mismatched, m.vacuous_reason)
     for prop in ("run-to-run", "batch-invariance", "position-invariance", "combine-reference"):  # the pinned count
         control = _dispatch(CombinePartPerThread(), prop, one_rank)
+        assert control.held and control.mismatched == 0 and control.vacuous_reason is None, prop
+
+
+def test_a_combine_whose_later_rows_follow_the_thread_count_fails_thread_invariance(one_rank, one_thread):
+    """thread-invariance probes a row in every part of the tokens split over its most threads,
+    on every rank; each row is held to its own copy in the first run."""
+    m = _dispatch(CombineChunkPerThread(), "thread-invariance", one_rank)
+    assert not m.held and m.mismatched > 0 and m.vacuous_reason is None, (m.mismatched, m.vacuous_reason)
+    assert not m.first_mismatch["row"].endswith(" token 0"), m.first_mismatch  # token 0: one chunk on every count
+    for prop in ("run-to-run", "position-invariance", "combine-reference"):  # one chunk on the pinned count
+        control = _dispatch(CombineChunkPerThread(), prop, one_rank)
         assert control.held and control.mismatched == 0 and control.vacuous_reason is None, prop
 
 
@@ -139,7 +188,11 @@ def _agreeing():
 def test_calls_that_do_not_match_the_runs_or_never_vary_are_no_verdict():
     extra = _agreeing()
     judge_threads(extra, "thread-invariance", _runs(3), [CallLog(threads=[1, 2, 4, 1])])  # two calls a run
-    assert extra.error and "began 4 runs" in extra.error
+    assert extra.error and "began 4 runs (its family should mark a run's later calls continues_run" in extra.error
+    fewer = _agreeing()  # every call marked as continuing: one run began
+    judge_threads(fewer, "thread-invariance", _runs(3), [CallLog(threads=[1])])
+    assert "began 1 runs (its family should mark only a run's later calls, never its first, continues_run" \
+        in fewer.error
     same = _agreeing()
     judge_threads(same, "thread-invariance", _runs(3), [CallLog(threads=[2, 2, 2])])  # a subject that pins its own
     assert same.vacuous_reason == "every run ran on 2 thread(s): no thread count varied"

@@ -34,8 +34,8 @@ from ep_harness.families.driver import Family, kept, require_finite, subject_cal
 from ep_harness import inputs as gen
 from ep_harness import rates
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.families.moe_scenario import (DispatchParams, expert_choice, placement_runs, placements, probe_copies,
-                                              rank_tokens)
+from ep_harness.families.moe_scenario import (DispatchParams, expected_copies, expert_choice, placement_runs, placements,
+                                              probe_copies, rank_tokens)
 from ep_harness.subject import DispatchSubject, combine_model_of, rounds_partials
 from ep_harness.tolerances import gamma
 from ep_harness.reference import quant as ref_quant
@@ -120,7 +120,7 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
         return _measure_combine(p, runs[0].spec, [g.outputs[0] for g in gathered], world,
                                 rounds_partials(subject))
     observed, labels = probe_copies(runs, gathered)
-    m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    m = Measurement.bitwise(compare_bitwise(observed, expected_copies(prop, observed, runs), labels))
     require_finite(m, observed, _probe_combined(p, runs[0].spec))
     m.sensitivity = order_sensitive(p)
     m.sensitivity_what = f"probe elements change bits under another order of its {p.topk} combine terms"
@@ -128,7 +128,7 @@ def _measure(check, subject, ctx: RankContext, p: DispatchParams, runs: list, ga
     if model is not None:  # an exact order model: the copies' bits predicted from the inputs alone
         predicted = torch.stack([_predicted_probe(model, p, run.spec, r, pos, world)
                                  for run in runs for r, pos in run.spec.probes])
-        m.predicted_mismatched = compare_bitwise(predicted, predicted[0]).mismatched
+        m.predicted_mismatched = compare_bitwise(predicted, expected_copies(prop, predicted, runs)).mismatched
         m.order_model, m.order_model_exact = f"{subject.name} combine order", True
     return m
 

@@ -149,6 +149,7 @@ class CallLog:
     # and the count each call ran on
     thread_plan: list[int] | None = None
     threads: list[int] = field(default_factory=list)
+    strays: list[tuple[int, int]] = field(default_factory=list)  # (run, count): a later call on another count
     # every input a call left alone, by identity: (name, tensor, its bits after the call), compared
     # again when the check's calls are done (a write after the call returned: a deferred or
     # asynchronous write, or the next call writing into this one's input); emptied by `recheck`
@@ -250,6 +251,8 @@ def _threads_of_call(log: CallLog, continues_run: bool):
     finally:
         if next_run:
             log.threads.append(torch.get_num_threads())
+        elif torch.get_num_threads() != log.threads[-1]:  # the subject set its own count in the call
+            log.strays.append((len(log.threads) - 1, torch.get_num_threads()))
         torch.set_num_threads(own)
 
 
@@ -274,11 +277,16 @@ def judge_threads(m: Measurement, prop: str, runs: list[Run], logs: list[CallLog
     ran = logs[0].threads
     m.detail["threads"] = ran
     if len(ran) != len(runs):
+        fix = "mark a run's later calls" if len(ran) > len(runs) else "mark only a run's later calls, never its first,"
         m.error = (f"thread-invariance runs each of its {len(runs)} runs on another thread count; this check's "
-                   f"calls began {len(ran)} runs (its family should mark a run's later calls continues_run, or "
-                   f"not declare the property)")
+                   f"calls began {len(ran)} runs (its family should {fix} continues_run, or not declare the property)")
     elif len(set(ran)) < 2:
         m.vacuous_reason = f"every run ran on {ran[0]} thread(s): no thread count varied"
+    strays = logs[0].strays
+    if strays:  # what those calls computed did not follow the plan: say so beside the verdict
+        m.detail["threads_of_later_calls"] = strays
+        m.note = (f"{len(strays)} call(s) after a run's first ended on another thread count than the run's "
+                  f"({', '.join(f'run {i}: {n}' for i, n in strays[:4])}): the subject sets its own count there")
 
 
 def judge_calls(m: Measurement, logs: list[CallLog]) -> None:

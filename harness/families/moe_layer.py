@@ -34,7 +34,7 @@ from ep_harness.families import layout, moe_layout
 from ep_harness.families.driver import Family, Precompile, kept, require_finite, subject_call
 from ep_harness.families.gemm_calls import compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
-from ep_harness.families.moe_scenario import MoeParams, Placement, placement_runs, probe_copies
+from ep_harness.families.moe_scenario import MoeParams, Placement, expected_copies, placement_runs, probe_copies
 from ep_harness.subject import MoeLayerSubject
 from ep_harness.tolerances import MOE, gamma
 from ep_harness.reference import moe as ref
@@ -265,7 +265,7 @@ def _probe_reference(p: MoeParams, probe: torch.Tensor) -> torch.Tensor:
 
 def _measure_probe(p: MoeParams, prop, runs, gathered, world) -> Measurement:
     observed, labels = probe_copies(runs, gathered)
-    m = Measurement.bitwise(compare_bitwise(observed, observed[0], labels))
+    m = Measurement.bitwise(compare_bitwise(observed, expected_copies(prop, observed, runs), labels))
     first = runs[0].spec
     r0, pos0 = first.probes[0]
     probe = torch.stack([partials(p, first, r, world)[sum(first.tokens[:r0]) + pos0] for r in range(world)])

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ep_harness import inputs as gen
-from ep_harness.families.driver import REPEATED, repeat_labels
+from ep_harness import threads
+from ep_harness.families.driver import REPEATED, THREAD_INVARIANCE, repeat_labels
 from ep_harness.params import DATA_KINDS, LayoutParams, _opt
 
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
@@ -160,6 +161,10 @@ def placements(prop: str, p: DispatchParams | MoeParams, world: int) -> list[Pla
         t = 1
     if prop in ("reference", "combine-reference", "rank-invariance", "graph-invariance"):
         return [Placement((t,) * world, tuple((r, 0) for r in range(world)), seed, "every rank")]
+    if prop == THREAD_INVARIANCE:  # a row in every part of the tokens split over the most threads
+        parts = max(threads.varied_counts(torch.get_num_threads(), p.repeats))
+        probes = tuple((r, row) for r in range(world) for row in prefill_rows(t, parts))
+        return [Placement((t,) * world, probes, seed, label) for label in repeat_labels(prop, p.repeats)]
     if prop in REPEATED:
         return [Placement((t,) * world, ((0, 0),), seed, label) for label in repeat_labels(prop, p.repeats)]
     if prop == "batch-invariance":  # a fixed global token: it changes rank as the batch grows
@@ -203,6 +208,15 @@ def placement_runs(prop: str, p: DispatchParams | MoeParams, world: int) -> list
 
     return [Run(pl.label, tuple(Copy((pl.tokens, r, pos, pl.filler_seed), r) for r, pos in pl.probes), pl)
             for pl in placements(prop, p, world)]
+
+
+def expected_copies(prop: str, observed: torch.Tensor, runs: list) -> torch.Tensor:
+    """What each probe copy of probe_copies is compared with: under a property that repeats one
+    placement (REPEATED), the same probe's copy in the first run (its rows are not compared with
+    each other: that is position-invariance); otherwise the first copy."""
+    if prop in REPEATED:
+        return observed[:len(runs[0].spec.probes)].repeat(len(runs), 1)
+    return observed[0]
 
 
 def probe_copies(runs: list, gathered: list) -> tuple[torch.Tensor, list[str]]:
