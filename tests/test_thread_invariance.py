@@ -35,6 +35,27 @@ class PartialSumPerThread(FixedOrderMm):
         each_expert(problem, out, product)
 
 
+class RowsSplitOverThreads(FixedOrderMm):
+    """An expert's rows cut into one part per intra-op thread, the parts after the first summed as
+    two K halves, each written in the output's dtype (a split-K through an output-typed
+    workspace): the expert's first row (the probe's) keeps one order on every count."""
+
+    name = "test_rows_split_over_threads"
+
+    def run(self, problem, out):
+        def halves(a, b, dtype):
+            h = a.shape[1] // 2
+            return fixed_order_product(a[:, :h], b[:, :h]).to(dtype).float() + \
+                fixed_order_product(a[:, h:], b[:, h:]).to(dtype).float()
+
+        def product(a, b, o):
+            for c, rows in enumerate(torch.arange(a.shape[0]).tensor_split(torch.get_num_threads())):
+                if len(rows):
+                    o[rows] = (fixed_order_product(a[rows], b) if c == 0 else halves(a[rows], b, o.dtype)).to(o.dtype)
+
+        each_expert(problem, out, product)
+
+
 def _run(subject, prop, one_rank, **params):
     return execute(single_check(subject, prop, {"dtype": "bfloat16", **params}), subject, one_rank)
 
@@ -57,6 +78,15 @@ def test_an_order_that_follows_the_thread_count_fails_only_thread_invariance(one
         control = _run(PartialSumPerThread(), prop, one_rank, layout=layout)
         assert control.held and control.mismatched == 0 and control.vacuous_reason is None, prop
     assert torch.get_num_threads() == 1  # every call's count undone
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked", "dense"])
+def test_rows_past_the_first_part_that_follow_the_thread_count_fail_thread_invariance(one_rank, one_thread, layout):
+    m = _run(RowsSplitOverThreads(), "thread-invariance", one_rank, layout=layout)
+    assert not m.held and m.mismatched > 0 and m.vacuous_reason is None, (m.mismatched, m.vacuous_reason)
+    for prop in ("run-to-run", "position-invariance", "batch-invariance"):  # one part on the pinned count
+        control = _run(RowsSplitOverThreads(), prop, one_rank, layout=layout)
+        assert control.held and control.mismatched == 0 and control.vacuous_reason is None, prop
 
 
 def test_a_fixed_order_holds_on_every_thread_count(one_rank, one_thread):

@@ -23,8 +23,8 @@ from ep_harness import inputs as gen
 from ep_harness.compare import compare_bitwise, json_float
 from ep_harness.context import RankContext
 from ep_harness.contracts import GemmProblem
-from ep_harness.families.driver import (REPEATED, Copy, Family, Precompile, Run, kept, repeat_labels, require_finite,
-                                        subject_call)
+from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Precompile, Run, kept, repeat_labels,
+                                        require_finite, subject_call)
 from ep_harness.families.gemm_calls import KernelCall, compiled_ahead, gemm_call
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.params import DATA_KINDS, CommonParams, _opt, _required
@@ -188,7 +188,10 @@ def _observe(subject, ctx: RankContext, p: GemmParams, prop: str, runs: list[Run
                 subject.run(dev, out)
         if prop == "reference":
             return kept(out)
-        probes.append(kept(out[dev.row_index(p.probe_group, run.spec.pos)]))
+        probe = kept(out[dev.row_index(p.probe_group, run.spec.pos)])
+        # thread-invariance: every output a call must write as well (a kernel that splits rows
+        # over threads keeps the probe's row in its first part on every count)
+        probes.append((probe, kept(out[_valid_mask(dev, out.shape)])) if prop == THREAD_INVARIANCE else probe)
     return probes
 
 
@@ -196,10 +199,14 @@ def _measure(check, subject, ctx: RankContext, p: GemmParams, runs: list[Run], g
     w, w_scale = case_weights(p, ctx)
     if check.property == "reference":
         return _measure_reference(p, make_problem(p, runs[0].spec, w, w_scale), gathered[0])
-    observed = torch.stack(gathered[0])
+    seen = gathered[0]
+    if check.property == THREAD_INVARIANCE:  # every output written, each against its first run's
+        probes, observed = (torch.stack(part) for part in zip(*seen))
+    else:
+        probes = observed = torch.stack(seen)
     m = Measurement.bitwise(compare_bitwise(observed, observed[0], [r.label for r in runs]))
     row, weight = probe_operands(p, w, w_scale)
-    require_finite(m, observed, weight.double() @ row.double())
+    require_finite(m, probes, weight.double() @ row.double())
     m.sensitivity = order_sensitive(p, w, w_scale)
     m.sensitivity_what = f"probe outputs change bits when its {p.k} products are summed in another order"
     return m
