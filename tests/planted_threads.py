@@ -1,9 +1,13 @@
-"""A test-only GEMM whose bits depend on its thread count, as oneDNN's bf16 torch.mm does on
-an Intel Xeon with AMX (batch-variant on one thread, invariant on two: docs/threads.md),
-which this AMD machine cannot show. Registered through `--plugin tests.planted_threads`."""
+"""Test-only subjects whose bits depend on their thread count: a GEMM as oneDNN's bf16 torch.mm
+on an Intel Xeon with AMX (batch-variant on one thread, invariant on two: docs/threads.md),
+which this AMD machine cannot show, and a fold whose rows are dealt to threads. Registered
+through `--plugin tests.planted_threads`."""
 import torch
+import torch.distributed as dist
 
 from ep_harness.subject import register
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
+from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
 from ep_harness.subjects.gemm.fixed_order_mm import fixed_order_product
 from tests.planted import split_k
 
@@ -32,3 +36,27 @@ class ThreadVariantMm:
             s = problem.starts[g]
             a, b = problem.a[s:s + count], problem.b[g]
             out[s:s + count].copy_(split_k(a, b) if one_thread and count >= ROWS else fixed_order_product(a, b))
+
+
+@register
+class RowsSplitOverThreadsFold(AllGatherFold):
+    """The fold, its output rows dealt to one part per intra-op thread: the first part folds the
+    ranks in ascending order, the others descending. A shard's first row is in the first part
+    on every count; its later rows only on one thread."""
+
+    name = "planted_rows_split_over_threads_fold"
+    summary = "all-gather + fold whose rows past the first thread's part fold the ranks in reverse"
+
+    def order_model(self, backend):  # the verdicts come from the comparisons, not an order model
+        return None
+
+    def reduce_scatter(self, out, inp, sizes, group):
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
+        all_gather_single(gathered, inp.contiguous(), group=group)
+        start = offsets(sizes)[rank]
+        parts = gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]]
+        for c, rows in enumerate(torch.arange(sizes[rank]).tensor_split(torch.get_num_threads())):
+            if len(rows):
+                order = range(world_size) if c == 0 else range(world_size - 1, -1, -1)
+                out[rows] = fold_in_order(parts[:, rows], order)

@@ -1,6 +1,9 @@
 """thread-invariance: run-to-run's repeats, each on another intra-op thread count. An order
 that follows the thread count (per-thread partial sums, a kernel chosen by the count) never
 shows on the count a launch pins (1 per rank), so every other property passes such a subject."""
+import json
+import os
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from ep_harness.measurement import Measurement
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from ep_harness.subjects.gemm.common import each_expert
 from ep_harness.subjects.gemm.fixed_order_mm import FixedOrderMm, fixed_order_product
+from tests.conftest import REPO_ON_PYTHONPATH, run_cli
 
 
 class PartialSumPerThread(FixedOrderMm):
@@ -273,3 +277,36 @@ def test_a_model_whose_expert_gemm_follows_the_thread_count_fails_thread_invaria
     assert control.held and control.mismatched == 0 and control.total == planted.total
     sound = execute(single_check(model, "thread-invariance", {**fixed, "gemm": "fixed_order_mm"}), model, one_rank)
     assert sound.held and sound.mismatched == 0 and sound.total == planted.total and sound.detail["threads"] == [1, 2]
+
+
+ROWS_SUITE = """
+[suite]
+name = "rows-over-threads"
+plugins = ["tests.planted_threads"]
+
+[[case]]
+name = "fold-rows"
+subject = "planted_rows_split_over_threads_fold"
+properties = ["thread-invariance", "run-to-run", "rank-invariance", "reference"]
+expect = "holds"
+[case.grid]
+world_size = [4]
+[case.params]
+dtype = "bfloat16"
+"""
+
+
+def test_a_fold_whose_later_rows_follow_the_thread_count_fails_thread_invariance(tmp_path):
+    """4 gloo ranks: thread-invariance compares every row of every rank's output (a shard's first
+    row, the other properties' probe, is in the first thread's part on every count)."""
+    suite = tmp_path / "rows.toml"
+    suite.write_text(ROWS_SUITE)
+    proc = run_cli("verify", "--suite", str(suite), "--gpus", "0", "--no-report", "--out", str(tmp_path / "out"),
+                   env={**os.environ, **REPO_ON_PYTHONPATH, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = {r["property"]: r for r in map(json.loads, (tmp_path / "out" / "latest" / "results.jsonl").open())}
+    caught = runs["thread-invariance"]
+    assert caught["status"] == "unexpected" and caught["mismatched"] > 0, caught["reason"]
+    assert caught["detail"]["threads"] == [1, 2, 4]
+    for control in ("run-to-run", "rank-invariance", "reference"):  # one part on the pinned count
+        assert (runs[control]["status"], runs[control]["mismatched"]) == ("ok", 0), (control, runs[control]["reason"])

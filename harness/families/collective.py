@@ -41,7 +41,8 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.families import collective_layout
 from ep_harness.families import layout as layout_size
-from ep_harness.families.driver import REPEATED, Copy, Family, Run, kept, repeat_labels, require_finite, subject_call
+from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Run, kept, repeat_labels, require_finite,
+                                        subject_call)
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
@@ -119,9 +120,11 @@ def layouts(prop: str, p: CollectiveParams, world_size: int) -> list[Layout]:
             tail = shard_pattern(p.shards, world_size, p.tail_rows)
             out.append(Layout(tail, first_rows(tail), f"tail rows {list(tail)}", zero_sums=world_size > 1))
         return out
-    if prop in REPEATED:
+    if prop in REPEATED:  # thread-invariance: every row (threads given a share of a rank's rows
+        # keep its first row in the first part on every count)
         sizes = shard_pattern(p.shards, world_size, p.rows_per_rank)
-        return [Layout(sizes, first_rows(sizes), label) for label in repeat_labels(prop, p.repeats)]
+        probes = tuple(range(sum(sizes))) if prop == THREAD_INVARIANCE else first_rows(sizes)
+        return [Layout(sizes, probes, label) for label in repeat_labels(prop, p.repeats)]
     if prop == "batch-invariance":
         batches = p.batch_sizes
         probe = sum(shard_pattern(p.shards, world_size, min(batches))) - 1  # fits every batch
