@@ -41,8 +41,8 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.families import collective_layout
 from ep_harness.families import layout as layout_size
-from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Run, kept, repeat_labels, require_finite,
-                                        subject_call)
+from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Run, kept, repeat_labels,
+                                        require_finite, subject_call)
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
