@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from ep_harness.inputs import TOP_HEADROOM_BITS
 from ep_harness.subject import register
-from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
-from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold, shard_of_every_rank
+from ep_harness.subjects.collective.common import fold_in_order
 from ep_harness.subjects.dispatch.torch_a2a import TorchAllToAllDispatcher
 from tests.planted import split_k, whole_k
 
@@ -141,11 +141,8 @@ class FirstCallOnAGroup(_Unmodelled):
         self.groups = set()
 
     def reduce_scatter(self, out, inp, sizes, group):
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        all_gather_single(gathered, inp.contiguous(), group=group)
-        start = offsets(sizes)[rank]
-        parts = gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]]
+        parts = shard_of_every_rank(inp, sizes, group)
+        world_size = parts.shape[0]
         first = group.group_name not in self.groups
         self.groups.add(group.group_name)
         out.copy_(fold_in_order(parts, range(world_size) if first else range(world_size - 1, -1, -1)))

@@ -3,11 +3,10 @@ on an Intel Xeon with AMX (batch-variant on one thread, invariant on two: docs/t
 which this AMD machine cannot show, and a fold whose rows are dealt to threads. Registered
 through `--plugin tests.planted_threads`."""
 import torch
-import torch.distributed as dist
 
 from ep_harness.subject import register
-from ep_harness.subjects.collective.all_gather_fold import AllGatherFold
-from ep_harness.subjects.collective.common import all_gather_single, fold_in_order, offsets
+from ep_harness.subjects.collective.all_gather_fold import AllGatherFold, shard_of_every_rank
+from ep_harness.subjects.collective.common import fold_in_order
 from ep_harness.subjects.gemm.fixed_order_mm import fixed_order_product
 from tests.planted import split_k
 
@@ -51,12 +50,9 @@ class RowsSplitOverThreadsFold(AllGatherFold):
         return None
 
     def reduce_scatter(self, out, inp, sizes, group):
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        all_gather_single(gathered, inp.contiguous(), group=group)
-        start = offsets(sizes)[rank]
-        parts = gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]]
-        for c, rows in enumerate(torch.arange(sizes[rank]).tensor_split(torch.get_num_threads())):
+        parts = shard_of_every_rank(inp, sizes, group)
+        world_size = parts.shape[0]
+        for c, rows in enumerate(torch.arange(parts.shape[1]).tensor_split(torch.get_num_threads())):
             if len(rows):
                 order = range(world_size) if c == 0 else range(world_size - 1, -1, -1)
                 out[rows] = fold_in_order(parts[:, rows], order)

@@ -11,6 +11,15 @@ def _model(x, sizes, nccl=None):
     return [folded[o:o + s] for o, s in zip(offsets(sizes), sizes)]
 
 
+def shard_of_every_rank(inp, sizes, group):
+    """[W, sizes[rank], ...]: this rank's shard of every rank's input, all-gathered (pure copies)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
+    all_gather_single(gathered, inp.contiguous(), group=group)
+    start = offsets(sizes)[rank]
+    return gathered.view(world_size, *inp.shape)[:, start:start + sizes[rank]]
+
+
 @register
 class AllGatherFold:
     name = "all_gather_fold"
@@ -21,12 +30,7 @@ class AllGatherFold:
         return None
 
     def reduce_scatter(self, out, inp, sizes, group):
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = inp.new_empty((world_size * inp.shape[0], *inp.shape[1:]))
-        all_gather_single(gathered, inp.contiguous(), group=group)
-        start = offsets(sizes)[rank]
-        per_rank = gathered.view(world_size, *inp.shape)
-        out.copy_(fold_descending(per_rank[:, start:start + sizes[rank]]))
+        out.copy_(fold_descending(shard_of_every_rank(inp, sizes, group)))
 
     def order_model(self, backend):
         return OrderModel("fixed fold W-1..0", _model, exact=True, elementwise=True)
