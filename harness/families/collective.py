@@ -41,8 +41,8 @@ from ep_harness.compare import compare_bitwise
 from ep_harness.context import RankContext
 from ep_harness.families import collective_layout
 from ep_harness.families import layout as layout_size
-from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Run, kept, repeat_labels,
-                                        require_finite, subject_call)
+from ep_harness.families.driver import (REPEATED, THREAD_INVARIANCE, Copy, Family, Run, against_first_run, kept,
+                                        repeat_labels, require_finite, subject_call)
 from ep_harness.graphs import replay_in_graph
 from ep_harness.measurement import Bound, Measurement
 from ep_harness.nccl import models as nccl_models
@@ -399,9 +399,7 @@ def _predicted_probes(model, ctx: RankContext, p, dtype, layouts_, calls) -> lis
 
 def _expected(prop, observed, layouts_):
     if properties.get(prop).compares == "repeat":  # every repeat against the first
-        per_run = len(layouts_[0].probes)
-        base = observed[:per_run]
-        return base.repeat(len(observed) // per_run, 1)
+        return against_first_run(observed, len(layouts_[0].probes))
     return observed[0]
 
 

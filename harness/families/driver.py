@@ -268,6 +268,12 @@ def repeat_labels(prop: str, repeats: int) -> list[str]:
     return [f"repeat {k}" for k in range(repeats)]
 
 
+def against_first_run(observed: torch.Tensor, per_run: int) -> torch.Tensor:
+    """compare_bitwise's expected for copies of one placement repeated, `per_run` copies a run:
+    each copy's twin in the first run (a run's copies are not compared with each other)."""
+    return observed[:per_run].repeat(len(observed) // per_run, 1)
+
+
 def judge_threads(m: Measurement, prop: str, runs: list[Run], logs: list[CallLog]) -> None:
     """thread-invariance: each run on its count (rank 0's, as every rank's plan is the same),
     its calls after the first marked as continuing it (subject_call), else an error; every run

@@ -16,7 +16,7 @@ import torch
 
 from ep_harness import inputs as gen
 from ep_harness import threads
-from ep_harness.families.driver import REPEATED, THREAD_INVARIANCE, repeat_labels
+from ep_harness.families.driver import REPEATED, THREAD_INVARIANCE, against_first_run, repeat_labels
 from ep_harness.params import DATA_KINDS, LayoutParams, _opt
 
 ROUTINGS = ("uniform", "zipf", "empty", "one-rank", "single")
@@ -215,7 +215,7 @@ def expected_copies(prop: str, observed: torch.Tensor, runs: list) -> torch.Tens
     placement (REPEATED), the same probe's copy in the first run (its rows are not compared with
     each other: that is position-invariance); otherwise the first copy."""
     if prop in REPEATED:
-        return observed[:len(runs[0].spec.probes)].repeat(len(runs), 1)
+        return against_first_run(observed, len(runs[0].spec.probes))
     return observed[0]
 
 
