@@ -153,6 +153,32 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
         assert int((rotated.view(torch.int16) != want.view(torch.int16)).sum()) > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or kernel.triton is None,
+                    reason="needs a CUDA GPU and triton (the library's bits are the GPU's; run on the GPU machine)")
+def test_the_library_route_gives_the_unsplit_walks_bits_on_the_gpu():
+    """Where the table routes an M to DeepGEMM: its output at M = 1 (a row), 17 (a partial tile),
+    300 and the routed M themselves is the unsplit reference tiles', bit for bit, and bi_matmul
+    at a routed M gives those bits too (whichever kernel ran it)."""
+    routed = {(n, k): sorted({max_m or 8192 for max_m, plan in buckets if plan.library})
+              for (n, k), buckets in kernel.tuned_tiles().items()}
+    routed = {shape: ms for shape, ms in routed.items() if ms}
+    if not routed:
+        pytest.skip("the committed tile table routes no M to a library")
+    gemm = kernel.library_gemm("deepgemm")
+    if gemm is None:  # then the routed M run the table's tiles, which the test above checks
+        pytest.skip("deep_gemm does not import here; pip install 'ep-harness[deepgemm]' on the GPU machine")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for (n, k), ms in routed.items():
+        b = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
+        for m in sorted({1, 17, 300, *ms}):
+            a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            want = kernel.bi_matmul(a, b, config=kernel.REFERENCE_TILES).view(torch.int16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            gemm(a, b, out)
+            assert int((out.view(torch.int16) != want).sum()) == 0, (n, k, m)
+            assert torch.equal(kernel.bi_matmul(a, b).view(torch.int16), want), (n, k, m)
+
+
 # --- float32 under the interpreter (child process) --------------------------------------------
 
 SMALL = {  # blocks small enough for many tiles and K steps at test sizes

@@ -180,9 +180,9 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
 
     class FakeShape:
         def __init__(self, n, k, m_max, seed):
-            self.n, self.k, self.a_all, self.b, self.unavailable = n, k, None, None, {}
+            self.n, self.k, self.a_all, self.b, self.unavailable, self.rivals = n, k, None, None, {}, {}
 
-    def fake_bits(a_all, b, candidates, reference):
+    def fake_bits(a_all, b, candidates, reference, products=None):
         return {name: {"mismatched": {1: 0}, "elements": {1: 1}} for name in candidates} | \
             {"K rotated (control)": {"mismatched": {1: 5}, "elements": {1: 1}}}
 
@@ -215,3 +215,67 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
     assert any(plan.main.split_parallel for _, plan in table[(2048, 7168)])  # small M: a program per segment
     assert {plan.main.k_splits for _, plan in table[(4096, 4096)]} == {1}
     assert table[(7168, 7168)] == kernel.tuned_tiles()[(7168, 7168)]  # not tuned here: kept from the table in use
+
+
+@pytest.mark.parametrize("library_mismatches", [0, 3])
+def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_path, monkeypatch, library_mismatches):
+    """The library route's bookkeeping with the GPU parts replaced: DeepGEMM (timed as its rival
+    subject) beats every tile at M = 256 and 2,048 only. Bit-identical, those M route to it with
+    that M's best tiles kept as the fallback, the others keep their tiles, and the table loads;
+    with 3 mismatching elements it is never routed, however fast."""
+    import torch
+
+    pytest.importorskip("triton")
+
+    class FakeShape:
+        def __init__(self, n, k, m_max, seed):
+            self.n, self.k, self.a_all, self.b, self.unavailable = n, k, None, None, {}
+            self.rivals = {tune.LIBRARY_RIVAL: object()}
+
+    seen = {}
+
+    def fake_bits(a_all, b, candidates, reference, products=None):
+        seen["products"] = sorted(products or {})
+        return {name: {"mismatched": {1: 0}, "elements": {1: 1}} for name in candidates} | \
+            {name: {"mismatched": {1: 0, 100: library_mismatches}, "elements": {1: 1}} for name in products or {}}
+
+    def fake_time(shape, m, tiles, repeats, warmup):
+        def ratio(name):
+            cfg = tiles[name] if isinstance(tiles[name], kernel.TileConfig) else tiles[name].main
+            return 1.08 + cfg.block_m / 1e4
+        state = {name: {"median_ms": ratio(name), "time_vs_baseline": ratio(name)} for name in tiles}
+        state["torch_mm"] = {"median_ms": 1.0, "time_vs_baseline": 1.0}
+        fast = m in (256, 2048)
+        state[tune.LIBRARY_RIVAL] = {"median_ms": 0.5 if fast else 2.0, "time_vs_baseline": 0.5 if fast else 2.0}
+        return {"m": m, "warm": state, "cold": state, "timing": {}}
+
+    monkeypatch.setattr(tune, "Shape", FakeShape)
+    monkeypatch.setattr(tune, "bit_check", fake_bits)
+    monkeypatch.setattr(tune, "time_point", fake_time)
+    monkeypatch.setattr(kernel, "library_gemm", lambda name: (lambda a, b, out: None))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    result = tune.run(tmp_path, 1, 0, 0, shapes=((4096, 4096),))
+    assert seen["products"] == [tune.LIBRARY_CHECK]  # DeepGEMM's output is bit-checked with the candidates
+    [walk] = result["shapes"][0]["walks"]
+    assert walk["library_routable"] is (library_mismatches == 0)
+    chosen = {p["m"]: p["chosen"] for p in walk["points"]}
+    routed = {m for m, name in chosen.items() if name.startswith("deepgemm, else ")}
+    assert routed == ({256, 2048} if library_mismatches == 0 else set()), chosen
+    table = kernel.tuned_tiles(tmp_path / "bi_matmul_tiles.json")[(4096, 4096)]
+    for m in tune.M_VALUES:
+        plan = next(plan for max_m, plan in table if max_m is None or m <= max_m)
+        assert plan.library == ("deepgemm" if m in routed else ""), (m, plan)
+        assert kernel.plan_problem(plan) is None and plan.main.k_splits == 1
+        if m in routed:  # the fallback is the M's best tiles, the name after "else"
+            assert tune.name_of(plan.main) == chosen[m].removeprefix("deepgemm, else ")
+
+
+def test_a_library_route_needs_the_unsplit_walk_and_a_known_library():
+    split = replace(kernel.walk_reference(2), k_splits=2)
+    assert "only library route is 'deepgemm'" in kernel.plan_problem(kernel.TilePlan(split, library="deepgemm"))
+    assert "only library route" in kernel.plan_problem(kernel.TilePlan(kernel.REFERENCE_TILES, library="cublas"))
+    assert kernel.plan_problem(kernel.TilePlan(kernel.REFERENCE_TILES, library="deepgemm")) is None
+    with pytest.raises(ValueError, match="unknown library route 'cublas'"):
+        kernel.library_gemm("cublas")

@@ -176,6 +176,10 @@ def render_section(section: dict) -> str:
                      f"{inv['total']:,} probe outputs differ across M = {', '.join(map(str, inv['m_values']))} "
                      f"(not vacuous when > 0: {inv['order_sensitive']:,} of the probe's outputs change bits when its K "
                      f"products are summed in two halves)")
+    if section.get("library_route"):
+        lines.append(f"- triton_bi_matmul: M = {', '.join(map(str, section['library_route']))} ran through DeepGEMM's "
+                     "bf16_gemm_nt (the tile table's library route, measured bit-identical to its unsplit walk by the "
+                     "tuner); the other M through its Triton tiles")
     for subject, ref in section.get("reference", {}).items():
         lines.append(f"- {subject}: error vs float64 at M = {ref['m']}: worst {ref['worst_fraction_of_bound']:.3g} "
                      f"of the bound ({'within' if ref['within'] else 'OUTSIDE'})")
@@ -195,6 +199,16 @@ def render(result: dict) -> str:
 
 
 # --- measurement (GPU) ----------------------------------------------------------------------
+
+def library_route(n: int, k: int, m_values) -> list[int]:
+    """The M whose triton_bi_matmul calls went to a library (its table routes them there and the
+    library imports here), so that the table says which kernel each row timed."""
+    from ep_harness.kernels import bi_matmul as kernel
+
+    routed = {plan.library for plan in (kernel.tile_plan(m, n, k, "bfloat16") for m in m_values)} - {""}
+    usable = {name for name in routed if kernel.library_gemm(name) is not None}
+    return [m for m in m_values if kernel.tile_plan(m, n, k, "bfloat16").library in usable]
+
 
 class Bench:
     def __init__(self, repeats: int, warmup: int, budget_s: float, seed: int):
@@ -271,6 +285,7 @@ class Bench:
             section["points"].append(point)
             if m == 256:
                 section["reference"] = self._reference(problem, {name: outs[name] for name in calls}, n, k)
+        section["library_route"] = library_route(n, k, m_values) if "triton_bi_matmul" in ready else []
         sensitive = k_order_sensitive(a_all[0], b, torch.bfloat16)
         section["invariance"] = {name: summarize(name, p, 2 * sensitive) for name, p in probes.items() if p}
         torch.cuda.empty_cache()

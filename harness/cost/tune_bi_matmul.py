@@ -23,6 +23,11 @@ batch_invariant_ops' matmul, timed interleaved call by call (median of k), L2-wa
 reused) and L2-cold (a rotation of operand copies larger than L2). The chosen candidate is the
 one with the smallest worse-of-the-two ratio to cuBLAS; `bi_matmul_tiles.json` is the table
 that harness/kernels/ reads (commit it with the tune.json it came from).
+
+The unsplit walk may also route an M to DeepGEMM's BF16 dense GEMM (`kernel.TilePlan.library`),
+whose Hopper kernel walks K the same way: only if DeepGEMM's whole output matched the reference
+tiles' bit for bit at every BITS_M, and only at an M where its time, measured in the same
+interleaved rounds, beats the best candidate's. The table keeps that candidate as the fallback.
 """
 from __future__ import annotations
 
@@ -70,6 +75,9 @@ CANDIDATES = {
               T(128, 256, 64, 8, 8, 3, True, 1, "warp_specialize"), T(128, 128, 64, 8, 8, 4, True, 1, "warp_specialize"),
               T(128, 128, 64, 8, 4, 4, True, 1, "warp_specialize")),
 }
+# The library route (kernel.TilePlan.library): DeepGEMM's BF16 dense GEMM, timed as this rival
+# subject in every round, checked bit for bit against the unsplit reference under LIBRARY_CHECK.
+LIBRARY_RIVAL, LIBRARY_CHECK = "deepgemm_bf16_dense", "deepgemm bf16_gemm_nt (library route)"
 BANDS = {"small": (1, 512), "mid": (64, 2048), "large": (512, 8192)}  # M range each group is timed at
 SPLITS = (2, 4)  # split counts tried where the unsplit walk misses a target
 # Large tiles for one-program split walks: a float32 accumulator per segment, so 16 warps hold
@@ -175,8 +183,9 @@ def all_candidates() -> dict[str, kernel.TileConfig]:
     return out
 
 
-def bit_check(a_all, b, candidates: dict, reference) -> dict:
-    """Each candidate's mismatches against the reference tiles at BITS_M (None: no error)."""
+def bit_check(a_all, b, candidates: dict, reference, products: dict | None = None) -> dict:
+    """Each candidate's mismatches against the reference tiles at BITS_M (None: no error);
+    `products` (name -> M -> output), such as the library route's, are compared the same way."""
     import torch
 
     from ep_harness.bits import int_view
@@ -204,7 +213,7 @@ def bit_check(a_all, b, candidates: dict, reference) -> dict:
                                                                   config=reference)}
     if reference.k_splits != 1:
         controls["unsplit walk (control)"] = lambda m: kernel.bi_matmul(a_all[:m], b, config=kernel.walk_reference(1))
-    for name, product in controls.items():
+    for name, product in {**controls, **(products or {})}.items():
         result[name] = {"mismatched": {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M},
                         "elements": {m: want[m].numel() for m in BITS_M}}
     return result
@@ -301,16 +310,35 @@ def table_entries(points: list[dict], tiles: dict) -> list[dict]:
     """M buckets of the table: each measured M covers the M above the previous one."""
     entries = []
     for point in sorted(points, key=lambda p: p["m"]):
-        chosen = tiles[point["chosen"]]
-        plan = chosen if isinstance(chosen, kernel.TilePlan) else kernel.TilePlan(chosen)
+        plan = as_plan(tiles[point["chosen"]])
         entry = {"config": asdict(plan.main), **({"tail": asdict(plan.tail)} if plan.tail else {}),
-                 **({"one_launch": True} if plan.one_launch else {})}
+                 **({"one_launch": True} if plan.one_launch else {}),
+                 **({"library": plan.library} if plan.library else {})}
         if entries and {k: v for k, v in entries[-1].items() if k != "max_m"} == entry:
             entries[-1]["max_m"] = point["m"]
         else:
             entries.append({"max_m": point["m"], **entry})
     entries[-1]["max_m"] = None  # the last tiles serve every larger M
     return entries
+
+
+def as_plan(tiles: kernel.TileConfig | kernel.TilePlan) -> kernel.TilePlan:
+    return tiles if isinstance(tiles, kernel.TilePlan) else kernel.TilePlan(tiles)
+
+
+def library_product(shape: Shape):
+    """M -> DeepGEMM's bf16_gemm_nt output over the first M rows, where DeepGEMM runs here (the
+    rival subject is available and the library imports); else None. The unsplit walk may route
+    an M to it only if this matches the reference's bits at every BITS_M."""
+    gemm = kernel.library_gemm("deepgemm") if LIBRARY_RIVAL in shape.rivals else None
+    if gemm is None:
+        return None
+
+    def product(m):
+        out = shape.torch.empty(m, shape.n, dtype=shape.torch.bfloat16, device=shape.a_all.device)
+        gemm(shape.a_all[:m], shape.b, out)
+        return out
+    return product
 
 
 def score(points: list[dict]) -> float:
@@ -330,18 +358,22 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
     """One split count at one shape: bits of every candidate, then each M's timing and choice."""
     groups = split_candidates(shape.k, k_splits)
     candidates = {name: cfg for group in groups.values() for name, cfg in group.items()}
+    library = library_product(shape) if k_splits == 1 else None
     try:
-        bits = bit_check(shape.a_all, shape.b, candidates, kernel.walk_reference(k_splits))
+        bits = bit_check(shape.a_all, shape.b, candidates, kernel.walk_reference(k_splits),
+                         {LIBRARY_CHECK: library} if library else None)
     except Exception as exc:  # the reference itself does not run here: nothing to compare with
         say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): the reference tiles fail: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:200]}")
         return {"k_splits": k_splits, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "points": []}
     same = [name for name in candidates if identical(bits[name])]
     controls = {name: check["mismatched"] for name, check in bits.items() if name.endswith("(control)")}
+    routable = LIBRARY_CHECK in bits and identical(bits[LIBRARY_CHECK])
     say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): {len(same)} of {len(candidates)} candidates "
-        f"bit-identical; controls differ in {controls}")
+        f"bit-identical; controls differ in {controls}"
+        + (f"; DeepGEMM's bf16_gemm_nt differs in {bits[LIBRARY_CHECK]['mismatched']}" if library else ""))
     walk = {"k_splits": k_splits, "candidates": {n: asdict(c) for n, c in candidates.items()}, "bits": bits,
-            "identical": same, "points": []}
+            "identical": same, "library_routable": routable, "points": []}
     every = dict(candidates)
     for m in M_VALUES:
         names = [name for name in same
@@ -357,6 +389,13 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
         every.update(plans)
         point = time_point(shape, m, tiles, repeats, warmup)
         point["chosen"] = best = choose(point, names + list(plans))
+        if routable and choose(point, [best, LIBRARY_RIVAL]) == LIBRARY_RIVAL:
+            # DeepGEMM's own timing in this round, under the route's name; the tiles stay the fallback
+            point["chosen"] = routed = f"deepgemm, else {best}"
+            every[routed] = replace(as_plan(every[best]), library="deepgemm")
+            for state in ("warm", "cold"):
+                point[state][routed] = point[state][LIBRARY_RIVAL]
+            best = routed
         walk["points"].append(point)
         say(f"  M={m:5d}: {best:44s} warm {point['warm'][best]['time_vs_baseline']:.2f}x "
             f"cold {point['cold'][best]['time_vs_baseline']:.2f}x cuBLAS "

@@ -97,6 +97,12 @@ class TilePlan:
     main: TileConfig
     tail: TileConfig | None = None
     one_launch: bool = False
+    # "deepgemm": the call goes to DeepGEMM's BF16 dense GEMM (`bf16_gemm_nt`) where it imports, and
+    # to these tiles where it does not. Its Hopper kernel walks K as the unsplit tiles do: one
+    # float32 accumulator per element, zeroed, then the tensor cores' 16-product steps from K = 0
+    # upward, no split (its tile and multicast choices follow M, its K walk does not). The tuner
+    # routes an M there only after its whole output matched the unsplit reference's bit for bit.
+    library: str = ""
 
 
 # Measured on the H200 (bf16, 2026-12-01): TMA 128 x 128 x 64 tiles, 4 warps, 5 stages came
@@ -164,6 +170,9 @@ def tile_problem(config: TileConfig, k: int) -> str | None:
 
 def plan_problem(plan: TilePlan) -> str | None:
     """Why `plan` cannot run as it says (None: it can)."""
+    if plan.library and (plan.library not in LIBRARIES or plan.main.k_splits != 1):
+        return (f"library {plan.library!r}: the only library route is 'deepgemm', for the unsplit K walk "
+                "(k_splits=1)")
     if not plan.one_launch:
         return None
     tiles = (plan.main, plan.tail)
@@ -189,7 +198,7 @@ def tuned_tiles(path: Path = TILES_FILE) -> dict[tuple[int, int], tuple[tuple[in
         n, k = (int(x) for x in shape.split("x"))
         buckets = tuple((e["max_m"], TilePlan(TileConfig(**e["config"]),
                                               TileConfig(**e["tail"]) if e.get("tail") else None,
-                                              e.get("one_launch", False)))
+                                              e.get("one_launch", False), e.get("library", "")))
                         for e in entries)
         configs = [cfg for _, plan in buckets for cfg in (plan.main, plan.tail) if cfg is not None]
         reference = walk_reference(configs[0].k_splits)
@@ -563,6 +572,8 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         if problem:
             raise ValueError(f"bi_matmul plan {config}: {problem}")
         plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
+        if plan.library and _through_library(a, b, out, plan.library):
+            return out
         slices = row_slices(m, n, plan, _device_sms(a.device))
         if plan.one_launch and len(slices) == 2:
             _launch_one(a, b, out, slices[1][0], plan)
@@ -571,6 +582,35 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         rows = a if (first, end) == (0, m) else a[first:end]
         _launch(rows, b, out if (first, end) == (0, m) else out[first:end], cfg)
     return out
+
+
+LIBRARIES = ("deepgemm",)
+
+
+def library_gemm(name: str):
+    """The library GEMM a plan routes to, as gemm(a, b, out) (out = a @ b.T), or None where it
+    does not import. DeepGEMM through the subject's loader, which also turns on its deterministic
+    mode where that exists (newer builds would otherwise hand BF16 GEMMs to cuBLASLt)."""
+    if name != "deepgemm":
+        raise ValueError(f"unknown library route {name!r}; the only one is 'deepgemm'")
+    from ep_harness.subjects.gemm import deepgemm
+
+    try:
+        return deepgemm.deep_gemm().bf16_gemm_nt
+    except (ImportError, AttributeError):
+        return None
+
+
+def _through_library(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str) -> bool:
+    """Whether the call went to the library: bf16 CUDA operands, contiguous (its TMA needs), and
+    the library importable; otherwise the plan's own tiles run it, with the same bits."""
+    if a.dtype != torch.bfloat16 or a.device.type != "cuda" or not all(t.is_contiguous() for t in (a, b, out)):
+        return False
+    gemm = library_gemm(name)
+    if gemm is None:
+        return False
+    gemm(a, b, out)
+    return True
 
 
 def compiled_resources(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> dict:
