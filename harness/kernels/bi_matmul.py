@@ -29,6 +29,11 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   compile a separate variant for M == 1 or M divisible by 16.
 * Persistent: min(SMs x programs per SM, tiles) programs each take tiles pid, pid +
   programs, ... . Which program computes a tile changes with M; what it computes does not.
+* Another kernel with the same walk may run an M (`TilePlan.library`): DeepGEMM's BF16 dense
+  GEMM zeroes one float32 accumulator per element and adds the tensor cores' 16-product steps
+  from K = 0 upward, never splitting K, as the unsplit tiles do. The tuner routes an M of an
+  unsplit (N, K) there only where its whole output matched the reference tiles' bit for bit
+  and it ran faster; where deep_gemm does not import, the entry's tiles run that M.
 
 Two kernels with the same tile walk: operands through TMA descriptors (bf16 where rows are
 16-byte aligned: the fast path on Hopper; at small M, A's rows and C's through masked pointers,

@@ -3,7 +3,8 @@
 The fix for cuBLAS's batch variance on the dense projections that are not grouped GEMMs
 (attention, shared experts, LM head): K walked in one fixed order for every output element at
 every M (a split-K count, where there is one, fixed by N and K); the tiles follow M (a tuned
-table) without changing that order.
+table) without changing that order. The table may hand an M of an unsplit walk to DeepGEMM's
+BF16 dense GEMM, whose kernel walks K the same way (measured bit-identical before it is used).
 """
 import importlib
 
@@ -15,7 +16,8 @@ from ep_harness.subjects.gemm.common import unsupported
 class TritonBiMatmul:
     name = "triton_bi_matmul"
     family = "gemm"
-    summary = "batch-invariant Triton matmul (one K walk per N, K, dtype, split-K fixed by N and K; tiles by M)"
+    summary = ("batch-invariant Triton matmul (one K walk per N, K, dtype, split-K fixed by N and K; tiles by M; "
+               "DeepGEMM's kernel where the table routes an M and its bits match)")
     layouts = ("dense",)
     dtypes = ("bfloat16", "float32")
 
