@@ -279,3 +279,32 @@ def test_a_library_route_needs_the_unsplit_walk_and_a_known_library():
     assert kernel.plan_problem(kernel.TilePlan(kernel.REFERENCE_TILES, library="deepgemm")) is None
     with pytest.raises(ValueError, match="unknown library route 'cublas'"):
         kernel.library_gemm("cublas")
+
+
+def test_the_library_route_is_taken_only_for_contiguous_bf16_on_hopper(monkeypatch):
+    """bi_matmul hands a routed call to DeepGEMM only where the measured claim holds: bf16, a
+    Hopper GPU (other architectures run other DeepGEMM kernels), contiguous operands, and
+    deep_gemm importable; otherwise the plan's tiles run it."""
+    import torch
+
+    class Operand:  # what the route looks at, without a GPU
+        def __init__(self, dtype=torch.bfloat16, contiguous=True):
+            self.dtype, self.device, self._contiguous = dtype, torch.device("cuda", 0), contiguous
+
+        def is_contiguous(self):
+            return self._contiguous
+
+    calls = []
+    monkeypatch.setattr(kernel, "library_gemm", lambda name: lambda a, b, out: calls.append(name))
+    capability = {"major": 9}
+    monkeypatch.setattr(kernel, "_capability", lambda index: (capability["major"], 0))
+    a, b, out = Operand(), Operand(), Operand()
+    assert kernel._through_library(a, b, out, "deepgemm") and calls == ["deepgemm"]
+    assert not kernel._through_library(Operand(torch.float32), b, out, "deepgemm")
+    assert not kernel._through_library(a, b, Operand(contiguous=False), "deepgemm")
+    capability["major"] = 10  # Blackwell: DeepGEMM's sm100 kernel, whose walk was never measured
+    assert not kernel._through_library(a, b, out, "deepgemm")
+    capability["major"] = 9
+    monkeypatch.setattr(kernel, "library_gemm", lambda name: None)  # deep_gemm does not import
+    assert not kernel._through_library(a, b, out, "deepgemm")
+    assert calls == ["deepgemm"]

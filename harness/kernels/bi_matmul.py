@@ -260,6 +260,11 @@ def row_slices(m: int, n: int, plan: TilePlan, sms: int) -> list[tuple[int, int,
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -607,9 +612,13 @@ def library_gemm(name: str):
 
 
 def _through_library(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str) -> bool:
-    """Whether the call went to the library: bf16 CUDA operands, contiguous (its TMA needs), and
-    the library importable; otherwise the plan's own tiles run it, with the same bits."""
+    """Whether the call went to the library: bf16 operands on a Hopper GPU (DeepGEMM's sm90 kernel
+    is the one whose walk was read and measured; other architectures get other kernels),
+    contiguous (its TMA needs), and the library importable; otherwise the plan's own tiles run
+    it, with the same bits."""
     if a.dtype != torch.bfloat16 or a.device.type != "cuda" or not all(t.is_contiguous() for t in (a, b, out)):
+        return False
+    if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] != 9:
         return False
     gemm = library_gemm(name)
     if gemm is None:
