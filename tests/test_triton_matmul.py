@@ -146,7 +146,8 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
                 m = next(m for m in range(plan.main.block_m, 8193, plan.main.block_m)
                          if len(kernel.row_slices(m, n, plan, 132)) == 2)
                 rows = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-                assert torch.equal(kernel.bi_matmul(rows, b, config=plan).view(torch.int16),
+                tiles_only = replace(plan, library="")  # the tiles' own two launches, not a library route
+                assert torch.equal(kernel.bi_matmul(rows, b, config=tiles_only).view(torch.int16),
                                    kernel.bi_matmul(rows, b, config=reference).view(torch.int16))
         shift = k // (2 * reference.k_splits)  # half a segment: a whole one would only swap two segments' sums
         rotated = kernel.bi_matmul(a.roll(shift, 1).contiguous(), b.roll(shift, 1).contiguous(), config=reference)
@@ -158,25 +159,36 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
 def test_the_library_route_gives_the_unsplit_walks_bits_on_the_gpu():
     """Where the table routes an M to DeepGEMM: its output at M = 1 (a row), 17 (a partial tile),
     300 and the routed M themselves is the unsplit reference tiles', bit for bit, and bi_matmul
-    at a routed M gives those bits too (whichever kernel ran it)."""
+    at a routed M gives those bits too (whichever kernel ran it). Signed zeros included: a zero
+    row of A against a column of B that is negative at every K gives products that are all -0,
+    where a kernel that starts from the first step's sum and one that adds it to +0 could differ."""
+    from ep_harness.kernels import library_route
+
     routed = {(n, k): sorted({max_m or 8192 for max_m, plan in buckets if plan.library})
               for (n, k), buckets in kernel.tuned_tiles().items()}
     routed = {shape: ms for shape, ms in routed.items() if ms}
     if not routed:
         pytest.skip("the committed tile table routes no M to a library")
-    gemm = kernel.library_gemm("deepgemm")
+    device = torch.device("cuda", torch.cuda.current_device())
+    gemm = library_route.library_gemm("deepgemm", device)
     if gemm is None:  # then the routed M run the table's tiles, which the test above checks
-        pytest.skip("deep_gemm does not import here; pip install 'ep-harness[deepgemm]' on the GPU machine")
+        pytest.skip("the route is off here: deep_gemm does not import or this GPU is not a Hopper "
+                    "(pip install 'ep-harness[deepgemm]' on an H100 or H200)")
     g = torch.Generator(device="cuda").manual_seed(5)
     for (n, k), ms in routed.items():
         b = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
+        b[0] = -b[0].abs() - 2 ** -8  # column 0 of the output: negative products at every K
         for m in sorted({1, 17, 300, *ms}):
             a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            a[m // 2] = 0.0  # +0 x negative: every product of row m // 2, column 0 is -0
             want = kernel.bi_matmul(a, b, config=kernel.REFERENCE_TILES).view(torch.int16)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             gemm(a, b, out)
-            assert int((out.view(torch.int16) != want).sum()) == 0, (n, k, m)
+            assert int((out.view(torch.int16) != want).sum()) == 0, (n, k, m, out[m // 2, :4], want[m // 2, :4])
             assert torch.equal(kernel.bi_matmul(a, b).view(torch.int16), want), (n, k, m)
+    assert library_route.usable("deepgemm", device, kernel.TILES_FILE), (
+        "the table's routes were measured with another deep_gemm than this one: re-tune, or install "
+        f"{library_route.table_versions(kernel.TILES_FILE)}")
 
 
 # --- float32 under the interpreter (child process) --------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from ep_harness.cost import timing, tune_bi_matmul as tune
 from ep_harness.families.gemm import GemmParams
-from ep_harness.kernels import bi_matmul as kernel
+from ep_harness.kernels import bi_matmul as kernel, library_route
 from ep_harness.subject import Platform, load_all
 
 H200 = Platform("nccl", "cuda", 1, "NVIDIA H200", (9, 0), gpus=1)
@@ -181,6 +181,7 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
     class FakeShape:
         def __init__(self, n, k, m_max, seed):
             self.n, self.k, self.a_all, self.b, self.unavailable, self.rivals = n, k, None, None, {}, {}
+            self.device = None
 
     def fake_bits(a_all, b, candidates, reference, products=None):
         return {name: {"mismatched": {1: 0}, "elements": {1: 1}} for name in candidates} | \
@@ -229,7 +230,7 @@ def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_
 
     class FakeShape:
         def __init__(self, n, k, m_max, seed):
-            self.n, self.k, self.a_all, self.b, self.unavailable = n, k, None, None, {}
+            self.n, self.k, self.a_all, self.b, self.unavailable, self.device = n, k, None, None, {}, None
             self.rivals = {tune.LIBRARY_RIVAL: object()}
 
     seen = {}
@@ -252,7 +253,8 @@ def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_
     monkeypatch.setattr(tune, "Shape", FakeShape)
     monkeypatch.setattr(tune, "bit_check", fake_bits)
     monkeypatch.setattr(tune, "time_point", fake_time)
-    monkeypatch.setattr(kernel, "library_gemm", lambda name: (lambda a, b, out: None))
+    monkeypatch.setattr(library_route, "library_gemm", lambda name, device: (lambda a, b, out: None))
+    monkeypatch.setattr(library_route, "installed_version", lambda name: "9.9")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"multi_processor_count": 132}))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -263,6 +265,9 @@ def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_
     chosen = {p["m"]: p["chosen"] for p in walk["points"]}
     routed = {m for m, name in chosen.items() if name.startswith("deepgemm, else ")}
     assert routed == ({256, 2048} if library_mismatches == 0 else set()), chosen
+    written = json.loads((tmp_path / "bi_matmul_tiles.json").read_text())
+    # the version the routes were measured with, for library_route.usable (other shapes: the table in use's)
+    assert written.get("libraries") == ({"deepgemm": "9.9"} if routed else None)
     table = kernel.tuned_tiles(tmp_path / "bi_matmul_tiles.json")[(4096, 4096)]
     for m in tune.M_VALUES:
         plan = next(plan for max_m, plan in table if max_m is None or m <= max_m)
@@ -277,34 +282,78 @@ def test_a_library_route_needs_the_unsplit_walk_and_a_known_library():
     assert "only library route is 'deepgemm'" in kernel.plan_problem(kernel.TilePlan(split, library="deepgemm"))
     assert "only library route" in kernel.plan_problem(kernel.TilePlan(kernel.REFERENCE_TILES, library="cublas"))
     assert kernel.plan_problem(kernel.TilePlan(kernel.REFERENCE_TILES, library="deepgemm")) is None
-    with pytest.raises(ValueError, match="unknown library route 'cublas'"):
-        kernel.library_gemm("cublas")
+    with pytest.raises(ValueError, match="library 'cublas': the only library route is 'deepgemm'"):
+        library_route.installed_version("cublas")
 
 
-def test_the_library_route_is_taken_only_for_contiguous_bf16_on_hopper(monkeypatch):
-    """bi_matmul hands a routed call to DeepGEMM only where the measured claim holds: bf16, a
-    Hopper GPU (other architectures run other DeepGEMM kernels), contiguous operands, and
-    deep_gemm importable; otherwise the plan's tiles run it."""
+class _Operand:
+    """What the route looks at of a tensor, without a GPU."""
+
+    def __init__(self, dtype=None, contiguous=True, address=4096):
+        import torch
+
+        self.dtype, self.device = dtype or torch.bfloat16, torch.device("cuda", 0)
+        self._contiguous, self._address = contiguous, address
+
+    def is_contiguous(self):
+        return self._contiguous
+
+    def data_ptr(self):
+        return self._address
+
+
+def test_the_library_route_runs_only_where_it_was_measured(monkeypatch, tmp_path):
+    """run_routed hands a call to DeepGEMM only for bf16, contiguous, 16-byte aligned operands on
+    a Hopper GPU (other architectures run other DeepGEMM kernels), with the deep_gemm version
+    the table's routes were measured with; a call that raises falls back to the tiles with one
+    warning and turns the route off on that device."""
     import torch
 
-    class Operand:  # what the route looks at, without a GPU
-        def __init__(self, dtype=torch.bfloat16, contiguous=True):
-            self.dtype, self.device, self._contiguous = dtype, torch.device("cuda", 0), contiguous
-
-        def is_contiguous(self):
-            return self._contiguous
+    from ep_harness.subjects.gemm import deepgemm
 
     calls = []
-    monkeypatch.setattr(kernel, "library_gemm", lambda name: lambda a, b, out: calls.append(name))
+    fake = type("deep_gemm", (), {"__version__": "9.9", "bf16_gemm_nt": staticmethod(lambda a, b, out: calls.append(1))})
+    monkeypatch.setattr(deepgemm, "deep_gemm", lambda: fake)
+    monkeypatch.setattr(library_route, "_FAILED", set())
     capability = {"major": 9}
-    monkeypatch.setattr(kernel, "_capability", lambda index: (capability["major"], 0))
-    a, b, out = Operand(), Operand(), Operand()
-    assert kernel._through_library(a, b, out, "deepgemm") and calls == ["deepgemm"]
-    assert not kernel._through_library(Operand(torch.float32), b, out, "deepgemm")
-    assert not kernel._through_library(a, b, Operand(contiguous=False), "deepgemm")
+    monkeypatch.setattr(library_route, "_capability", lambda index: (capability["major"], 0))
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"libraries": {"deepgemm": "9.9"}, "shapes": {}}))
+    a, b, out = _Operand(), _Operand(), _Operand()
+    assert library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]
+    assert not library_route.run_routed(_Operand(torch.float32), b, out, "deepgemm", table)
+    assert not library_route.run_routed(a, b, _Operand(contiguous=False), "deepgemm", table)
+    assert not library_route.run_routed(a, _Operand(address=4104), out, "deepgemm", table)  # 8 bytes off
+    other = tmp_path / "other.json"  # measured with another release, or with none recorded
+    other.write_text(json.dumps({"libraries": {"deepgemm": "9.8"}, "shapes": {}}))
+    assert not library_route.run_routed(a, b, out, "deepgemm", other)
+    assert not library_route.run_routed(a, b, out, "deepgemm", tmp_path / "missing.json")
     capability["major"] = 10  # Blackwell: DeepGEMM's sm100 kernel, whose walk was never measured
-    assert not kernel._through_library(a, b, out, "deepgemm")
+    assert not library_route.run_routed(a, b, out, "deepgemm", table)
     capability["major"] = 9
-    monkeypatch.setattr(kernel, "library_gemm", lambda name: None)  # deep_gemm does not import
-    assert not kernel._through_library(a, b, out, "deepgemm")
-    assert calls == ["deepgemm"]
+    assert calls == [1]
+
+    def broken(a, b, out):
+        raise RuntimeError("DeepGEMM JIT: nvcc failed")
+    monkeypatch.setattr(fake, "bf16_gemm_nt", staticmethod(broken))
+    with pytest.warns(RuntimeWarning, match=r"routes this M to deepgemm, whose call failed \(RuntimeError: DeepGEMM JIT"):
+        assert not library_route.run_routed(a, b, out, "deepgemm", table)
+    monkeypatch.setattr(fake, "bf16_gemm_nt", staticmethod(lambda a, b, out: calls.append(2)))
+    assert not library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]  # off on this device now
+
+    def unimportable():
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+    monkeypatch.setattr(library_route, "_FAILED", set())
+    monkeypatch.setattr(deepgemm, "deep_gemm", unimportable)
+    assert not library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]
+
+
+def test_kept_entries_drop_routes_measured_with_another_library_version(monkeypatch, tmp_path):
+    small = asdict(tune.CANDIDATES["small"][0])
+    entries = [{"max_m": 16, "config": small, "library": "deepgemm"}, {"max_m": None, "config": small}]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"libraries": {"deepgemm": "9.9"}, "shapes": {"4096x4096": entries}}))
+    monkeypatch.setattr(library_route, "installed_version", lambda name: "9.9")
+    assert tune.kept_entries(path) == {"4096x4096": entries}
+    monkeypatch.setattr(library_route, "installed_version", lambda name: "10.0")
+    assert tune.kept_entries(path) == {"4096x4096": [{"max_m": 16, "config": small}, entries[1]]}

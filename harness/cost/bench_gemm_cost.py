@@ -202,11 +202,15 @@ def render(result: dict) -> str:
 
 def library_route(n: int, k: int, m_values) -> list[int]:
     """The M whose triton_bi_matmul calls went to a library (its table routes them there and the
-    library imports here), so that the table says which kernel each row timed."""
-    from ep_harness.kernels import bi_matmul as kernel
+    route may run on this GPU: library_route.usable), so that the table says which kernel each
+    row timed."""
+    import torch
 
+    from ep_harness.kernels import bi_matmul as kernel, library_route
+
+    device = torch.device("cuda", torch.cuda.current_device())
     routed = {plan.library for plan in (kernel.tile_plan(m, n, k, "bfloat16") for m in m_values)} - {""}
-    usable = {name for name in routed if kernel.library_gemm(name) is not None}
+    usable = {name for name in routed if library_route.usable(name, device, kernel.TILES_FILE)}
     return [m for m in m_values if kernel.tile_plan(m, n, k, "bfloat16").library in usable]
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ep_harness import console
 from ep_harness.cost import timing
-from ep_harness.kernels import bi_matmul as kernel
+from ep_harness.kernels import bi_matmul as kernel, library_route
 
 SHAPES = ((4096, 4096), (7168, 7168), (2048, 7168), (7168, 2048))  # (N, K); the last: DeepSeek-V3's down-projection
 M_VALUES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -214,8 +214,12 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
     if reference.k_splits != 1:
         controls["unsplit walk (control)"] = lambda m: kernel.bi_matmul(a_all[:m], b, config=kernel.walk_reference(1))
     for name, product in {**controls, **(products or {})}.items():
-        result[name] = {"mismatched": {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M},
-                        "elements": {m: want[m].numel() for m in BITS_M}}
+        try:
+            mismatched = {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M}
+        except Exception as exc:  # a library that fails here is not routable; the walk goes on
+            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+            continue
+        result[name] = {"mismatched": mismatched, "elements": {m: want[m].numel() for m in BITS_M}}
     return result
 
 
@@ -233,7 +237,7 @@ class Shape:
         from ep_harness.subject import Platform, load_all
 
         self.torch, self.n, self.k, self.GemmProblem = torch, n, k, GemmProblem
-        dev = torch.device("cuda", 0)
+        self.device = dev = torch.device("cuda", 0)
         g = torch.Generator(device=dev).manual_seed(seed + n + k)
         self.a_all = torch.randn(m_max, k, generator=g, device=dev).to(torch.bfloat16)
         self.b = (torch.randn(n, k, generator=g, device=dev) * k ** -0.5).to(torch.bfloat16)
@@ -327,10 +331,10 @@ def as_plan(tiles: kernel.TileConfig | kernel.TilePlan) -> kernel.TilePlan:
 
 
 def library_product(shape: Shape):
-    """M -> DeepGEMM's bf16_gemm_nt output over the first M rows, where DeepGEMM runs here (the
-    rival subject is available and the library imports); else None. The unsplit walk may route
-    an M to it only if this matches the reference's bits at every BITS_M."""
-    gemm = kernel.library_gemm("deepgemm") if LIBRARY_RIVAL in shape.rivals else None
+    """M -> DeepGEMM's bf16_gemm_nt output over the first M rows, where the route could run here
+    (the rival subject is available, the library imports, a Hopper GPU); else None. The unsplit
+    walk may route an M to it only if this matches the reference's bits at every BITS_M."""
+    gemm = library_route.library_gemm("deepgemm", shape.device) if LIBRARY_RIVAL in shape.rivals else None
     if gemm is None:
         return None
 
@@ -339,6 +343,18 @@ def library_product(shape: Shape):
         gemm(shape.a_all[:m], shape.b, out)
         return out
     return product
+
+
+def kept_entries(path: Path) -> dict:
+    """The table in use's entries by shape, each route to a library whose installed version is not
+    the one it was measured with turned back into its tiles."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    measured = raw.get("libraries", {})
+    return {shape: [e if not e.get("library") or measured.get(e["library"]) == library_route.installed_version(
+                e["library"]) else {k: v for k, v in e.items() if k != "library"} for e in entries]
+            for shape, entries in raw["shapes"].items()}
 
 
 def score(points: list[dict]) -> float:
@@ -416,8 +432,9 @@ def run(out_dir: Path, repeats: int, warmup: int, seed: int, shapes=SHAPES) -> d
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": kernel.triton.__version__,
               "reference_tiles": asdict(kernel.REFERENCE_TILES), "repeats": repeats, "warmup": warmup,
               "targets": {m: target(m) for m in M_VALUES}, "shapes": []}
-    # shapes this run does not tune keep the entries of the table in use
-    table = json.loads(kernel.TILES_FILE.read_text())["shapes"] if kernel.TILES_FILE.exists() else {}
+    # shapes this run does not tune keep the entries of the table in use (their library routes only
+    # if this machine's library is the version they were measured with)
+    table = kept_entries(kernel.TILES_FILE)
     out = console.current()
 
     def say(line):
@@ -446,6 +463,9 @@ def run(out_dir: Path, repeats: int, warmup: int, seed: int, shapes=SHAPES) -> d
     result["seconds"] = round(time.perf_counter() - began, 1)
     (out_dir / "tune.json").write_text(json.dumps(result, indent=1))
     tiles = {"tuned_on": result["gpu"], "triton": result["triton"], "dtype": "bfloat16", "shapes": table}
+    routed = {e["library"] for entries in table.values() for e in entries if e.get("library")}
+    if routed:  # the versions whose bits the routes were measured with (library_route.usable checks them)
+        tiles["libraries"] = {name: library_route.installed_version(name) for name in sorted(routed)}
     (out_dir / "bi_matmul_tiles.json").write_text(json.dumps(tiles, indent=1) + "\n")
     return result
 

@@ -29,11 +29,11 @@ Why it is batch-invariant (cuBLAS is not: it picks kernel and split-K from M):
   compile a separate variant for M == 1 or M divisible by 16.
 * Persistent: min(SMs x programs per SM, tiles) programs each take tiles pid, pid +
   programs, ... . Which program computes a tile changes with M; what it computes does not.
-* Another kernel with the same walk may run an M (`TilePlan.library`): DeepGEMM's BF16 dense
-  GEMM zeroes one float32 accumulator per element and adds the tensor cores' 16-product steps
-  from K = 0 upward, never splitting K, as the unsplit tiles do. The tuner routes an M of an
-  unsplit (N, K) there only where its whole output matched the reference tiles' bit for bit
-  and it ran faster; where deep_gemm does not import, the entry's tiles run that M.
+* Another kernel with the same walk may run an M (`TilePlan.library`): DeepGEMM's Hopper BF16
+  dense GEMM zeroes one float32 accumulator per element and adds the tensor cores' 16-product
+  steps from K = 0 upward, never splitting K, as the unsplit tiles do. The tuner routes an M of
+  an unsplit (N, K) there only where its whole output matched the reference tiles' bit for bit
+  and it ran faster; wherever the route may not run (library_route.py), the entry's tiles do.
 
 Two kernels with the same tile walk: operands through TMA descriptors (bf16 where rows are
 16-byte aligned: the fast path on Hopper; at small M, A's rows and C's through masked pointers,
@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ep_harness.kernels import library_route
 
 try:
     import triton
@@ -102,11 +104,10 @@ class TilePlan:
     main: TileConfig
     tail: TileConfig | None = None
     one_launch: bool = False
-    # "deepgemm": the call goes to DeepGEMM's BF16 dense GEMM (`bf16_gemm_nt`) where it imports, and
-    # to these tiles where it does not. Its Hopper kernel walks K as the unsplit tiles do: one
-    # float32 accumulator per element, zeroed, then the tensor cores' 16-product steps from K = 0
-    # upward, no split (its tile and multicast choices follow M, its K walk does not). The tuner
-    # routes an M there only after its whole output matched the unsplit reference's bit for bit.
+    # "deepgemm": the call goes to DeepGEMM's BF16 dense GEMM, whose Hopper kernel walks K as the
+    # unsplit tiles do, where the route may run (kernels/library_route.py says where), and to
+    # these tiles elsewhere. The tuner routes an M there only after DeepGEMM's whole output
+    # matched the unsplit reference's bit for bit.
     library: str = ""
 
 
@@ -175,7 +176,7 @@ def tile_problem(config: TileConfig, k: int) -> str | None:
 
 def plan_problem(plan: TilePlan) -> str | None:
     """Why `plan` cannot run as it says (None: it can)."""
-    if plan.library and (plan.library not in LIBRARIES or plan.main.k_splits != 1):
+    if plan.library and (library_route.name_problem(plan.library) or plan.main.k_splits != 1):
         return (f"library {plan.library!r}: the only library route is 'deepgemm', for the unsplit K walk "
                 "(k_splits=1)")
     if not plan.one_launch:
@@ -257,11 +258,6 @@ def row_slices(m: int, n: int, plan: TilePlan, sms: int) -> list[tuple[int, int,
     if plan.tail is None or rows <= 0 or rows >= m or rest * 2 >= per_wave:
         return [(0, m, main)]
     return [(0, rows, main), (rows, m, plan.tail)]
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -582,7 +578,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         if problem:
             raise ValueError(f"bi_matmul plan {config}: {problem}")
         plan = config or tile_plan(m, n, k, DTYPES[a.dtype], _device_sms(a.device))
-        if plan.library and _through_library(a, b, out, plan.library):
+        if plan.library and library_route.run_routed(a, b, out, plan.library, TILES_FILE):
             return out
         slices = row_slices(m, n, plan, _device_sms(a.device))
         if plan.one_launch and len(slices) == 2:
@@ -592,39 +588,6 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         rows = a if (first, end) == (0, m) else a[first:end]
         _launch(rows, b, out if (first, end) == (0, m) else out[first:end], cfg)
     return out
-
-
-LIBRARIES = ("deepgemm",)
-
-
-def library_gemm(name: str):
-    """The library GEMM a plan routes to, as gemm(a, b, out) (out = a @ b.T), or None where it
-    does not import. DeepGEMM through the subject's loader, which also turns on its deterministic
-    mode where that exists (newer builds would otherwise hand BF16 GEMMs to cuBLASLt)."""
-    if name != "deepgemm":
-        raise ValueError(f"unknown library route {name!r}; the only one is 'deepgemm'")
-    from ep_harness.subjects.gemm import deepgemm
-
-    try:
-        return deepgemm.deep_gemm().bf16_gemm_nt
-    except (ImportError, AttributeError):
-        return None
-
-
-def _through_library(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str) -> bool:
-    """Whether the call went to the library: bf16 operands on a Hopper GPU (DeepGEMM's sm90 kernel
-    is the one whose walk was read and measured; other architectures get other kernels),
-    contiguous (its TMA needs), and the library importable; otherwise the plan's own tiles run
-    it, with the same bits."""
-    if a.dtype != torch.bfloat16 or a.device.type != "cuda" or not all(t.is_contiguous() for t in (a, b, out)):
-        return False
-    if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] != 9:
-        return False
-    gemm = library_gemm(name)
-    if gemm is None:
-        return False
-    gemm(a, b, out)
-    return True
 
 
 def compiled_resources(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig) -> dict:
