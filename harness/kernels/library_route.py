@@ -54,9 +54,7 @@ def installed_version(name: str) -> str | None:
 def library_gemm(name: str, device: torch.device):
     """gemm(a, b, out) computing out = a @ b.T with the library's kernel whose walk was measured,
     or None where there is none: the library does not import, or `device` is not a Hopper GPU."""
-    if installed_version(name) is None or device.type != "cuda":
-        return None
-    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] != 9:
+    if installed_version(name) is None or device.type != "cuda" or _capability(_index(device))[0] != 9:
         return None
     from ep_harness.subjects.gemm import deepgemm
 
@@ -74,8 +72,7 @@ def table_versions(path: Path) -> dict[str, str]:
 def usable(name: str, device: torch.device, table: Path) -> bool:
     """Whether `table`'s routes to `name` run the library on `device`: a Hopper GPU, the version the
     table was tuned with, and no earlier call there that raised."""
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    return ((name, index) not in _FAILED and library_gemm(name, device) is not None
+    return ((name, _index(device)) not in _FAILED and library_gemm(name, device) is not None
             and table_versions(table).get(name) == installed_version(name))
 
 
@@ -91,13 +88,19 @@ def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, t
     try:
         library_gemm(name, a.device)(a, b, out)
     except Exception as exc:  # raised on the host before any launch: the tiles give the same bits
-        _FAILED.add((name, a.device.index if a.device.index is not None else torch.cuda.current_device()))
+        _FAILED.add((name, _index(a.device)))
         warnings.warn(f"bi_matmul: the tile table routes this M to {name}, whose call failed "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its Triton tiles run it instead, "
                       f"with the same bits, for the rest of this process. Fix: repair the {name} install "
                       "(`ep-harness doctor`)", RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def _index(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
