@@ -209,9 +209,10 @@ def library_route(n: int, k: int, m_values) -> list[int]:
     from ep_harness.kernels import bi_matmul as kernel, library_route
 
     device = torch.device("cuda", torch.cuda.current_device())
-    routed = {plan.library for plan in (kernel.tile_plan(m, n, k, "bfloat16") for m in m_values)} - {""}
-    usable = {name for name in routed if library_route.usable(name, device, kernel.TILES_FILE)}
-    return [m for m in m_values if kernel.tile_plan(m, n, k, "bfloat16").library in usable]
+    library = {m: kernel.tile_plan(m, n, k, "bfloat16").library for m in m_values}
+    usable = {name for name in set(library.values()) - {""}
+              if library_route.usable(name, device, kernel.TILES_FILE)}
+    return [m for m in m_values if library[m] in usable]
 
 
 class Bench:

@@ -339,7 +339,7 @@ def library_product(shape: Shape):
         return None
 
     def product(m):
-        out = shape.torch.empty(m, shape.n, dtype=shape.torch.bfloat16, device=shape.a_all.device)
+        out = shape.torch.empty(m, shape.n, dtype=shape.torch.bfloat16, device=shape.device)
         gemm(shape.a_all[:m], shape.b, out)
         return out
     return product
@@ -351,10 +351,14 @@ def kept_entries(path: Path) -> dict:
     if not path.exists():
         return {}
     raw = json.loads(path.read_text())
-    measured = raw.get("libraries", {})
-    return {shape: [e if not e.get("library") or measured.get(e["library"]) == library_route.installed_version(
-                e["library"]) else {k: v for k, v in e.items() if k != "library"} for e in entries]
-            for shape, entries in raw["shapes"].items()}
+    current = {name for name, version in raw.get("libraries", {}).items()
+               if version == library_route.installed_version(name)}
+
+    def kept(entry: dict) -> dict:
+        if entry.get("library", "") in current | {""}:
+            return entry
+        return {key: value for key, value in entry.items() if key != "library"}
+    return {shape: [kept(e) for e in entries] for shape, entries in raw["shapes"].items()}
 
 
 def score(points: list[dict]) -> float:

@@ -72,8 +72,14 @@ def table_versions(path: Path) -> dict[str, str]:
 def usable(name: str, device: torch.device, table: Path) -> bool:
     """Whether `table`'s routes to `name` run the library on `device`: a Hopper GPU, the version the
     table was tuned with, and no earlier call there that raised."""
-    return ((name, _index(device)) not in _FAILED and library_gemm(name, device) is not None
-            and table_versions(table).get(name) == installed_version(name))
+    return _routed_gemm(name, device, table) is not None
+
+
+def _routed_gemm(name: str, device: torch.device, table: Path):
+    """The library's gemm where `usable`, else None."""
+    if (name, _index(device)) in _FAILED or table_versions(table).get(name) != installed_version(name):
+        return None
+    return library_gemm(name, device)
 
 
 def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, table: Path) -> bool:
@@ -83,10 +89,11 @@ def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, t
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, b, out)):
         return False
-    if not usable(name, a.device, table):
+    gemm = _routed_gemm(name, a.device, table)
+    if gemm is None:
         return False
     try:
-        library_gemm(name, a.device)(a, b, out)
+        gemm(a, b, out)
     except Exception as exc:  # raised on the host before any launch: the tiles give the same bits
         _FAILED.add((name, _index(a.device)))
         warnings.warn(f"bi_matmul: the tile table routes this M to {name}, whose call failed "
