@@ -103,6 +103,8 @@ def test_bad_operands_get_one_line_errors():
         kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be \[4, 3\]"):
         kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(3, 8), out=torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"out must be \[4, 3\] torch.float32 on cpu; got \(4, 3\) torch.float32 on meta"):
+        kernel.bi_matmul(torch.zeros(4, 8), torch.zeros(3, 8), out=torch.zeros(4, 3, device="meta"))
 
 
 def test_registered_as_a_dense_gemm_subject():
@@ -159,7 +161,7 @@ def test_every_tuned_tile_shape_gives_the_reference_tiles_bits_on_the_gpu():
 def test_the_library_route_gives_the_unsplit_walks_bits_on_the_gpu():
     """Where the table routes an M to DeepGEMM: its output at M = 1 (a row), 17 (a partial tile),
     300 and the routed M themselves is the unsplit reference tiles', bit for bit, and bi_matmul
-    at a routed M gives those bits too (whichever kernel ran it). Signed zeros included: a zero
+    gives those bits too, through DeepGEMM at the routed M (counted). Signed zeros included: a zero
     row of A against a column of B that is negative at every K gives products that are all -0,
     where a kernel that starts from the first step's sum and one that adds it to +0 could differ."""
     from ep_harness.kernels import library_route
@@ -174,6 +176,9 @@ def test_the_library_route_gives_the_unsplit_walks_bits_on_the_gpu():
     if gemm is None:  # then the routed M run the table's tiles, which the test above checks
         pytest.skip("the route is off here: deep_gemm does not import or this GPU is not a Hopper "
                     "(pip install 'ep-harness[deepgemm]' on an H100 or H200)")
+    assert library_route.usable("deepgemm", device, kernel.TILES_FILE), (
+        "the table's routes were measured with another deep_gemm than this one: re-tune, or install "
+        f"{library_route.table_versions(kernel.TILES_FILE)}")
     g = torch.Generator(device="cuda").manual_seed(5)
     for (n, k), ms in routed.items():
         b = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
@@ -182,13 +187,13 @@ def test_the_library_route_gives_the_unsplit_walks_bits_on_the_gpu():
             a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
             a[m // 2] = 0.0  # +0 x negative: every product of row m // 2, column 0 is -0
             want = kernel.bi_matmul(a, b, config=kernel.REFERENCE_TILES).view(torch.int16)
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # unwritten: NaN
             gemm(a, b, out)
             assert int((out.view(torch.int16) != want).sum()) == 0, (n, k, m, out[m // 2, :4], want[m // 2, :4])
+            calls = library_route.ROUTED_CALLS[("deepgemm", n, k, m)]
             assert torch.equal(kernel.bi_matmul(a, b).view(torch.int16), want), (n, k, m)
-    assert library_route.usable("deepgemm", device, kernel.TILES_FILE), (
-        "the table's routes were measured with another deep_gemm than this one: re-tune, or install "
-        f"{library_route.table_versions(kernel.TILES_FILE)}")
+            routes = kernel.tile_plan(m, n, k, "bfloat16").library == "deepgemm"  # the routed M and their buckets
+            assert library_route.ROUTED_CALLS[("deepgemm", n, k, m)] == calls + routes, (n, k, m)
 
 
 # --- float32 under the interpreter (child process) --------------------------------------------

@@ -2,12 +2,13 @@
 L2-cold rotation, and the batch_invariant_ops subject's availability."""
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import asdict, replace
 
 import pytest
 
-from ep_harness.cost import timing, tune_bi_matmul as tune
+from ep_harness.cost import bench_gemm_cost, timing, tune_bi_matmul as tune
 from ep_harness.families.gemm import GemmParams
 from ep_harness.kernels import bi_matmul as kernel, library_route
 from ep_harness.subject import Platform, load_all
@@ -218,12 +219,15 @@ def test_the_tuners_run_chooses_a_split_count_per_shape_and_writes_a_loadable_ta
     assert table[(7168, 7168)] == kernel.tuned_tiles()[(7168, 7168)]  # not tuned here: kept from the table in use
 
 
-@pytest.mark.parametrize("library_mismatches", [0, 3])
-def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_path, monkeypatch, library_mismatches):
+@pytest.mark.parametrize("library_mismatches, at_m, routed_m", [(0, {}, {256, 2048}), (3, {}, set()),
+                                                                  (0, {256: 5}, {2048}), (0, {2048: "RuntimeError: x"}, {256})])
+def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_path, monkeypatch, library_mismatches,
+                                                                             at_m, routed_m):
     """The library route's bookkeeping with the GPU parts replaced: DeepGEMM (timed as its rival
     subject) beats every tile at M = 256 and 2,048 only. Bit-identical, those M route to it with
     that M's best tiles kept as the fallback, the others keep their tiles, and the table loads;
-    with 3 mismatching elements it is never routed, however fast."""
+    with 3 mismatching elements at the bit check's M it is never routed, however fast, and an M
+    where its own output differs (or the call raises) keeps its tiles."""
     import torch
 
     pytest.importorskip("triton")
@@ -253,6 +257,12 @@ def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_
     monkeypatch.setattr(tune, "Shape", FakeShape)
     monkeypatch.setattr(tune, "bit_check", fake_bits)
     monkeypatch.setattr(tune, "time_point", fake_time)
+    checked = []
+
+    def fake_library_mismatches(shape, m, product):
+        checked.append(m)
+        return at_m.get(m, 0)
+    monkeypatch.setattr(tune, "library_mismatches", fake_library_mismatches)
     monkeypatch.setattr(library_route, "library_gemm", lambda name, device: (lambda a, b, out: None))
     monkeypatch.setattr(library_route, "installed_version", lambda name: "9.9")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"multi_processor_count": 132}))
@@ -264,7 +274,10 @@ def test_an_m_goes_to_the_library_only_where_it_is_faster_and_bit_identical(tmp_
     assert walk["library_routable"] is (library_mismatches == 0)
     chosen = {p["m"]: p["chosen"] for p in walk["points"]}
     routed = {m for m, name in chosen.items() if name.startswith("deepgemm, else ")}
-    assert routed == ({256, 2048} if library_mismatches == 0 else set()), chosen
+    assert routed == routed_m, chosen
+    # each M where it was faster was compared at that M, and only those
+    assert checked == ([256, 2048] if library_mismatches == 0 else [])
+    assert walk.get("library_bits", {}) == {f"M={m}": at_m.get(m, 0) for m in checked}
     written = json.loads((tmp_path / "bi_matmul_tiles.json").read_text())
     # the version the routes were measured with, for library_route.usable (other shapes: the table in use's)
     assert written.get("libraries") == ({"deepgemm": "9.9"} if routed else None)
@@ -287,16 +300,24 @@ def test_a_library_route_needs_the_unsplit_walk_and_a_known_library():
 
 
 class _Operand:
-    """What the route looks at of a tensor, without a GPU."""
+    """What the route looks at of a [rows, cols] tensor, without a GPU: its rows `row_stride`
+    elements apart (packed by default) from `address`."""
 
-    def __init__(self, dtype=None, contiguous=True, address=4096):
+    def __init__(self, dtype=None, rows=4, cols=64, row_stride=None, address=4096, device="cuda"):
         import torch
 
-        self.dtype, self.device = dtype or torch.bfloat16, torch.device("cuda", 0)
-        self._contiguous, self._address = contiguous, address
+        self.dtype, self.shape = dtype or torch.bfloat16, (rows, cols)
+        self.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        self._strides, self._address = (row_stride or cols, 1), address
 
-    def is_contiguous(self):
-        return self._contiguous
+    def dim(self):
+        return 2
+
+    def stride(self, dim):
+        return self._strides[dim]
+
+    def element_size(self):
+        return self.dtype.itemsize
 
     def data_ptr(self):
         return self._address
@@ -315,15 +336,23 @@ def test_the_library_route_runs_only_where_it_was_measured(monkeypatch, tmp_path
     fake = type("deep_gemm", (), {"__version__": "9.9", "bf16_gemm_nt": staticmethod(lambda a, b, out: calls.append(1))})
     monkeypatch.setattr(deepgemm, "deep_gemm", lambda: fake)
     monkeypatch.setattr(library_route, "_FAILED", set())
+    monkeypatch.setattr(library_route, "ROUTED_CALLS", collections.Counter())
     capability = {"major": 9}
     monkeypatch.setattr(library_route, "_capability", lambda index: (capability["major"], 0))
     table = tmp_path / "tiles.json"
     table.write_text(json.dumps({"libraries": {"deepgemm": "9.9"}, "shapes": {}}))
     a, b, out = _Operand(), _Operand(), _Operand()
     assert library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]
+    routed = {("deepgemm", 4, 64, 4): 1}  # (library, N, K, M): what the bench reports per M
+    assert library_route.ROUTED_CALLS == routed and not library_route.failed()
+    assert bench_gemm_cost.routed_m(4, 64, [1, 4], {}) == [4] and bench_gemm_cost.routed_m(4, 64, [1, 4], routed) == []
     assert not library_route.run_routed(_Operand(torch.float32), b, out, "deepgemm", table)
-    assert not library_route.run_routed(a, b, _Operand(contiguous=False), "deepgemm", table)
-    assert not library_route.run_routed(a, _Operand(address=4104), out, "deepgemm", table)  # 8 bytes off
+    assert not library_route.run_routed(_Operand(device="cpu"), b, out, "deepgemm", table)
+    # each operand's layout is looked at: rows apart, a row view with a stride (contiguous to
+    # torch, not to TMA), 8 bytes off, rows of 120 bytes (not a whole number of 16)
+    for bad in (dict(row_stride=72), dict(rows=1, row_stride=72), dict(address=4104), dict(cols=60)):
+        for operands in ((_Operand(**bad), b, out), (a, _Operand(**bad), out), (a, b, _Operand(**bad))):
+            assert not library_route.run_routed(*operands, "deepgemm", table), (bad, operands)
     other = tmp_path / "other.json"  # measured with another release, or with none recorded
     other.write_text(json.dumps({"libraries": {"deepgemm": "9.8"}, "shapes": {}}))
     assert not library_route.run_routed(a, b, out, "deepgemm", other)
@@ -340,6 +369,7 @@ def test_the_library_route_runs_only_where_it_was_measured(monkeypatch, tmp_path
         assert not library_route.run_routed(a, b, out, "deepgemm", table)
     monkeypatch.setattr(fake, "bf16_gemm_nt", staticmethod(lambda a, b, out: calls.append(2)))
     assert not library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]  # off on this device now
+    assert library_route.ROUTED_CALLS == routed and library_route.failed()  # only calls it ran count
 
     def unimportable():
         raise ImportError("libcuda.so.1: cannot open shared object file")

@@ -180,6 +180,9 @@ def render_section(section: dict) -> str:
         lines.append(f"- triton_bi_matmul: M = {', '.join(map(str, section['library_route']))} ran through DeepGEMM's "
                      "bf16_gemm_nt (the tile table's library route, measured bit-identical to its unsplit walk by the "
                      "tuner); the other M through its Triton tiles")
+    if section.get("library_route_failed"):
+        lines.append("- triton_bi_matmul: a DeepGEMM call of the library route raised in this run (its warning is in "
+                     "the log); the calls after it ran the Triton tiles")
     for subject, ref in section.get("reference", {}).items():
         lines.append(f"- {subject}: error vs float64 at M = {ref['m']}: worst {ref['worst_fraction_of_bound']:.3g} "
                      f"of the bound ({'within' if ref['within'] else 'OUTSIDE'})")
@@ -200,19 +203,15 @@ def render(result: dict) -> str:
 
 # --- measurement (GPU) ----------------------------------------------------------------------
 
-def library_route(n: int, k: int, m_values) -> list[int]:
-    """The M whose triton_bi_matmul calls went to a library (its table routes them there and the
-    route may run on this GPU: library_route.usable), so that the table says which kernel each
-    row timed."""
-    import torch
+def routed_m(n: int, k: int, m_values, before: dict) -> list[int]:
+    """The M of which triton_bi_matmul calls ran through a library since `before` (a copy of
+    library_route.ROUTED_CALLS): counted where each call went, so that the table says which
+    kernel each row timed."""
+    from ep_harness.kernels import library_route
 
-    from ep_harness.kernels import bi_matmul as kernel, library_route
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    library = {m: kernel.tile_plan(m, n, k, "bfloat16").library for m in m_values}
-    usable = {name for name in set(library.values()) - {""}
-              if library_route.usable(name, device, kernel.TILES_FILE)}
-    return [m for m in m_values if library[m] in usable]
+    now = library_route.ROUTED_CALLS
+    return [m for m in m_values
+            if any(now[key] > before.get(key, 0) for key in now if key[1:] == (n, k, m))]
 
 
 class Bench:
@@ -260,8 +259,10 @@ class Bench:
     # dense --------------------------------------------------------------------------------
     def dense(self, title: str, n: int, k: int, m_values) -> dict:
         from ep_harness.contracts import GemmProblem
+        from ep_harness.kernels import library_route
 
         torch = self.torch
+        routed_before = dict(library_route.ROUTED_CALLS)
         section = {"kind": "dense", "title": title, "n": n, "k": k, "points": []}
         ready, section["unavailable"] = self.available(DENSE_SUBJECTS, GemmParams(layout="dense", dtype="bfloat16"))
         a_all, b = self.randn((max(m_values), k)), self.randn((n, k), k ** -0.5)
@@ -290,7 +291,9 @@ class Bench:
             section["points"].append(point)
             if m == 256:
                 section["reference"] = self._reference(problem, {name: outs[name] for name in calls}, n, k)
-        section["library_route"] = library_route(n, k, m_values) if "triton_bi_matmul" in ready else []
+        section["library_route"] = routed_m(n, k, m_values, routed_before)
+        if library_route.failed():
+            section["library_route_failed"] = True
         sensitive = k_order_sensitive(a_all[0], b, torch.bfloat16)
         section["invariance"] = {name: summarize(name, p, 2 * sensitive) for name, p in probes.items() if p}
         torch.cuda.empty_cache()

@@ -153,6 +153,29 @@ def plans_at(m: int, n: int, identical_names: set[str], sms: int, k_splits: int 
     return {plan_name(plan): plan for plan in plans if len(kernel.row_slices(m, n, plan, sms)) == 2}
 
 
+def prefilled(a, n: int, value: float):
+    """An [M, N] output of a's dtype and device full of `value`: a kernel that leaves an element
+    unwritten leaves it there. The reference's outputs get +inf, the compared products' NaN, so an
+    element either leaves unwritten cannot match the other's (a fresh allocation may hold the bits
+    of the last output of that size: the reference's)."""
+    import torch
+
+    return torch.full((a.shape[0], n), value, dtype=a.dtype, device=a.device)
+
+
+REFERENCE_FILL, PRODUCT_FILL = float("inf"), float("nan")
+
+
+def reference_bits(a, b, reference):
+    """The reference tiles' output of a @ b.T, in a +inf-filled buffer."""
+    return kernel.bi_matmul(a, b, out=prefilled(a, b.shape[0], REFERENCE_FILL), config=reference)
+
+
+def product_bits(a, b, config):
+    """A candidate's output of a @ b.T, in a NaN-filled buffer."""
+    return kernel.bi_matmul(a, b, out=prefilled(a, b.shape[0], PRODUCT_FILL), config=config)
+
+
 def one_launch_bits(shape: Shape, m: int, plans: dict[str, kernel.TilePlan], reference) -> dict[str, object]:
     """Mismatches of each one-launch plan's whole output at M against the reference tiles' (an
     error's first line if it does not run); the other plans are left out."""
@@ -164,11 +187,11 @@ def one_launch_bits(shape: Shape, m: int, plans: dict[str, kernel.TilePlan], ref
     if not one:
         return {}
     a = shape.a_all[:m]
-    want = int_view(kernel.bi_matmul(a, shape.b, config=reference))
+    want = int_view(reference_bits(a, shape.b, reference))
     result = {}
     for name, plan in one.items():
         try:
-            result[name] = int((int_view(kernel.bi_matmul(a, shape.b, config=plan)) != want).sum())
+            result[name] = int((int_view(product_bits(a, shape.b, plan)) != want).sum())
             torch.cuda.synchronize()
         except Exception as exc:  # a tile that does not compile or fit: not a candidate
             result[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -190,11 +213,11 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
 
     from ep_harness.bits import int_view
 
-    want = {m: kernel.bi_matmul(a_all[:m], b, config=reference) for m in BITS_M}
+    want = {m: reference_bits(a_all[:m], b, reference) for m in BITS_M}
     result = {}
     for name, cfg in candidates.items():
         try:
-            got = {m: kernel.bi_matmul(a_all[:m], b, config=cfg) for m in BITS_M}
+            got = {m: product_bits(a_all[:m], b, cfg) for m in BITS_M}
             torch.cuda.synchronize()
         except Exception as exc:  # a tile that does not compile or fit: not a candidate
             result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
@@ -209,10 +232,9 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
     shift = a_all.shape[1] // (2 * reference.k_splits)
     rotated_a, rotated_b = a_all.roll(shift, 1), b.roll(shift, 1)
     controls = {"cublas (control)": lambda m: torch.mm(a_all[:m], b.t()),
-                "K rotated (control)": lambda m: kernel.bi_matmul(rotated_a[:m].contiguous(), rotated_b,
-                                                                  config=reference)}
+                "K rotated (control)": lambda m: product_bits(rotated_a[:m].contiguous(), rotated_b, reference)}
     if reference.k_splits != 1:
-        controls["unsplit walk (control)"] = lambda m: kernel.bi_matmul(a_all[:m], b, config=kernel.walk_reference(1))
+        controls["unsplit walk (control)"] = lambda m: product_bits(a_all[:m], b, kernel.walk_reference(1))
     for name, product in {**controls, **(products or {})}.items():
         try:
             mismatched = {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M}
@@ -339,10 +361,22 @@ def library_product(shape: Shape):
         return None
 
     def product(m):
-        out = shape.torch.empty(m, shape.n, dtype=shape.torch.bfloat16, device=shape.device)
+        out = prefilled(shape.a_all[:m], shape.n, PRODUCT_FILL)
         gemm(shape.a_all[:m], shape.b, out)
         return out
     return product
+
+
+def library_mismatches(shape: Shape, m: int, product) -> int | str:
+    """The library's output at M against the unsplit reference tiles' (an error's first line if
+    it raises): checked at every M the tuner routes, as DeepGEMM picks its tiles by M."""
+    from ep_harness.bits import int_view
+
+    try:
+        want = int_view(reference_bits(shape.a_all[:m], shape.b, kernel.walk_reference(1)))
+        return int((int_view(product(m)) != want).sum())
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
 def kept_entries(path: Path) -> dict:
@@ -410,6 +444,8 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
         point = time_point(shape, m, tiles, repeats, warmup)
         point["chosen"] = best = choose(point, names + list(plans))
         if routable and choose(point, [best, LIBRARY_RIVAL]) == LIBRARY_RIVAL:
+            walk.setdefault("library_bits", {})[f"M={m}"] = library_mismatches(shape, m, library)
+        if walk.get("library_bits", {}).get(f"M={m}") == 0:
             # DeepGEMM's own timing in this round, under the route's name; the tiles stay the fallback
             point["chosen"] = routed = f"deepgemm, else {best}"
             every[routed] = replace(as_plan(every[best]), library="deepgemm")

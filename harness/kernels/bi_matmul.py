@@ -565,8 +565,9 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     n = b.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    elif out.shape != (m, n) or out.dtype != a.dtype:
-        raise ValueError(f"out must be [{m}, {n}] {a.dtype}; got {tuple(out.shape)} {out.dtype}")
+    elif out.shape != (m, n) or out.dtype != a.dtype or out.device != a.device:
+        raise ValueError(f"out must be [{m}, {n}] {a.dtype} on {a.device}; got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
     if triton is None:
         raise RuntimeError("bi_matmul needs triton; pip install 'ep-harness[gpu]'")
     if m == 0:

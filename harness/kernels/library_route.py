@@ -8,8 +8,10 @@ one release, so the route is taken only where it was measured:
 
 * on a Hopper GPU (compute capability 9.x: other architectures run other DeepGEMM kernels);
 * with the deep_gemm version the table was tuned with (the table records it; the tuner routes
-  an M only after DeepGEMM's whole output matched the unsplit reference's bit for bit);
-* for contiguous, 16-byte aligned bf16 operands (its TMA's needs).
+  an M only after DeepGEMM's whole output matched the unsplit reference's bit for bit at
+  M = 1, 100 and 2,048 and at that M, each into a NaN-filled output);
+* for bf16 operands whose rows are packed from a 16-byte aligned address, each row a whole
+  number of 16 bytes (its TMA's needs).
 
 Anywhere else the entry's own tiles run the call, with the same bits. A DeepGEMM call that
 raises (its JIT compile failing, say) falls back to them too, with one warning naming the error;
@@ -17,6 +19,7 @@ the route stays off on that device for the rest of the process.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import warnings
@@ -26,6 +29,7 @@ import torch
 
 LIBRARIES = ("deepgemm",)
 _FAILED: set[tuple[str, int]] = set()  # (library, device index) whose call raised: route off there
+ROUTED_CALLS: collections.Counter = collections.Counter()  # (library, N, K, M): calls it ran in this process
 
 
 def name_problem(name: str) -> str | None:
@@ -87,7 +91,7 @@ def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, t
     docstring); False: the caller's tiles must run it."""
     if a.dtype != torch.bfloat16 or a.device.type != "cuda":
         return False
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, b, out)):
+    if not all(_dense_rows(t) for t in (a, b, out)):
         return False
     gemm = _routed_gemm(name, a.device, table)
     if gemm is None:
@@ -101,7 +105,20 @@ def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, t
                       f"with the same bits, for the rest of this process. Fix: repair the {name} install "
                       "(`ep-harness doctor`)", RuntimeWarning, stacklevel=3)
         return False
+    ROUTED_CALLS[(name, b.shape[0], a.shape[1], a.shape[0])] += 1
     return True
+
+
+def failed() -> bool:
+    """Whether a routed call raised in this process (the route is off where it did)."""
+    return bool(_FAILED)
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Rows packed one after another from a 16-byte aligned address. Spelled out, not
+    is_contiguous(): that holds for a one-row view whatever its row stride, which TMA reads."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 \
+        and t.shape[1] * t.element_size() % 16 == 0
 
 
 def _index(device: torch.device) -> int:
