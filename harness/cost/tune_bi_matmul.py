@@ -443,9 +443,10 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
         every.update(plans)
         point = time_point(shape, m, tiles, repeats, warmup)
         point["chosen"] = best = choose(point, names + list(plans))
+        mismatches = None
         if routable and choose(point, [best, LIBRARY_RIVAL]) == LIBRARY_RIVAL:
-            walk.setdefault("library_bits", {})[f"M={m}"] = library_mismatches(shape, m, library)
-        if walk.get("library_bits", {}).get(f"M={m}") == 0:
+            mismatches = walk.setdefault("library_bits", {})[f"M={m}"] = library_mismatches(shape, m, library)
+        if mismatches == 0:
             # DeepGEMM's own timing in this round, under the route's name; the tiles stay the fallback
             point["chosen"] = routed = f"deepgemm, else {best}"
             every[routed] = replace(as_plan(every[best]), library="deepgemm")
