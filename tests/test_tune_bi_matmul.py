@@ -387,3 +387,37 @@ def test_kept_entries_drop_routes_measured_with_another_library_version(monkeypa
     assert tune.kept_entries(path) == {"4096x4096": entries}
     monkeypatch.setattr(library_route, "installed_version", lambda name: "10.0")
     assert tune.kept_entries(path) == {"4096x4096": [{"max_m": 16, "config": small}, entries[1]]}
+
+
+def test_the_bit_check_counts_an_unwritten_output_as_mismatched(monkeypatch):
+    """The reference and the compared products write into outputs filled beforehand (+inf and
+    NaN): a kernel that leaves its output, or its last row, unwritten, or a library call that
+    writes nothing, cannot pass as bit-identical on a fresh allocation holding the reference's
+    bits. The tiles stand in for the GPU's: torch's float32 product, the same bits for any M."""
+    import torch
+
+    def fake_bi_matmul(a, b, out=None, config=None):
+        rows = {"writes nothing": 0, "skips its last row": a.shape[0] - 1}.get(config, a.shape[0])
+        out[:rows] = (a.double() @ b.double().T)[:rows].float()
+        return out
+    monkeypatch.setattr(kernel, "bi_matmul", fake_bi_matmul)
+    monkeypatch.setattr(kernel, "compiled_resources", lambda *args: {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(tune, "BITS_M", (1, 17, 40))
+    g = torch.Generator().manual_seed(3)
+    a_all, b = torch.randn(40, 64, generator=g), torch.randn(48, 64, generator=g)
+    shape = type("Shape", (), {"a_all": a_all, "b": b, "n": 48})()
+
+    def writes_nothing(m):
+        return tune.prefilled(a_all[:m], 48, tune.PRODUCT_FILL)
+    bits = tune.bit_check(a_all, b, {name: name for name in ("same", "writes nothing", "skips its last row")},
+                          kernel.REFERENCE_TILES, {"library": writes_nothing})
+    assert bits["same"]["mismatched"] == {1: 0, 17: 0, 40: 0}
+    assert bits["writes nothing"]["mismatched"] == bits["library"]["mismatched"] == {1: 48, 17: 17 * 48, 40: 40 * 48}
+    assert bits["skips its last row"]["mismatched"] == {1: 48, 17: 48, 40: 48}
+    assert tune.library_mismatches(shape, 17, writes_nothing) == 17 * 48
+    assert tune.library_mismatches(shape, 17, lambda m: tune.product_bits(a_all[:m], b, "same")) == 0
+    plans = {"one": kernel.TilePlan(kernel.REFERENCE_TILES, one_launch=True)}
+    monkeypatch.setattr(kernel, "bi_matmul", lambda a, b, out=None, config=None:
+                        fake_bi_matmul(a, b, out, "skips its last row" if config is plans["one"] else config))
+    assert tune.one_launch_bits(shape, 17, plans, kernel.REFERENCE_TILES) == {"one": 48}
