@@ -371,6 +371,13 @@ def test_the_library_route_runs_only_where_it_was_measured(monkeypatch, tmp_path
     assert not library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]  # off on this device now
     assert library_route.ROUTED_CALLS == routed and library_route.failed()  # only calls it ran count
 
+    monkeypatch.setattr(library_route, "_FAILED", set())
+    versionless = type("deep_gemm", (), {"bf16_gemm_nt": staticmethod(lambda a, b, out: calls.append(3))})
+    monkeypatch.setattr(deepgemm, "deep_gemm", lambda: versionless)  # a build that names no version:
+    unknown = tmp_path / "unknown.json"  # the table could not tell it from another
+    unknown.write_text(json.dumps({"libraries": {"deepgemm": "unknown"}, "shapes": {}}))
+    assert not library_route.run_routed(a, b, out, "deepgemm", unknown) and calls == [1]
+
     def unimportable():
         raise ImportError("libcuda.so.1: cannot open shared object file")
     monkeypatch.setattr(library_route, "_FAILED", set())

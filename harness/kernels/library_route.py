@@ -57,8 +57,9 @@ def installed_version(name: str) -> str | None:
 
 def library_gemm(name: str, device: torch.device):
     """gemm(a, b, out) computing out = a @ b.T with the library's kernel whose walk was measured,
-    or None where there is none: the library does not import, or `device` is not a Hopper GPU."""
-    if installed_version(name) is None or device.type != "cuda" or _capability(_index(device))[0] != 9:
+    or None where there is none: the library does not import, names no version (a table could
+    not tell it from another build), or `device` is not a Hopper GPU."""
+    if installed_version(name) in (None, "unknown") or device.type != "cuda" or _capability(_index(device))[0] != 9:
         return None
     from ep_harness.subjects.gemm import deepgemm
 
