@@ -11,6 +11,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
+from ep_harness.errors import first_line
+
 DEEPEP_VERSION_ENV = "EP_HARNESS_DEEPEP_VERSION"
 OK, SKIP, FAIL = "ok", "skip", "FAIL"  # FAIL: the CPU default cannot run
 
@@ -54,7 +56,7 @@ def _import_error(module: str) -> str | None:
     except BaseException as exc:  # noqa: BLE001 - any failure to import is the finding
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return first_line(exc)
     return None
 
 

@@ -19,6 +19,12 @@ class Interrupted(BaseException):
         self.note = ""  # what became of the run, for the command's one line
 
 
+def first_line(exc: BaseException, limit: int | None = 200) -> str:
+    """"Type: message" cut to its first line (and `limit` characters): an exception as a
+    record's one-line reason. Never empty, whatever the message (str(exc) may be "")."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:limit]
+
+
 def did_you_mean(word: str, choices) -> str:
     """" (did you mean 'X'?)" for the closest of `choices` (difflib), or '' when none is close."""
     import difflib

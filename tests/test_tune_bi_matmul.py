@@ -369,6 +369,13 @@ def test_the_library_route_runs_only_where_it_was_measured(monkeypatch, tmp_path
         assert not library_route.run_routed(a, b, out, "deepgemm", table)
     monkeypatch.setattr(fake, "bf16_gemm_nt", staticmethod(lambda a, b, out: calls.append(2)))
     assert not library_route.run_routed(a, b, out, "deepgemm", table) and calls == [1]  # off on this device now
+    monkeypatch.setattr(library_route, "_FAILED", set())
+
+    def silent(a, b, out):  # an error without a message still falls back with its one line
+        raise RuntimeError()
+    monkeypatch.setattr(fake, "bf16_gemm_nt", staticmethod(silent))
+    with pytest.warns(RuntimeWarning, match=r"whose call failed \(RuntimeError: \); its Triton tiles run it"):
+        assert not library_route.run_routed(a, b, out, "deepgemm", table)
     assert library_route.ROUTED_CALLS == routed and library_route.failed()  # only calls it ran count
 
     monkeypatch.setattr(library_route, "_FAILED", set())

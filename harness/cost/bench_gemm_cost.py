@@ -37,6 +37,7 @@ from pathlib import Path
 from ep_harness import console
 
 from ep_harness.cost import timing
+from ep_harness.errors import first_line
 from ep_harness.families.gemm import GemmParams
 from ep_harness.families.quant import QuantParams
 from ep_harness.reference.gemm import k_order_sensitive
@@ -308,7 +309,7 @@ class Bench:
                 subject.run(problem, outs[name])
                 self.torch.cuda.synchronize()
             except Exception as exc:  # reported in the table, the others still measured
-                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                failed[name] = first_line(exc)
                 continue
             # a library that allocates its own output is timed without the copy into ours
             product = getattr(subject, "product", None)
@@ -384,7 +385,7 @@ class Bench:
                     subject.quantize(x, False)
                     torch.cuda.synchronize()
                 except Exception as exc:
-                    failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                    failed[name] = first_line(exc)
                     continue
                 calls[name] = (lambda s=subject: s.quantize(x, False))
             samples, held = self.time_point(calls, hold_ms=1.0)
@@ -445,7 +446,7 @@ class Bench:
                     subject.run(problems[name], outs[name])
                     torch.cuda.synchronize()
                 except Exception as exc:
-                    failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                    failed[name] = first_line(exc)
                     continue
                 calls[name] = (lambda s=subject, p=problems[name], o=outs[name]: s.run(p, o))
             samples, held = self.time_point(calls, hold_ms=10.0) if calls else ({}, None)
@@ -523,7 +524,7 @@ def run(out_dir: Path, repeats: int, warmup: int, budget_s: float, seed: int, se
                 section = measure()
             except Exception as exc:  # one broken section must not lose the others' numbers
                 section = {"kind": "error", "title": title, "points": [],
-                           "skipped": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                           "skipped": f"failed: {first_line(exc, 292)}"}
         section["seconds"] = round(time.perf_counter() - began, 2)
         result["sections"].append(section)
         console.current().line(f"[{bench.elapsed():6.1f} s] {title}: {section.get('skipped') or 'done'} "

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ep_harness import console
 from ep_harness.cost import timing
+from ep_harness.errors import first_line
 from ep_harness.kernels import bi_matmul as kernel, library_route
 
 SHAPES = ((4096, 4096), (7168, 7168), (2048, 7168), (7168, 2048))  # (N, K); the last: DeepSeek-V3's down-projection
@@ -176,25 +177,30 @@ def product_bits(a, b, config):
     return kernel.bi_matmul(a, b, out=prefilled(a, b.shape[0], PRODUCT_FILL), config=config)
 
 
+def mismatched(got, want) -> int:
+    """How many elements of `got` differ from `want` in their bits."""
+    from ep_harness.bits import int_view
+
+    return int((int_view(got) != int_view(want)).sum())
+
+
 def one_launch_bits(shape: Shape, m: int, plans: dict[str, kernel.TilePlan], reference) -> dict[str, object]:
     """Mismatches of each one-launch plan's whole output at M against the reference tiles' (an
     error's first line if it does not run); the other plans are left out."""
     import torch
 
-    from ep_harness.bits import int_view
-
     one = {name: plan for name, plan in plans.items() if plan.one_launch}
     if not one:
         return {}
     a = shape.a_all[:m]
-    want = int_view(reference_bits(a, shape.b, reference))
+    want = reference_bits(a, shape.b, reference)
     result = {}
     for name, plan in one.items():
         try:
-            result[name] = int((int_view(product_bits(a, shape.b, plan)) != want).sum())
+            result[name] = mismatched(product_bits(a, shape.b, plan), want)
             torch.cuda.synchronize()
         except Exception as exc:  # a tile that does not compile or fit: not a candidate
-            result[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            result[name] = first_line(exc)
     return result
 
 
@@ -211,8 +217,6 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
     `products` (name -> M -> output), such as the library route's, are compared the same way."""
     import torch
 
-    from ep_harness.bits import int_view
-
     want = {m: reference_bits(a_all[:m], b, reference) for m in BITS_M}
     result = {}
     for name, cfg in candidates.items():
@@ -220,9 +224,9 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
             got = {m: product_bits(a_all[:m], b, cfg) for m in BITS_M}
             torch.cuda.synchronize()
         except Exception as exc:  # a tile that does not compile or fit: not a candidate
-            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+            result[name] = {"error": first_line(exc)}
             continue
-        result[name] = {"mismatched": {m: int((int_view(got[m]) != int_view(want[m])).sum()) for m in BITS_M},
+        result[name] = {"mismatched": {m: mismatched(got[m], want[m]) for m in BITS_M},
                         "elements": {m: want[m].numel() for m in BITS_M},
                         "compiled": kernel.compiled_resources(a_all[:BITS_M[-1]], b, cfg)}
     # Controls that the comparison sees another order: cuBLAS, the reference tiles with K
@@ -237,11 +241,11 @@ def bit_check(a_all, b, candidates: dict, reference, products: dict | None = Non
         controls["unsplit walk (control)"] = lambda m: product_bits(a_all[:m], b, kernel.walk_reference(1))
     for name, product in {**controls, **(products or {})}.items():
         try:
-            mismatched = {m: int((int_view(product(m)) != int_view(want[m])).sum()) for m in BITS_M}
+            counts = {m: mismatched(product(m), want[m]) for m in BITS_M}
         except Exception as exc:  # a library that fails here is not routable; the walk goes on
-            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+            result[name] = {"error": first_line(exc)}
             continue
-        result[name] = {"mismatched": mismatched, "elements": {m: want[m].numel() for m in BITS_M}}
+        result[name] = {"mismatched": counts, "elements": {m: want[m].numel() for m in BITS_M}}
     return result
 
 
@@ -370,13 +374,10 @@ def library_product(shape: Shape):
 def library_mismatches(shape: Shape, m: int, product) -> int | str:
     """The library's output at M against the unsplit reference tiles' (an error's first line if
     it raises): checked at every M the tuner routes, as DeepGEMM picks its tiles by M."""
-    from ep_harness.bits import int_view
-
     try:
-        want = int_view(reference_bits(shape.a_all[:m], shape.b, kernel.walk_reference(1)))
-        return int((int_view(product(m)) != want).sum())
+        return mismatched(product(m), reference_bits(shape.a_all[:m], shape.b, kernel.walk_reference(1)))
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return first_line(exc)
 
 
 def kept_entries(path: Path) -> dict:
@@ -417,9 +418,8 @@ def tune_walk(shape: Shape, k_splits: int, repeats: int, warmup: int, sms: int, 
         bits = bit_check(shape.a_all, shape.b, candidates, kernel.walk_reference(k_splits),
                          {LIBRARY_CHECK: library} if library else None)
     except Exception as exc:  # the reference itself does not run here: nothing to compare with
-        say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): the reference tiles fail: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]}")
-        return {"k_splits": k_splits, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "points": []}
+        say(f"{shape.n} x {shape.k}, K in {k_splits} segment(s): the reference tiles fail: {first_line(exc)}")
+        return {"k_splits": k_splits, "error": first_line(exc, 300), "points": []}
     same = [name for name in candidates if identical(bits[name])]
     controls = {name: check["mismatched"] for name, check in bits.items() if name.endswith("(control)")}
     routable = LIBRARY_CHECK in bits and identical(bits[LIBRARY_CHECK])

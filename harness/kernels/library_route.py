@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ep_harness.errors import first_line
+
 LIBRARIES = ("deepgemm",)
 _FAILED: set[tuple[str, int]] = set()  # (library, device index) whose call raised: route off there
 ROUTED_CALLS: collections.Counter = collections.Counter()  # (library, N, K, M): calls it ran in this process
@@ -102,7 +104,7 @@ def run_routed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, name: str, t
     except Exception as exc:  # raised on the host before any launch: the tiles give the same bits
         _FAILED.add((name, _index(a.device)))
         warnings.warn(f"bi_matmul: the tile table routes this M to {name}, whose call failed "
-                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); its Triton tiles run it instead, "
+                      f"({first_line(exc)}); its Triton tiles run it instead, "
                       f"with the same bits, for the rest of this process. Fix: repair the {name} install "
                       "(`ep-harness doctor`)", RuntimeWarning, stacklevel=3)
         return False

@@ -31,6 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ep_harness.errors import first_line
 from ep_harness.subject import register
 from ep_harness.contracts import Received, aligned_starts, check_buffer_option, resolve_wire_dtype, wire_refusal
 from ep_harness.subjects.dispatch.common import quantize_wire
@@ -60,7 +61,7 @@ def deep_ep():
         try:
             _import["module"] = importlib.import_module("deep_ep")
         except Exception as exc:  # ABI mismatches surface as OSError/ImportError/RuntimeError
-            _import["module"], _import["error"] = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+            _import["module"], _import["error"] = None, first_line(exc, None)
     if _import["module"] is None:
         raise ImportError(_import["error"])
     return _import["module"]

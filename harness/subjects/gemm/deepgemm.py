@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 
+from ep_harness.errors import first_line
 from ep_harness.subject import register
 from ep_harness.subjects.gemm.common import unsupported
 
@@ -21,7 +22,7 @@ def deep_gemm():
         try:
             module = importlib.import_module("deep_gemm")
         except Exception as exc:  # an ABI mismatch raises OSError/ImportError/RuntimeError
-            _state["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            _state["error"] = first_line(exc, None)
             _state["module"] = None
         else:
             if hasattr(module, "use_deterministic_algorithms"):
